@@ -1,0 +1,39 @@
+# Two commands: `make demo` (the main job) and `make test`. Both install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
+APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
+
+.PHONY: test demo lint sysdeps venv bench clean
+
+sysdeps:
+	@missing=""; for lib in $(SYSTEM_LIBS); do \
+	  ldconfig -p | grep -q "$$lib" || missing="$$missing $$lib"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages for:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(APT_PACKAGES); \
+	fi
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: sysdeps $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+demo: venv
+	$(VENV)/bin/mooncake-rl demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,94 @@
+"""The only module that imports ``mooncake.engine``: one-sided writes between workers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mooncake_rl.counters import COUNTERS
+from mooncake_rl.errors import ConfigurationError, InvariantViolation, mooncake_error
+from mooncake_rl.services import check_system_libraries, free_port
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import loopback_transport_env
+
+
+@dataclass(frozen=True)
+class Write:
+    """Copy ``length`` bytes from local address ``src`` to the peer's address ``dst``."""
+
+    src: int
+    dst: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.src <= 0 or self.dst <= 0 or self.length <= 0:
+            raise InvariantViolation(f"invalid write {self}")
+
+
+class TransferEngineClient:
+    """A Transfer Engine endpoint: registers local memory and writes into peers' memory."""
+
+    def __init__(self, settings: Settings) -> None:
+        check_system_libraries()
+        loopback_transport_env(settings)
+        from mooncake.engine import TransferEngine
+
+        self.settings = settings
+        self._engine = TransferEngine()
+        p2p = settings.metadata == "P2PHANDSHAKE"
+        # With a metadata server the local name is this engine's segment name and must be
+        # unique per process, so it carries a port; P2P handshake picks its own port.
+        local_name = (
+            settings.hostname if p2p else f"{settings.hostname}:{free_port(settings.hostname)}"
+        )
+        code = self._engine.initialize(
+            local_name, settings.metadata, settings.protocol, settings.rdma_devices
+        )
+        if code != 0:
+            raise ConfigurationError(
+                f"Transfer Engine initialize failed ({code}) for {settings.hostname} "
+                f"with metadata {settings.metadata}"
+            )
+        self.endpoint: str = (
+            f"{settings.hostname}:{self._engine.get_rpc_port()}" if p2p else local_name
+        )
+        self._registered: dict[int, int] = {}
+
+    def register(self, ptr: int, size: int) -> None:
+        if self._registered.get(ptr) == size:
+            return
+        code = self._engine.register_memory(ptr, size)
+        if code != 0:
+            raise mooncake_error(code if code < 0 else -1, "register_memory", f"ptr={ptr:#x}")
+        self._registered[ptr] = size
+
+    def unregister(self, ptr: int) -> None:
+        if self._registered.pop(ptr, None) is not None:
+            self._engine.unregister_memory(ptr)
+
+    def write(self, peer: str, writes: Sequence[Write]) -> int:
+        """Batch one-sided write into ``peer``; all-or-error, byte count returned."""
+        if not writes:
+            return 0
+        total = sum(w.length for w in writes)
+        code = self._engine.batch_transfer_sync_write(
+            peer, [w.src for w in writes], [w.dst for w in writes], [w.length for w in writes]
+        )
+        if code != 0:
+            raise mooncake_error(
+                code if code < 0 else -800,
+                "batch_transfer_sync_write",
+                f"peer={peer} writes={len(writes)} bytes={total}",
+            )
+        COUNTERS.add(pushed=total)
+        return total
+
+    def close(self) -> None:
+        for ptr in list(self._registered):
+            self.unregister(ptr)
+
+    def __enter__(self) -> TransferEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,56 @@
+"""One settings object, read from ``MOONCAKE_RL_*`` environment variables; flags override.
+
+Defaults work on loopback with an embedded master; a real cluster sets the master address,
+an HTTP/etcd metadata URL (or ``P2PHANDSHAKE``), ``rdma`` and this host's reachable address.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1 << 20
+
+
+class Settings(BaseSettings):
+    """Where the Store is, how this client talks to it, and how much memory it lends."""
+
+    model_config = SettingsConfigDict(env_prefix="MOONCAKE_RL_", frozen=True, extra="forbid")
+
+    master: str = Field("127.0.0.1:50051", description="host:port of mooncake_master")
+    metadata: str = Field(
+        "P2PHANDSHAKE",
+        description="metadata URL (http://host:port/metadata, etcd://...) or P2PHANDSHAKE",
+    )
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    hostname: str = Field("127.0.0.1", description="address other clients reach this one at")
+    node: str = Field("node0", description="node label used for NIC accounting")
+    auth_token: SecretStr | None = Field(None, description="bearer token for /mooncake/* routes")
+    rdma_devices: str = Field("", description="comma-separated RDMA devices (rdma only)")
+    segment_bytes: int = Field(256 * MiB, gt=0, description="memory this client lends the Store")
+    buffer_bytes: int = Field(64 * MiB, gt=0, description="client-local transfer buffer")
+    batch_bytes: int = Field(64 * MiB, gt=0, description="bytes per pipeline batch")
+    staging_watermark_bytes: int = Field(256 * MiB, gt=0, description="staging bytes in flight")
+
+    @field_validator("master")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"master must be host:port, got {value!r}")
+        return value
+
+    @field_validator("staging_watermark_bytes")
+    @classmethod
+    def _two_batches(cls, value: int, info: Any) -> int:
+        batch = info.data.get("batch_bytes")
+        if batch is not None and value < 2 * batch:
+            raise ValueError("staging_watermark_bytes must admit at least two batches")
+        return value
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        """Return a copy with the non-``None`` overrides applied (how CLI flags win)."""
+        given = {key: value for key, value in overrides.items() if value is not None}
+        return self.model_validate({**self.model_dump(), **given}) if given else self

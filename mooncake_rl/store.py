@@ -1,0 +1,253 @@
+"""The only module that imports ``mooncake.store``: a thin, typed Store client.
+
+Negative return codes become :mod:`mooncake_rl.errors` exceptions naming the operation and
+key; successful reads and puts add to :data:`mooncake_rl.counters.COUNTERS`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mooncake_rl.counters import COUNTERS
+from mooncake_rl.errors import ConfigurationError, InvariantViolation, mooncake_error
+from mooncake_rl.services import check_system_libraries
+from mooncake_rl.settings import Settings
+
+
+def loopback_transport_env(settings: Settings) -> None:
+    """TCP on one machine needs Mooncake's loopback switches before a client starts."""
+    if settings.protocol == "tcp":
+        os.environ.setdefault("MC_FORCE_TCP", "1")
+        if settings.hostname.startswith("127."):
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", settings.hostname)
+    os.environ.setdefault("GLOG_minloglevel", "2")
+
+
+@dataclass(frozen=True)
+class RangeRead:
+    """Copy ``length`` bytes at ``src_offset`` of object ``key`` to ``dst_offset`` of a buffer."""
+
+    key: str
+    src_offset: int
+    dst_offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise InvariantViolation("range read needs a key")
+        if self.src_offset < 0 or self.dst_offset < 0 or self.length <= 0:
+            raise InvariantViolation(f"invalid range read {self}")
+
+
+def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Fail fast with a clear message; Mooncake's own setup retries for minutes."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConfigurationError(
+            f"mooncake_master is not reachable at {address} ({error}); start one with "
+            "`mooncake-rl master` or set MOONCAKE_RL_MASTER"
+        ) from error
+
+
+def _check(code: int, operation: str, context: str = "") -> int:
+    if code < 0:
+        raise mooncake_error(code, operation, context)
+    return code
+
+
+class StoreClient:
+    """A connected Mooncake Store client that lends ``segment_bytes`` to the cluster."""
+
+    def __init__(self, settings: Settings) -> None:
+        check_system_libraries()
+        loopback_transport_env(settings)
+        _require_reachable(settings.master)
+        from mooncake.store import MooncakeDistributedStore
+
+        self.settings = settings
+        self._store = MooncakeDistributedStore()
+        code = self._store.setup(
+            settings.hostname,
+            settings.metadata,
+            settings.segment_bytes,
+            settings.buffer_bytes,
+            settings.protocol,
+            settings.rdma_devices,
+            settings.master,
+        )
+        if code != 0:
+            raise ConfigurationError(
+                f"Store setup failed ({code}): is mooncake_master reachable at {settings.master}"
+                f" and metadata at {settings.metadata}?"
+            )
+        self.segment: str = self._store.get_hostname()
+        self._registered: dict[int, int] = {}
+        self._closed = False
+
+    # -- registration -------------------------------------------------------------------
+    def register(self, ptr: int, size: int) -> None:
+        """Register a buffer as a source/destination of direct transfers (idempotent)."""
+        if self._registered.get(ptr) == size:
+            return
+        _check(
+            self._store.register_buffer(ptr, size), "register_buffer", f"ptr={ptr:#x} size={size}"
+        )
+        self._registered[ptr] = size
+
+    def unregister(self, ptr: int) -> None:
+        if self._registered.pop(ptr, None) is not None:
+            _check(self._store.unregister_buffer(ptr), "unregister_buffer", f"ptr={ptr:#x}")
+
+    # -- writes -------------------------------------------------------------------------
+    def _config(self, replica_num: int, preferred_segments: Sequence[str], hard_pin: bool):
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = replica_num
+        config.preferred_segments = list(preferred_segments)
+        config.with_hard_pin = hard_pin
+        return config
+
+    def put_from(
+        self,
+        key: str,
+        ptr: int,
+        size: int,
+        *,
+        replica_num: int = 1,
+        preferred_segments: Sequence[str] = (),
+        hard_pin: bool = True,
+    ) -> None:
+        """Put ``size`` bytes at registered address ``ptr`` as object ``key``.
+
+        Mooncake silently ignores a put to an existing key: callers use fresh keys.
+        """
+        config = self._config(replica_num, preferred_segments, hard_pin)
+        _check(self._store.put_from(key, ptr, size, config), "put_from", f"key={key}")
+        COUNTERS.add(put=size)
+
+    def put_tensor(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        *,
+        replica_num: int = 1,
+        preferred_segments: Sequence[str] = (),
+        hard_pin: bool = True,
+    ) -> None:
+        """Put a tensor's raw bytes; registers a contiguous view for the duration of the put."""
+        data = tensor.detach().contiguous()
+        ptr, size = data.data_ptr(), data.numel() * data.element_size()
+        if size == 0:
+            raise InvariantViolation(f"refusing to put an empty tensor as {key}")
+        self.register(ptr, size)
+        try:
+            self.put_from(
+                key,
+                ptr,
+                size,
+                replica_num=replica_num,
+                preferred_segments=preferred_segments,
+                hard_pin=hard_pin,
+            )
+        finally:
+            self.unregister(ptr)
+
+    def put_bytes(self, key: str, data: bytes, *, preferred_segments: Sequence[str] = ()) -> None:
+        config = self._config(1, preferred_segments, True)
+        _check(self._store.put(key, data, config), "put", f"key={key}")
+        COUNTERS.add(put=len(data))
+
+    def upsert_bytes(self, key: str, data: bytes) -> None:
+        """Insert or replace a small record; readers see the old or the new value."""
+        config = self._config(1, (), True)
+        _check(self._store.upsert(key, data, config), "upsert", f"key={key}")
+        COUNTERS.add(put=len(data))
+
+    # -- reads --------------------------------------------------------------------------
+    def size(self, key: str) -> int:
+        return _check(self._store.get_size(key), "get_size", f"key={key}")
+
+    def get_bytes(self, key: str) -> bytes:
+        """Whole small object (records, manifests)."""
+        size = self.size(key)
+        data = self._store.get(key)
+        if len(data) != size:
+            raise mooncake_error(-800, "get", f"key={key} expected {size} bytes, got {len(data)}")
+        COUNTERS.add(read=size)
+        return bytes(data)
+
+    def read_ranges(self, buffer_ptr: int, reads: Sequence[RangeRead]) -> int:
+        """Ranged reads into one registered buffer; every byte count is verified."""
+        if not reads:
+            return 0
+        by_key: dict[str, list[RangeRead]] = defaultdict(list)
+        for read in reads:
+            by_key[read.key].append(read)
+        keys = list(by_key)
+        results = self._store.get_into_ranges(
+            [buffer_ptr],
+            [keys],
+            [[[r.dst_offset for r in by_key[k]] for k in keys]],
+            [[[r.src_offset for r in by_key[k]] for k in keys]],
+            [[[r.length for r in by_key[k]] for k in keys]],
+        )
+        total = 0
+        for key, counts in zip(keys, results[0], strict=True):
+            for read, count in zip(by_key[key], counts, strict=True):
+                if count != read.length:
+                    context = f"key={key} src={read.src_offset} len={read.length} got={count}"
+                    raise mooncake_error(count if count < 0 else -800, "get_into_ranges", context)
+                total += count
+        COUNTERS.add(read=total)
+        return total
+
+    def exists(self, keys: Iterable[str]) -> list[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        results = self._store.batch_is_exist(keys)
+        for key, code in zip(keys, results, strict=True):
+            _check(code, "batch_is_exist", f"key={key}")
+        return [code == 1 for code in results]
+
+    def replica_segments(self, key: str) -> tuple[str, ...]:
+        """Transport endpoints (segment names) holding ``key``'s memory replicas."""
+        replicas = self._store.get_replica_desc(key)
+        if not replicas:
+            raise mooncake_error(-704, "get_replica_desc", f"key={key}")
+        return tuple(
+            r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for r in replicas
+            if r.is_memory_replica()
+        )
+
+    # -- removal ------------------------------------------------------------------------
+    def remove(self, keys: Sequence[str], *, force: bool = False) -> dict[str, int]:
+        """Remove keys; returns the keys that failed with their codes (missing keys are fine)."""
+        if not keys:
+            return {}
+        codes = self._store.batch_remove(list(keys), force)
+        return {k: c for k, c in zip(keys, codes, strict=True) if c < 0 and c != -704}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ptr in list(self._registered):
+            self.unregister(ptr)
+        self._store.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,60 @@
+"""Fixtures that start real Mooncake services and always tear them down."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mooncake_rl.services import EmbeddedMaster, MasterConfig
+from mooncake_rl.settings import Settings
+
+TEST_LEASE_TTL_MS = 500
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs at INFO by default
+
+
+@pytest.fixture(scope="session")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]:
+    log_dir = tmp_path_factory.mktemp("master-logs")
+    with EmbeddedMaster(MasterConfig(lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=log_dir)) as running:
+        yield running
+
+
+def settings_for(master: EmbeddedMaster, node: str = "node0", **overrides: object) -> Settings:
+    """Client settings pointing at the embedded master; small segments to keep tests light."""
+    values: dict[str, object] = {
+        "master": master.master_address,
+        "metadata": master.metadata_url,
+        "node": node,
+        "segment_bytes": 64 << 20,
+        "buffer_bytes": 16 << 20,
+        "batch_bytes": 1 << 20,
+        "staging_watermark_bytes": 4 << 20,
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def settings(master: EmbeddedMaster) -> Settings:
+    return settings_for(master)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any process we started outlived the tests."""
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    leftovers = [p for p in leftovers if p.status() != psutil.STATUS_ZOMBIE]
+    named = [p for p in leftovers if "resource_tracker" not in " ".join(p.cmdline())]
+    if named:
+        lines = "\n".join(f"  pid {p.pid}: {' '.join(p.cmdline())[:120]}" for p in named)
+        print(f"\nleft-behind processes:\n{lines}")
+        for process in named:
+            process.kill()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent

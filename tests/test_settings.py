@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from mooncake_rl.settings import Settings
+
+
+def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "MOONCAKE_RL_MASTER": "10.1.2.3:50051",
+        "MOONCAKE_RL_METADATA": "http://10.1.2.3:8080/metadata",
+        "MOONCAKE_RL_PROTOCOL": "rdma",
+        "MOONCAKE_RL_HOSTNAME": "10.1.2.4",
+        "MOONCAKE_RL_NODE": "rack1-node7",
+        "MOONCAKE_RL_AUTH_TOKEN": "s3cret",
+    }.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert (settings.master, settings.protocol, settings.node) == (
+        "10.1.2.3:50051",
+        "rdma",
+        "rack1-node7",
+    )
+    assert settings.metadata == "http://10.1.2.3:8080/metadata"
+    assert settings.hostname == "10.1.2.4"
+    assert settings.auth_token is not None and settings.auth_token.get_secret_value() == "s3cret"
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_RL_NODE", "from-env")
+    settings = Settings().with_overrides(node="from-flag", master=None)
+    assert settings.node == "from-flag"
+    assert settings.master == Settings().master
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("master", "no-port"), ("master", "host:99999"), ("protocol", "udp"), ("segment_bytes", 0)],
+)
+def test_bad_values_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**{field: value})
+
+
+def test_watermark_must_admit_two_batches() -> None:
+    with pytest.raises(ValidationError, match="two batches"):
+        Settings(batch_bytes=8 << 20, staging_watermark_bytes=12 << 20)
