@@ -6,12 +6,14 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 from mooncake_rl.errors import MooncakeRLError
-from mooncake_rl.services import EmbeddedMaster, MasterConfig
+from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -20,10 +22,11 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=["tcp", "rdma"], help="(MOONCAKE_RL_PROTOCOL)")
     parser.add_argument("--hostname", help="this client's address (MOONCAKE_RL_HOSTNAME)")
     parser.add_argument("--node", help="node label for NIC accounting (MOONCAKE_RL_NODE)")
+    parser.add_argument("--local-segment", help="segment to prefer (MOONCAKE_RL_LOCAL_SEGMENT)")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    keys = ("master", "metadata", "protocol", "hostname", "node")
+    keys = ("master", "metadata", "protocol", "hostname", "node", "local_segment")
     return Settings().with_overrides(**{k: getattr(args, k, None) for k in keys})
 
 
@@ -31,25 +34,70 @@ def cmd_master(args: argparse.Namespace) -> int:
     master = EmbeddedMaster(
         MasterConfig(host=args.host, rpc_port=args.port, metadata_port=args.metadata_port)
     ).start()
+    holder = None
+    if args.segment_bytes > 0:
+        holder = SegmentHolder(
+            master.master_address, master.metadata_url, args.segment_bytes, args.host
+        ).start()
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        if holder is not None:
+            holder.stop()
         master.stop()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(
-        json.dumps(
-            {"master": master.master_address, "metadata": master.metadata_url, "pid": master.pid}
-        ),
-        flush=True,
-    )
-    print(
-        f"export MOONCAKE_RL_MASTER={master.master_address} "
-        f"MOONCAKE_RL_METADATA={master.metadata_url}",
-        flush=True,
-    )
+    exports = {
+        "MOONCAKE_RL_MASTER": master.master_address,
+        "MOONCAKE_RL_METADATA": master.metadata_url,
+    }
+    if holder is not None:
+        exports["MOONCAKE_RL_LOCAL_SEGMENT"] = holder.segment
+    print(json.dumps({**exports, "pid": master.pid}), flush=True)
+    print("export " + " ".join(f"{k}={v}" for k, v in exports.items()), flush=True)
     return master.wait()
+
+
+def _store(args: argparse.Namespace, *, lends_memory: bool = False) -> StoreClient:
+    """A CLI process is short-lived: it lends no memory, so nothing it writes dies with it."""
+    settings = settings_from(args)
+    return StoreClient(settings if lends_memory else settings.with_overrides(segment_bytes=0))
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from mooncake_rl.generations.commands import publish_checkpoint
+
+    with _store(args) as store:
+        record = publish_checkpoint(store, args.name, Path(args.model_dir), args.dtype)
+    print(record.generation)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from mooncake_rl.generations.commands import generation_status
+
+    with _store(args) as store:
+        status = generation_status(store, args.name)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"model {status['model']}: active generation {status['active']}")
+    for row in status["generations"]:  # type: ignore[union-attr]
+        mark = "*" if row["active"] else " "
+        print(
+            f"{mark} g{row['generation']}: {row['tensors']} tensors, {row['bytes']} bytes, "
+            f"digest {row['digest'][:12]}, segments {row.get('bytes_per_segment')}"
+        )
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from mooncake_rl.generations.commands import gc_generations
+
+    with _store(args) as store:
+        print(json.dumps(gc_generations(store, args.name, args.keep)))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -68,20 +116,41 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--host", default="127.0.0.1")
     master.add_argument("--port", type=int, default=50051, help="RPC port (0 = any free port)")
     master.add_argument("--metadata-port", type=int, default=8080, help="HTTP metadata port")
+    master.add_argument(
+        "--segment-bytes",
+        type=int,
+        default=1 << 30,
+        help="also run a segment holder lending this much memory (0: none)",
+    )
     master.set_defaults(func=cmd_master)
+
+    publish = commands.add_parser(
+        "publish", help="publish a safetensors checkpoint as the next generation"
+    )
+    publish.add_argument("model_dir")
+    publish.add_argument("--name", required=True, help="model name in the Store")
+    publish.add_argument(
+        "--dtype", default="bfloat16", help="rollout dtype (bfloat16, float16, float32)"
+    )
+    _client_flags(publish)
+    publish.set_defaults(func=cmd_publish)
+
+    status = commands.add_parser("status", help="list a model's generations")
+    status.add_argument("--name", required=True)
+    status.add_argument("--json", action="store_true")
+    _client_flags(status)
+    status.set_defaults(func=cmd_status)
+
+    gc = commands.add_parser("gc", help="delete old generations nobody serves")
+    gc.add_argument("--name", required=True)
+    gc.add_argument("--keep", type=int, default=2)
+    _client_flags(gc)
+    gc.set_defaults(func=cmd_gc)
 
     demo = commands.add_parser("demo", help="the end-to-end demonstration (make demo)")
     demo.set_defaults(func=cmd_demo)
 
-    for register in EXTRA_COMMANDS:
-        register(commands, _client_flags)
     return parser
-
-
-# Subcommands owned by other modules register themselves here (publish, status, update, ...).
-EXTRA_COMMANDS: list[
-    Callable[[argparse._SubParsersAction, Callable[[argparse.ArgumentParser], None]], None]
-] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,14 +11,17 @@ import contextlib
 import ctypes
 import http.client
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from mooncake_rl.errors import ConfigurationError, ServiceError
 
@@ -78,6 +81,106 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+class ManagedProcess:
+    """A child in its own process group that dies with its parent; ``stop`` always reaps."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        with log_path.open("wb") as log:
+            self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, **(env or {})},
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def wait_until(self, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_running():
+                raise ServiceError(f"{what} exited early; see {self.log_path}")
+            if ready():
+                return
+            time.sleep(0.05)
+        raise ServiceError(f"{what} not healthy after {timeout_s}s; see {self.log_path}")
+
+    def wait(self) -> int:
+        if self._process is None:
+            raise ServiceError("process not started")
+        return self._process.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate the process group; escalate to SIGKILL; always reap."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _accepts(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def _log_dir(configured: Path | None) -> Path:
+    directory = configured or Path(os.environ.get("TMPDIR", "/tmp"))
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+class _Service:
+    """Context-manager plumbing shared by the embedded services."""
+
+    _process: ManagedProcess | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.is_running()
+
+    def wait(self) -> int:
+        if self._process is None:
+            raise ServiceError("service not started")
+        return self._process.wait()
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.stop()
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start() if self._process is None else self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
 @dataclass(frozen=True)
 class MasterConfig:
     host: str = "127.0.0.1"
@@ -93,16 +196,13 @@ class MasterConfig:
             raise ValueError("lease_ttl_ms and client_ttl_s must be positive")
 
 
-@dataclass
-class EmbeddedMaster:
-    """A running ``mooncake_master``; use as a context manager or call start/stop."""
+class EmbeddedMaster(_Service):
+    """A running ``mooncake_master`` with its HTTP metadata server."""
 
-    config: MasterConfig = field(default_factory=MasterConfig)
-    rpc_port: int = 0
-    metadata_port: int = 0
-    metrics_port: int = 0
-    log_path: Path | None = None
-    _process: subprocess.Popen[bytes] | None = None
+    def __init__(self, config: MasterConfig | None = None) -> None:
+        self.config = config or MasterConfig()
+        self.rpc_port = self.metadata_port = self.metrics_port = 0
+        self._process = None
 
     @property
     def master_address(self) -> str:
@@ -111,10 +211,6 @@ class EmbeddedMaster:
     @property
     def metadata_url(self) -> str:
         return f"http://{self.config.host}:{self.metadata_port}/metadata"
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process else None
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedMaster:
         if self._process is not None:
@@ -125,9 +221,6 @@ class EmbeddedMaster:
         self.rpc_port = self.config.rpc_port or free_port(host)
         self.metadata_port = self.config.metadata_port or free_port(host)
         self.metrics_port = self.config.metrics_port or free_port(host)
-        log_dir = self.config.log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"mooncake_master.{self.rpc_port}.log"
         args = [
             str(binary),
             f"--rpc_port={self.rpc_port}",
@@ -140,34 +233,18 @@ class EmbeddedMaster:
             f"--default_kv_lease_ttl={self.config.lease_ttl_ms}",
             f"--client_ttl={self.config.client_ttl_s}",
         ]
-        with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
-            )
+        log = _log_dir(self.config.log_dir) / f"mooncake_master.{self.rpc_port}.log"
+        self._process = ManagedProcess(args, log)
         try:
-            self._wait_healthy(timeout_s)
+            self._process.wait_until(
+                lambda: _accepts(host, self.rpc_port) and self._metadata_answers(),
+                "mooncake_master",
+                timeout_s,
+            )
         except BaseException:
             self.stop()
             raise
         return self
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._process is None or self._process.poll() is not None:
-                raise ServiceError(f"mooncake_master exited early; see {self.log_path}")
-            if self._accepts(self.rpc_port) and self._metadata_answers():
-                return
-            time.sleep(0.05)
-        raise ServiceError(f"mooncake_master not healthy after {timeout_s}s; see {self.log_path}")
-
-    def _accepts(self, port: int) -> bool:
-        with (
-            contextlib.suppress(OSError),
-            socket.create_connection((self.config.host, port), timeout=0.5),
-        ):
-            return True
-        return False
 
     def _metadata_answers(self) -> bool:
         connection = http.client.HTTPConnection(self.config.host, self.metadata_port, timeout=1)
@@ -179,36 +256,65 @@ class EmbeddedMaster:
         finally:
             connection.close()
 
-    def is_running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Terminate the master's process group; escalate to SIGKILL; always reap."""
-        process, self._process = self._process, None
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+_SEGMENT_PORT = re.compile(rb"Successfully created client on port (\d+)")
+_SERVICE_UP = re.compile(rb"Starting real client service on ")
 
-    def wait(self) -> int:
-        """Block until the master exits (foreground ``mooncake-rl master``)."""
-        if self._process is None:
-            raise ServiceError("master not started")
-        return self._process.wait()
 
-    def __enter__(self) -> EmbeddedMaster:
-        return self.start() if self._process is None else self
+class SegmentHolder(_Service):
+    """A standalone Mooncake client (``mooncake_client``) lending a node's memory to the Store.
 
-    def __exit__(
+    Trainer ranks prefer this node-local segment; because it outlives them, a crashed trainer
+    rank or a short-lived ``mooncake-rl publish`` loses no announced generation.
+    """
+
+    def __init__(
         self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
+        master_address: str,
+        metadata_url: str,
+        segment_bytes: int,
+        host: str = "127.0.0.1",
+        log_dir: Path | None = None,
     ) -> None:
-        self.stop()
+        if segment_bytes <= 0:
+            raise ValueError("segment_bytes must be positive")
+        self.master_address = master_address
+        self.metadata_url = metadata_url
+        self.segment_bytes = segment_bytes
+        self.host = host
+        self.log_dir = log_dir
+        self.segment = ""
+        self._process = None
+
+    def start(self, timeout_s: float = 30.0) -> SegmentHolder:
+        check_system_libraries()
+        binary = master_binary().parent / "mooncake_client"
+        port = free_port(self.host)
+        args = [
+            str(binary),
+            f"--host={self.host}",
+            f"--port={port}",
+            f"--global_segment_size={self.segment_bytes}",
+            "--local_buffer_size=16MB",
+            f"--master_server_address={self.master_address}",
+            f"--metadata_server={self.metadata_url}",
+            "--protocol=tcp",
+        ]
+        env = {"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": self.host, "GLOG_minloglevel": "0"}
+        log = _log_dir(self.log_dir) / f"mooncake_client.{port}.log"
+        self._process = ManagedProcess(args, log, env)
+        try:
+            self._process.wait_until(self._ready, "mooncake_client", timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        assert self._process is not None
+        text = self._process.log_path.read_bytes()
+        found = _SEGMENT_PORT.search(text)
+        if found is None or _SERVICE_UP.search(text) is None:
+            return False
+        self.segment = f"{self.host}:{int(found.group(1))}"
+        return True

@@ -29,7 +29,12 @@ class Settings(BaseSettings):
     node: str = Field("node0", description="node label used for NIC accounting")
     auth_token: SecretStr | None = Field(None, description="bearer token for /mooncake/* routes")
     rdma_devices: str = Field("", description="comma-separated RDMA devices (rdma only)")
-    segment_bytes: int = Field(256 * MiB, gt=0, description="memory this client lends the Store")
+    segment_bytes: int = Field(
+        256 * MiB, ge=0, description="memory this client lends the Store (0: lends none)"
+    )
+    local_segment: str | None = Field(
+        None, description="node-local segment to prefer when this client lends none itself"
+    )
     buffer_bytes: int = Field(64 * MiB, gt=0, description="client-local transfer buffer")
     batch_bytes: int = Field(64 * MiB, gt=0, description="bytes per pipeline batch")
     staging_watermark_bytes: int = Field(256 * MiB, gt=0, description="staging bytes in flight")

@@ -89,6 +89,11 @@ class StoreClient:
                 f" and metadata at {settings.metadata}?"
             )
         self.segment: str = self._store.get_hostname()
+        # Where "prefer local" points: this client's own segment, or the node's segment
+        # holder when the client lends no memory (short-lived or crash-prone processes).
+        self.local_segment: str | None = (
+            self.segment if settings.segment_bytes > 0 else settings.local_segment
+        )
         self._registered: dict[int, int] = {}
         self._closed = False
 
@@ -171,6 +176,24 @@ class StoreClient:
         config = self._config(1, (), True)
         _check(self._store.upsert(key, data, config), "upsert", f"key={key}")
         COUNTERS.add(put=len(data))
+
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        """Create ``key`` only if absent (a fence): raises ObjectAlreadyExists otherwise."""
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        ptr, size = buffer.data_ptr(), len(data)
+        _check(self._store.batch_put_session_start([key], [size])[0], "put_session_start", key)
+        self.register(ptr, size)
+        try:
+            written = self._store.batch_put_from_multi_buffer_ranges(
+                [key], [[ptr]], [[size]], [[0]]
+            )
+            if written[0] != size:
+                self._store.batch_put_session_revoke([key])
+                raise mooncake_error(written[0] if written[0] < 0 else -800, "put_session", key)
+            _check(self._store.batch_put_session_end([key])[0], "put_session_end", key)
+        finally:
+            self.unregister(ptr)
+        COUNTERS.add(put=size)
 
     # -- reads --------------------------------------------------------------------------
     def size(self, key: str) -> int:

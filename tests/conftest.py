@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from mooncake_rl.services import EmbeddedMaster, MasterConfig
+from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
 from mooncake_rl.settings import Settings
 
 TEST_LEASE_TTL_MS = 500
@@ -36,6 +36,33 @@ def settings_for(master: EmbeddedMaster, node: str = "node0", **overrides: objec
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def holders(
+    master: EmbeddedMaster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], SegmentHolder]]:
+    """Node-local segment holders (one ``mooncake_client`` per node label), started on demand."""
+    log_dir = tmp_path_factory.mktemp("holder-logs")
+    started: dict[str, SegmentHolder] = {}
+
+    def holder(node: str) -> SegmentHolder:
+        if node not in started:
+            started[node] = SegmentHolder(
+                master.master_address, master.metadata_url, 96 << 20, log_dir=log_dir
+            ).start()
+        return started[node]
+
+    try:
+        yield holder
+    finally:
+        for running in started.values():
+            running.stop()
+
+
+def trainer_settings(master: EmbeddedMaster, holder: SegmentHolder, node: str) -> Settings:
+    """A trainer rank that lends no memory and prefers its node's segment holder."""
+    return settings_for(master, node, segment_bytes=0, local_segment=holder.segment)
 
 
 @pytest.fixture

@@ -50,6 +50,20 @@ class ProcessGroup:
             pending -= 1
         return [values[i] for i in range(len(self._processes))]
 
+    def results_of(self, index: int, timeout_s: float = 120.0) -> Any:
+        """One worker's return value, when others may die without reporting."""
+        deadline = timeout_s
+        while True:
+            try:
+                got, status, value = self.manager_queue.get(timeout=deadline)
+            except queue.Empty as error:
+                raise TimeoutError(f"worker {index} did not finish in {timeout_s}s") from error
+            if got != index:
+                continue
+            if status == "error":
+                raise AssertionError(f"worker {index} failed:\n{value}")
+            return value
+
     def kill(self, index: int) -> None:
         self._processes[index].kill()
         self._processes[index].join()

@@ -1,0 +1,135 @@
+"""Tensor specs and the ``WeightManifest`` that describes one generation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from mooncake.reshard.weight import StoredFragment, TensorDescriptor, WeightManifest
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.keys import (
+    NAMESPACE,
+    group_id,
+    manifest_key,
+    payload_key,
+)
+
+ROLLOUT_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+LAYOUT = "row-major-contiguous"
+
+
+def rollout_dtype(name: str) -> torch.dtype:
+    try:
+        return ROLLOUT_DTYPES[name]
+    except KeyError:
+        raise InvariantViolation(
+            f"unknown rollout dtype {name!r}; choose one of {sorted(ROLLOUT_DTYPES)}"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, candidate in ROLLOUT_DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise InvariantViolation(f"unsupported dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One full tensor of a generation as stored: name, shape and rollout dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not self.name or any(ch.isspace() for ch in self.name):
+            raise InvariantViolation(f"tensor name {self.name!r} must be non-empty, no spaces")
+        if not self.shape or any(type(d) is not int or d < 1 for d in self.shape):
+            raise InvariantViolation(f"tensor {self.name} has invalid shape {self.shape}")
+        rollout_dtype(self.dtype)
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, dtype: str) -> TensorSpec:
+        # Scalars are stored as shape (1,): manifests need at least one dimension.
+        return cls(name, tuple(int(d) for d in tensor.shape) or (1,), dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return rollout_dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+def specs_digest(specs: Sequence[TensorSpec]) -> str:
+    """Identity of a tensor sequence, compared across ranks before anything is announced."""
+    body = json.dumps([[s.name, list(s.shape), s.dtype] for s in specs], separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def check_specs(specs: Sequence[TensorSpec]) -> None:
+    if not specs:
+        raise InvariantViolation("a generation needs at least one tensor (empty model)")
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise InvariantViolation(f"duplicate tensor name {spec.name!r}")
+        seen.add(spec.name)
+
+
+def build_manifest(
+    model: str, generation: int, specs: Sequence[TensorSpec], created_at: str
+) -> WeightManifest:
+    """One object per full tensor, raw contiguous bytes at offset 0."""
+    check_specs(specs)
+    group = group_id(model, generation)
+    tensors = tuple(
+        TensorDescriptor(
+            tensor_id=spec.name,
+            global_shape=spec.shape,
+            dtype=spec.dtype,
+            itemsize=spec.itemsize,
+            shard_dims=(),
+            layout_fingerprint=LAYOUT,
+            parallel_axes=(),
+        )
+        for spec in specs
+    )
+    fragments = tuple(
+        StoredFragment(
+            fragment_id=spec.name,
+            tensor_id=spec.name,
+            global_offset=(0,) * len(spec.shape),
+            local_shape=spec.shape,
+            object_key=payload_key(group, spec.name),
+            object_offset=0,
+            nbytes=spec.nbytes,
+        )
+        for spec in specs
+    )
+    return WeightManifest(
+        namespace=NAMESPACE,
+        resource_id=model,
+        revision=f"g{generation:012d}",
+        weight_generation=generation,
+        group_id=group,
+        manifest_key=manifest_key(group),
+        tensors=tensors,
+        fragments=fragments,
+        created_at=created_at,
+    )
+
+
+def specs_of(manifest: WeightManifest) -> list[TensorSpec]:
+    return [TensorSpec(t.tensor_id, t.global_shape, t.dtype) for t in manifest.tensors]

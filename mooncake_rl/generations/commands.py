@@ -1,0 +1,65 @@
+"""What ``mooncake-rl publish``, ``status`` and ``gc`` do, over a Store client."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.generations.gc import collect_garbage
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
+from mooncake_rl.store import StoreClient
+
+
+def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a local safetensors checkpoint, files and names in sorted order."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigurationError(f"no *.safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as checkpoint:
+            for name in sorted(checkpoint.keys()):
+                yield name, checkpoint.get_tensor(name)
+
+
+def publish_checkpoint(store: StoreClient, model: str, model_dir: Path, dtype: str) -> ActiveRecord:
+    return publish_local(store, model, checkpoint_tensors(model_dir), dtype=dtype)
+
+
+def generation_status(
+    store: StoreClient, model: str, with_segments: bool = True
+) -> dict[str, object]:
+    """Active generation and every indexed generation: bytes, tensors, digest, placement."""
+    registry = GenerationRegistry(store, model)
+    active = registry.active()
+    rows = []
+    for info in registry.generations():
+        row: dict[str, object] = {
+            **asdict(info),
+            "active": bool(active and active.generation == info.generation),
+        }
+        if with_segments:
+            per_segment: Counter[str] = Counter()
+            for fragment in registry.load_manifest(info.generation).fragments:
+                for segment in store.replica_segments(fragment.object_key):
+                    per_segment[segment] += fragment.nbytes
+            row["bytes_per_segment"] = dict(sorted(per_segment.items()))
+        rows.append(row)
+    return {"model": model, "active": active.generation if active else None, "generations": rows}
+
+
+def gc_generations(store: StoreClient, model: str, keep: int) -> dict[str, object]:
+    report = collect_garbage(store, model, keep)
+    return {
+        "model": model,
+        "kept": list(report.kept),
+        "deleted": list(report.deleted),
+        "removed_objects": report.removed_objects,
+        "failures": dict(report.failures),
+    }

@@ -1,0 +1,69 @@
+"""Deterministic Store keys. Every generation gets its own group, so no key is ever reused."""
+
+from __future__ import annotations
+
+import re
+
+from mooncake_rl.errors import InvariantViolation
+
+NAMESPACE = "mooncake-rl"
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_model_name(model: str) -> str:
+    if not _MODEL_NAME.match(model):
+        raise InvariantViolation(
+            f"model name {model!r} must be 1-128 characters of letters, digits, '.', '_', '-'"
+        )
+    return model
+
+
+def check_generation(generation: int) -> int:
+    if type(generation) is not int or not 0 < generation < 10**12:
+        raise InvariantViolation(f"generation must be an integer in [1, 10^12), got {generation!r}")
+    return generation
+
+
+def model_prefix(model: str) -> str:
+    return f"{NAMESPACE}/{check_model_name(model)}"
+
+
+def group_id(model: str, generation: int) -> str:
+    return f"{model_prefix(model)}/g{check_generation(generation):012d}"
+
+
+def manifest_key(group: str) -> str:
+    return f"{group}/manifest"
+
+
+def payload_prefix(group: str) -> str:
+    return f"{group}/payload/"
+
+
+def payload_key(group: str, object_name: str) -> str:
+    return payload_prefix(group) + object_name
+
+
+def announced_key(group: str) -> str:
+    """Created exclusively at announce: a second announce of the same group is refused."""
+    return f"{group}/announced"
+
+
+def report_key(group: str, rank: int) -> str:
+    return f"{group}/report/{rank}"
+
+
+def active_key(model: str) -> str:
+    return f"{model_prefix(model)}/active"
+
+
+def index_key(model: str) -> str:
+    return f"{model_prefix(model)}/index"
+
+
+def lease_key(model: str, engine_id: str) -> str:
+    return f"{model_prefix(model)}/lease/{engine_id}"
+
+
+def engines_key(model: str) -> str:
+    return f"{model_prefix(model)}/engines"

@@ -1,0 +1,225 @@
+"""Trainer side: every rank iterates the same tensors; the assigned rank puts each one.
+
+Each put is one copy (``replica_num=1`` by default) preferring the publisher's own segment,
+hard-pinned. A failed put never stops the iteration (trainer ranks rebuild tensors
+collectively, so every rank must finish the iterator); it is recorded, reported through the
+Store, and makes rank 0 abort the generation instead of announcing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+import torch
+
+from mooncake_rl.errors import InvariantViolation, MooncakeError, ObjectNotFound
+from mooncake_rl.generations.assignment import PublisherLoads, TrainerTopology
+from mooncake_rl.generations.catalog import (
+    TensorSpec,
+    build_manifest,
+    check_specs,
+    rollout_dtype,
+    specs_digest,
+)
+from mooncake_rl.generations.keys import group_id, payload_key, report_key
+from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
+from mooncake_rl.store import StoreClient
+
+
+class PublishFailed(InvariantViolation):
+    """The generation was not announced; the previous one stays active."""
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """What one rank did for one generation; rank 0 reads every rank's report."""
+
+    rank: int
+    generation: int
+    specs_digest: str
+    tensors: int
+    put_tensors: int
+    put_bytes: int
+    failures: tuple[tuple[str, str], ...] = ()
+    nonlocal_put_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> PublishReport:
+        raw = json.loads(data)
+        raw["failures"] = tuple(tuple(f) for f in raw["failures"])
+        return cls(**raw)
+
+
+@dataclass
+class GenerationPublisher:
+    """One trainer rank's view of publishing generation ``generation`` of ``model``."""
+
+    store: StoreClient
+    model: str
+    generation: int
+    rank: int
+    topology: TrainerTopology
+    dtype: str = "bfloat16"
+    replica_num: int = 1
+    check_locality: bool = False
+    _specs: list[TensorSpec] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        rollout_dtype(self.dtype)
+        self.group = group_id(self.model, self.generation)
+        if not 0 <= self.rank < self.topology.world_size:
+            raise InvariantViolation(
+                f"rank {self.rank} outside world size {self.topology.world_size}"
+            )
+        if self.replica_num < 1:
+            raise InvariantViolation("replica_num must be at least 1")
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
+        """Consume the whole iterator; put this rank's share; write this rank's report."""
+        loads = PublisherLoads(self.topology)
+        dtype = rollout_dtype(self.dtype)
+        failures: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        put_tensors = put_bytes = nonlocal_bytes = 0
+        for name, tensor in named_tensors:
+            try:
+                spec = TensorSpec.of(name, tensor, self.dtype)
+            except InvariantViolation as error:
+                failures.append((name, str(error)))
+                continue
+            if name in seen:
+                failures.append((name, f"duplicate tensor name {name!r}"))
+                continue
+            seen.add(name)
+            self._specs.append(spec)
+            publisher, loads = loads.assign(spec.nbytes)
+            if publisher != self.rank or failures:
+                continue  # not ours, or this generation is already lost: keep iterating only
+            try:
+                self._put(name, tensor, dtype)
+            except MooncakeError as error:
+                failures.append((name, str(error)))
+                continue
+            put_tensors += 1
+            put_bytes += spec.nbytes
+            if self.check_locality:
+                where = self.store.replica_segments(payload_key(self.group, name))
+                nonlocal_bytes += 0 if where == (self.store.local_segment,) else spec.nbytes
+        if not self._specs and not failures:
+            failures.append(("", "a generation needs at least one tensor (empty model)"))
+        report = PublishReport(
+            rank=self.rank,
+            generation=self.generation,
+            specs_digest=specs_digest(self._specs),
+            tensors=len(self._specs),
+            put_tensors=put_tensors,
+            put_bytes=put_bytes,
+            failures=tuple(failures),
+            nonlocal_put_bytes=nonlocal_bytes,
+        )
+        self.store.put_bytes(report_key(self.group, self.rank), report.encode())
+        return report
+
+    def _put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        # Cast on the tensor's own device, then stage the contiguous result in host memory.
+        staged = tensor.detach().to(dtype=dtype).contiguous().cpu().reshape(-1)
+        self.store.put_tensor(
+            payload_key(self.group, name),
+            staged,
+            replica_num=self.replica_num,
+            preferred_segments=[self.store.local_segment] if self.store.local_segment else [],
+            hard_pin=True,
+        )
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return list(self._specs)
+
+
+def _wait_reports(
+    store: StoreClient, group: str, world_size: int, timeout_s: float
+) -> list[PublishReport | None]:
+    deadline = time.monotonic() + timeout_s
+    reports: list[PublishReport | None] = [None] * world_size
+    while True:
+        for rank in range(world_size):
+            if reports[rank] is None:
+                with contextlib.suppress(ObjectNotFound):
+                    reports[rank] = PublishReport.decode(store.get_bytes(report_key(group, rank)))
+        if all(reports) or time.monotonic() >= deadline:
+            return reports
+        time.sleep(0.05)
+
+
+def abort_generation(
+    store: StoreClient, model: str, generation: int, names: Iterable[str], world_size: int
+) -> None:
+    """Remove every object a failed generation may have written (forced: nobody reads it)."""
+    group = group_id(model, generation)
+    keys = [payload_key(group, n) for n in names] + [
+        report_key(group, r) for r in range(world_size)
+    ]
+    store.remove(keys, force=True)
+
+
+def finalize_generation(
+    publisher: GenerationPublisher,
+    report: PublishReport,
+    *,
+    timeout_s: float = 60.0,
+    now: datetime | None = None,
+) -> ActiveRecord:
+    """Rank 0: wait for every rank's report, then announce, or abort and raise."""
+    if publisher.rank != 0:
+        raise InvariantViolation("only rank 0 finalizes a generation")
+    store, model, generation = publisher.store, publisher.model, publisher.generation
+    world = publisher.topology.world_size
+    reports = _wait_reports(store, publisher.group, world, timeout_s)
+    problems: list[str] = []
+    for rank, other in enumerate(reports):
+        if other is None:
+            problems.append(f"rank {rank} did not report within {timeout_s}s")
+        elif other.specs_digest != report.specs_digest:
+            problems.append(f"rank {rank} iterated a different tensor set than rank 0")
+        else:
+            problems.extend(f"rank {rank}: tensor {n!r}: {e}" for n, e in other.failures)
+    if not problems:
+        try:
+            check_specs(publisher.specs)
+            created = (now or datetime.now(UTC)).isoformat()
+            manifest = build_manifest(model, generation, publisher.specs, created)
+            record = GenerationRegistry(store, model).announce(manifest)
+            store.remove([report_key(publisher.group, rank) for rank in range(world)], force=True)
+            return record
+        except InvariantViolation as error:
+            problems.append(str(error))
+    abort_generation(store, model, generation, (s.name for s in publisher.specs), world)
+    raise PublishFailed(f"generation {generation} of {model} not announced: " + "; ".join(problems))
+
+
+def publish_local(
+    store: StoreClient,
+    model: str,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: str = "bfloat16",
+    node: str | None = None,
+) -> ActiveRecord:
+    """World size 1: publish and announce the next generation from one process."""
+    generation = GenerationRegistry(store, model).next_generation()
+    publisher = GenerationPublisher(
+        store, model, generation, 0, TrainerTopology.single(node or store.settings.node), dtype
+    )
+    return finalize_generation(publisher, publisher.publish(named_tensors))

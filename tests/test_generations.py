@@ -1,0 +1,278 @@
+"""Generations against a real master: multi-process publish, announce fences, failures, GC."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mooncake_rl.errors import StoreFull
+from mooncake_rl.generations import (
+    GenerationPublisher,
+    GenerationRegistry,
+    TrainerTopology,
+    active_generation,
+    finalize_generation,
+    load_manifest,
+)
+from mooncake_rl.generations.gc import LeaseBook, collect_garbage
+from mooncake_rl.generations.keys import group_id, payload_key
+from mooncake_rl.generations.publisher import PublishFailed, publish_local
+from mooncake_rl.generations.registry import FenceError
+from mooncake_rl.services import EmbeddedMaster
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
+from tests.conftest import settings_for, trainer_settings
+from tests.procs import ProcessGroup
+
+
+def model_tensors(seed: int, count: int = 56) -> list[tuple[str, torch.Tensor]]:
+    """Mixed sizes (1 to ~200k elements), mixed source dtypes, some non-contiguous."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for i in range(count):
+        rows = int(torch.randint(1, 400, (1,), generator=generator))
+        cols = int(torch.randint(1, 500, (1,), generator=generator))
+        tensor = torch.randn(cols, rows, generator=generator, dtype=torch.float32)
+        if i % 3 == 0:
+            tensor = tensor.t()  # non-contiguous view
+        tensors.append((f"layers.{i}.weight", tensor))
+    return tensors
+
+
+def expected_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
+    return tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def publish_rank(
+    settings: Settings,
+    model: str,
+    generation: int,
+    rank: int,
+    nodes: tuple[str, ...],
+    seed: int,
+    die_after: int | None = None,
+) -> dict:
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for index, item in enumerate(model_tensors(seed)):
+            if die_after is not None and index == die_after:
+                os._exit(17)  # a publisher killed mid-generation
+            yield item
+
+    with StoreClient(settings) as store:
+        publisher = GenerationPublisher(
+            store, model, generation, rank, TrainerTopology(nodes), "bfloat16", check_locality=True
+        )
+        report = publisher.publish(tensors())
+        result = {"segment": store.local_segment, "report": report}
+        if rank == 0:
+            try:
+                result["active"] = finalize_generation(publisher, report, timeout_s=8)
+            except PublishFailed as error:
+                result["error"] = str(error)
+        return result
+
+
+def publish_two_nodes(
+    master: EmbeddedMaster,
+    holders,
+    model: str,
+    generation: int,
+    seed: int,
+    **kw: object,
+) -> list[dict]:
+    nodes = ("node-a", "node-b")
+    with ProcessGroup() as group:
+        for rank, node in enumerate(nodes):
+            extra = kw if rank == 1 else {}
+            settings = trainer_settings(master, holders(node), node)
+            group.start(
+                publish_rank, settings, model, generation, rank, nodes, seed, *extra.values()
+            )
+        if kw.get("die_after") is not None:
+            return [group.results_of(0)]
+        return group.results()
+
+
+def read_generation(settings: Settings, model: str) -> dict[str, bytes]:
+    """A brand-new process with only the Store address finds and reads the active generation."""
+    with StoreClient(settings) as store:
+        record = active_generation(store, model)
+        manifest = load_manifest(store, model, record.generation)
+        out = {"__generation__": str(record.generation).encode()}
+        for fragment in manifest.fragments:
+            out[fragment.tensor_id] = store.get_bytes(fragment.object_key)
+        return out
+
+
+def test_two_publishers_on_two_nodes(master: EmbeddedMaster, holders) -> None:
+    model = "two-nodes"
+    results = publish_two_nodes(master, holders, model, 1, seed=1)
+    rank0, rank1 = results
+    assert "error" not in rank0 and rank0["active"].generation == 1
+    segments = {0: rank0["segment"], 1: rank1["segment"]}
+    tensors = model_tensors(1)
+    total = sum(t.numel() * 2 for _, t in tensors)
+    per_rank = [r["report"].put_bytes for r in results]
+    assert sum(per_rank) == total
+    assert max(per_rank) <= 1.10 * min(per_rank), per_rank
+    assert [r["report"].nonlocal_put_bytes for r in results] == [0, 0]
+    with StoreClient(settings_for(master, "inspector")) as store:
+        manifest = load_manifest(store, model, 1)
+        assert len(manifest.fragments) == len(tensors) >= 50
+        placed_on = {}
+        for fragment in manifest.fragments:
+            (segment,) = store.replica_segments(fragment.object_key)
+            placed_on[fragment.tensor_id] = segment
+        # Every object sits in the node-local segment of the rank assigned to publish it.
+        from mooncake_rl.generations import assign_publishers
+
+        assignment = assign_publishers(
+            [(n, t.numel() * 2) for n, t in tensors], TrainerTopology(("node-a", "node-b"))
+        )
+        assert placed_on == {name: segments[rank] for name, rank in assignment.items()}
+    with ProcessGroup() as group:
+        group.start(read_generation, settings_for(master, "fresh"), model)
+        got = group.results()[0]
+    assert got.pop("__generation__") == b"1"
+    assert got == {name: expected_bytes(t, torch.bfloat16) for name, t in tensors}
+
+
+def test_killed_publisher_keeps_previous_generation(master: EmbeddedMaster, holders) -> None:
+    model = "killed"
+    assert publish_two_nodes(master, holders, model, 1, seed=3)[0]["active"].generation == 1
+    [rank0] = publish_two_nodes(master, holders, model, 2, seed=4, die_after=20)
+    assert "rank 1 did not report" in rank0["error"]
+    with StoreClient(settings_for(master, "inspector")) as store:
+        assert active_generation(store, model).generation == 1
+        gen2_keys = [payload_key(group_id(model, 2), n) for n, _ in model_tensors(4)]
+        assert not any(store.exists(gen2_keys))
+    got = read_generation(settings_for(master, "reader"), model)
+    got.pop("__generation__")
+    assert got == {name: expected_bytes(t, torch.bfloat16) for name, t in model_tensors(3)}
+
+
+def test_store_out_of_space_aborts_and_names_the_tensor(settings: Settings) -> None:
+    model = "no-space"
+    with StoreClient(settings) as store:
+        publish_local(store, model, [("small", torch.ones(10))], dtype="float32")
+        huge = torch.zeros(settings.segment_bytes, dtype=torch.float32)  # 4x the segment
+        with pytest.raises(PublishFailed) as failed:
+            publish_local(
+                store, model, [("small", torch.ones(10)), ("huge", huge)], dtype="float32"
+            )
+        assert "tensor 'huge'" in str(failed.value)
+        assert "NO_AVAILABLE_HANDLE (-200)" in str(failed.value)
+        assert active_generation(store, model).generation == 1
+        assert not store.exists([payload_key(group_id(model, 2), "small")])[0]
+        with pytest.raises(StoreFull):
+            store.put_tensor("direct-huge", huge)
+
+
+@pytest.mark.parametrize(
+    "tensors,message",
+    [
+        ([], "empty model"),
+        ([("a", torch.ones(2)), ("a", torch.ones(2))], "duplicate tensor name 'a'"),
+    ],
+)
+def test_bad_generations_are_not_announced(settings: Settings, tensors: list, message: str) -> None:
+    model = f"bad-{abs(hash(message)) % 1000}"
+    with StoreClient(settings) as store:
+        with pytest.raises(PublishFailed, match=message):
+            publish_local(store, model, tensors)
+        assert active_generation(store, model) is None
+
+
+def test_ranks_with_different_tensor_sets_are_refused(master: EmbeddedMaster, holders) -> None:
+    model = "mismatch"
+    nodes = ("node-a", "node-b")
+    with ProcessGroup() as group:
+        for rank, (node, seed) in enumerate(zip(nodes, (5, 6), strict=True)):
+            settings = trainer_settings(master, holders(node), node)
+            group.start(publish_rank, settings, model, 1, rank, nodes, seed)
+        rank0, _ = group.results()
+    assert "rank 1 iterated a different tensor set than rank 0" in rank0["error"]
+    with StoreClient(settings_for(master)) as store:
+        assert active_generation(store, model) is None
+
+
+def test_stale_and_duplicate_announces_are_fenced(settings: Settings) -> None:
+    model = "fenced"
+    with StoreClient(settings) as store:
+        publish_local(store, model, [("w", torch.ones(4))])
+        publish_local(store, model, [("w", torch.ones(4) * 2)])
+        registry = GenerationRegistry(store, model)
+        with pytest.raises(
+            FenceError, match="stale announce: generation 1 is not newer than active generation 2"
+        ):
+            registry.announce(registry.load_manifest(1))
+        with pytest.raises(FenceError, match="generation 2 is not newer"):
+            registry.announce(registry.load_manifest(2))
+        assert registry.active().generation == 2
+        with pytest.raises(PublishFailed):
+            # generation 2 again under a fresh publisher: its fence already exists
+            publisher = GenerationPublisher(store, model, 2, 0, TrainerTopology.single())
+            finalize_generation(publisher, publisher.publish([("w", torch.ones(4))]), timeout_s=2)
+        assert registry.active().generation == 2
+
+
+def watch_active(settings: Settings, model: str, seconds: float) -> dict:
+    """Reader loop: whenever a generation is active, its manifest and payloads are complete."""
+    seen: list[int] = []
+    checks = 0
+    with StoreClient(settings) as store:
+        registry = GenerationRegistry(store, model)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            record = registry.active()
+            if record is None:
+                continue
+            manifest = registry.load_manifest(record.generation, record.manifest_digest)
+            keys = [f.object_key for f in manifest.fragments]
+            assert all(store.exists(keys)), (
+                f"generation {record.generation} active before its payloads"
+            )
+            for fragment in manifest.fragments:
+                assert store.size(fragment.object_key) == fragment.nbytes
+            checks += 1
+            if not seen or seen[-1] != record.generation:
+                seen.append(record.generation)
+    return {"seen": seen, "checks": checks}
+
+
+def test_concurrent_reader_never_sees_a_partial_generation(master: EmbeddedMaster) -> None:
+    model = "atomic"
+    with StoreClient(settings_for(master, "writer")) as store:
+        publish_local(store, model, model_tensors(7, count=20))
+        with ProcessGroup() as group:
+            group.start(watch_active, settings_for(master, "reader"), model, 12.0)
+            for seed in (8, 9, 10):
+                publish_local(store, model, model_tensors(seed, count=20))
+                time.sleep(1.0)
+            watched = group.results()[0]
+    assert watched["seen"] == sorted(watched["seen"])
+    assert watched["seen"][-1] == 4 and len(watched["seen"]) >= 2
+    assert watched["checks"] > 10
+
+
+def test_gc_keeps_newest_active_and_leased(settings: Settings) -> None:
+    model = "gc"
+    with StoreClient(settings) as store:
+        for value in range(1, 6):
+            publish_local(store, model, [("w", torch.full((8,), float(value)))])
+        leases = LeaseBook(store, model)
+        leases.renew("engine-old", 1, ttl_s=60)
+        leases.renew("engine-expired", 2, ttl_s=-1)
+        report = collect_garbage(store, model, keep=2)
+        assert report.deleted == (2, 3) and report.kept == (1, 4, 5) and not report.failures
+        registry = GenerationRegistry(store, model)
+        assert [g.generation for g in registry.generations()] == [1, 4, 5]
+        assert not store.exists([payload_key(group_id(model, 2), "w")])[0]
+        assert store.exists([payload_key(group_id(model, 1), "w")])[0]
+        leases.release("engine-old")
+        assert collect_garbage(store, model, keep=2).deleted == (1,)
+        assert registry.active().generation == 5

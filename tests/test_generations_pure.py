@@ -1,0 +1,95 @@
+"""Publisher assignment, manifests and GC planning: pure functions, exact answers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations import TensorSpec, TrainerTopology, assign_publishers, build_manifest
+from mooncake_rl.generations.gc import plan_gc
+
+sizes_strategy = st.lists(st.integers(1, 10_000), min_size=1, max_size=80)
+topology_strategy = st.lists(st.sampled_from(["n0", "n1", "n2"]), min_size=1, max_size=8).map(
+    lambda nodes: TrainerTopology(tuple(nodes))
+)
+
+
+@given(sizes_strategy, topology_strategy)
+def test_assignment_is_deterministic_and_node_balanced(
+    sizes: list[int], topology: TrainerTopology
+) -> None:
+    named = [(f"t{i}", size) for i, size in enumerate(sizes)]
+    first = assign_publishers(named, topology)
+    assert first == assign_publishers(named, topology)
+    assert set(first) == {name for name, _ in named}
+    per_node: dict[str, int] = dict.fromkeys(set(topology.nodes_by_rank), 0)
+    per_rank: dict[int, int] = dict.fromkeys(range(topology.world_size), 0)
+    for name, size in named:
+        per_node[topology.node_of(first[name])] += size
+        per_rank[first[name]] += size
+    # Greedy on the least-loaded node: totals differ by at most the largest tensor.
+    assert max(per_node.values()) - min(per_node.values()) <= max(sizes)
+    for node in per_node:
+        ranks = [r for r in per_rank if topology.node_of(r) == node]
+        loads = [per_rank[r] for r in ranks]
+        assert max(loads) - min(loads) <= max(sizes)
+
+
+def test_assignment_worked_example() -> None:
+    topology = TrainerTopology(("a", "a", "b"))
+    got = assign_publishers([("x", 10), ("y", 4), ("z", 4), ("w", 3)], topology)
+    # x -> node a (tie, label order) rank 0; y -> b rank 2; z -> b (4 < 10) rank 2; w -> b (8<10)
+    assert got == {"x": 0, "y": 2, "z": 2, "w": 2}
+
+
+def test_assignment_refuses_duplicates_and_bad_sizes() -> None:
+    with pytest.raises(InvariantViolation, match="duplicate tensor name 'x'"):
+        assign_publishers([("x", 1), ("x", 2)], TrainerTopology.single())
+    with pytest.raises(InvariantViolation, match="positive"):
+        assign_publishers([("x", 0)], TrainerTopology.single())
+
+
+def test_manifest_has_one_object_per_tensor_under_the_group() -> None:
+    specs = [TensorSpec("a.weight", (4, 8), "bfloat16"), TensorSpec("b", (3,), "float32")]
+    manifest = build_manifest("m", 7, specs, "2026-11-30T00:00:00+00:00")
+    assert manifest.group_id == "mooncake-rl/m/g000000000007"
+    assert manifest.manifest_key == "mooncake-rl/m/g000000000007/manifest"
+    assert [f.object_key for f in manifest.fragments] == [
+        "mooncake-rl/m/g000000000007/payload/a.weight",
+        "mooncake-rl/m/g000000000007/payload/b",
+    ]
+    assert [f.nbytes for f in manifest.fragments] == [64, 12]
+    again = build_manifest("m", 7, specs, "2026-11-30T00:00:00+00:00")
+    assert again.manifest_digest == manifest.manifest_digest
+
+
+@pytest.mark.parametrize(
+    "specs,message",
+    [
+        ([], "empty model"),
+        (
+            [TensorSpec("a", (1,), "float32"), TensorSpec("a", (2,), "float32")],
+            "duplicate tensor name",
+        ),
+    ],
+)
+def test_manifest_bad_input(specs: list[TensorSpec], message: str) -> None:
+    with pytest.raises(InvariantViolation, match=message):
+        build_manifest("m", 1, specs, "now")
+
+
+def test_unknown_dtype_and_bad_names() -> None:
+    with pytest.raises(InvariantViolation, match="unknown rollout dtype 'int4'"):
+        TensorSpec("a", (1,), "int4")
+    with pytest.raises(InvariantViolation, match="model name"):
+        build_manifest("bad/name", 1, [TensorSpec("a", (1,), "float32")], "now")
+
+
+def test_plan_gc_keeps_newest_active_and_leased() -> None:
+    assert plan_gc([1, 2, 3, 4, 5], active=5, leased=[1], keep=2) == [2, 3]
+    assert plan_gc([1, 2, 3], active=1, leased=[], keep=1) == [2]
+    assert plan_gc([], active=None, leased=[], keep=2) == []
+    with pytest.raises(InvariantViolation):
+        plan_gc([1], active=None, leased=[], keep=0)
