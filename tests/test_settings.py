@@ -36,7 +36,7 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     "field,value",
-    [("master", "no-port"), ("master", "host:99999"), ("protocol", "udp"), ("segment_bytes", 0)],
+    [("master", "no-port"), ("master", "host:99999"), ("protocol", "udp"), ("segment_bytes", -1)],
 )
 def test_bad_values_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValidationError):
