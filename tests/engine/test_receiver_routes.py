@@ -198,7 +198,7 @@ async def test_prepare_failure_resumes_old_generation() -> None:
 
 
 async def test_apply_failure_breaks_the_engine_for_rebuild() -> None:
-    client, backend, receiver = make_client()
+    client, backend, _ = make_client()
     backend.fail_on.add("apply:2:0")
     async with client:
         await client.post("/mooncake/drain", json={})
