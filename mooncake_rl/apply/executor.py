@@ -1,0 +1,238 @@
+"""Execute one worker's routing slice: ranged Store reads, then TE one-sided pushes.
+
+Batches flow through a three-stage pipeline — read(k+1) overlaps push(k) overlaps
+scatter(k-1) — on two background threads (Mooncake's bindings release the GIL while they
+move bytes). A staging watermark bounds the bytes of batches that are read but not yet
+pushed; it must admit at least two batches so reads and pushes can overlap at all.
+
+Every byte count Mooncake returns is verified by the wrappers; a failure raises with the
+range, the peer and the Mooncake error. Consumers are passive: a worker learns that its bytes
+arrived only because every worker's ``run_stage`` returned (the coordinator's barrier).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from mooncake_rl.apply.registration import Region
+from mooncake_rl.engine import TransferEngineClient, Write
+from mooncake_rl.errors import InvariantViolation, MooncakeError
+from mooncake_rl.store import RangeRead, StoreClient
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Read ``length`` bytes at ``src_offset`` of Store object ``key`` into a local region."""
+
+    key: str
+    src_offset: int
+    region: str
+    dst_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PushOp:
+    """Write local region bytes into a peer worker's region (one-sided)."""
+
+    peer: str
+    src_region: str
+    src_offset: int
+    dst_region: str
+    dst_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    reads: tuple[ReadOp, ...] = ()
+    pushes: tuple[PushOp, ...] = ()
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(op.length for op in self.reads)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where a peer worker can be written: its TE endpoint and registered regions."""
+
+    endpoint: str
+    regions: Mapping[str, Region]
+
+
+@dataclass
+class StageResult:
+    read_bytes: int = 0
+    pushed_bytes: int = 0
+    peak_staging_bytes: int = 0
+    batches: int = 0
+    pushed_per_peer: dict[str, int] = field(default_factory=dict)
+
+
+class _Watermark:
+    """Admits batches while their staging bytes fit; always admits one batch alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, aborted: threading.Event) -> None:
+        with self._cond:
+            while self.in_flight and self.in_flight + nbytes > self.limit and not aborted.is_set():
+                self._cond.wait(0.1)
+            self.in_flight += nbytes
+            self.peak = max(self.peak, self.in_flight)
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.in_flight -= nbytes
+            self._cond.notify_all()
+
+
+class WorkerExecutor:
+    """Runs batches for one worker against its Store client, TE client and regions."""
+
+    def __init__(
+        self,
+        store: StoreClient,
+        engine: TransferEngineClient,
+        regions: Mapping[str, Region],
+        staging_watermark_bytes: int,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.regions = dict(regions)
+        self.watermark_bytes = staging_watermark_bytes
+
+    def validate(self, batches: Sequence[Batch], peers: Mapping[str, Peer] | None = None) -> None:
+        """Every range lies inside a known region, locally and at the peer; touches nothing."""
+        for batch in batches:
+            if batch.staging_bytes > self.watermark_bytes:
+                raise InvariantViolation(
+                    f"a batch of {batch.staging_bytes} bytes exceeds the staging watermark "
+                    f"{self.watermark_bytes}"
+                )
+            for read in batch.reads:
+                self._region(self.regions, read.region, "local").address(
+                    read.dst_offset, read.length
+                )
+            for push in batch.pushes:
+                self._region(self.regions, push.src_region, "local").address(
+                    push.src_offset, push.length
+                )
+                if peers is not None:
+                    peer = peers.get(push.peer)
+                    if peer is None:
+                        raise InvariantViolation(f"push to unknown peer {push.peer}")
+                    self._region(peer.regions, push.dst_region, push.peer).address(
+                        push.dst_offset, push.length
+                    )
+
+    @staticmethod
+    def _region(regions: Mapping[str, Region], name: str, owner: str) -> Region:
+        try:
+            return regions[name]
+        except KeyError:
+            raise InvariantViolation(f"{owner} has no region {name!r}") from None
+
+    def _read(self, batch: Batch) -> int:
+        by_region: dict[str, list[RangeRead]] = defaultdict(list)
+        for op in batch.reads:
+            by_region[op.region].append(RangeRead(op.key, op.src_offset, op.dst_offset, op.length))
+        total = 0
+        for name, reads in by_region.items():
+            total += self.store.read_ranges(self.regions[name].base, reads)
+        return total
+
+    def _push(self, batch: Batch, peers: Mapping[str, Peer], result: StageResult) -> int:
+        by_peer: dict[str, list[Write]] = defaultdict(list)
+        for op in batch.pushes:
+            peer = peers[op.peer]
+            src = self.regions[op.src_region].address(op.src_offset, op.length)
+            dst = peer.regions[op.dst_region].address(op.dst_offset, op.length)
+            by_peer[op.peer].append(Write(src, dst, op.length))
+        total = 0
+        for name, writes in by_peer.items():
+            try:
+                moved = self.engine.write(peers[name].endpoint, writes)
+            except MooncakeError as error:
+                raise type(error)(
+                    error.code, error.operation, f"peer worker {name}: {error.context}"
+                ) from error
+            result.pushed_per_peer[name] = result.pushed_per_peer.get(name, 0) + moved
+            total += moved
+        return total
+
+    def run(
+        self,
+        batches: Sequence[Batch],
+        peers: Mapping[str, Peer],
+        scatter: Callable[[Batch], None] | None = None,
+    ) -> StageResult:
+        """Pipeline the batches; returns only when every read, push and scatter is done."""
+        self.validate(batches, peers)
+        result = StageResult(batches=len(batches))
+        watermark = _Watermark(self.watermark_bytes)
+        aborted = threading.Event()
+        failures: list[BaseException] = []
+        read_done: queue.Queue[Batch | None] = queue.Queue()
+        push_done: queue.Queue[Batch | None] = queue.Queue()
+
+        def guarded(body: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    body()
+                except BaseException as error:  # surfaced to the caller below
+                    failures.append(error)
+                    aborted.set()
+
+            return run
+
+        def reader() -> None:
+            try:
+                for batch in batches:
+                    if aborted.is_set():
+                        return
+                    watermark.acquire(batch.staging_bytes, aborted)
+                    result.read_bytes += self._read(batch)
+                    read_done.put(batch)
+            finally:
+                read_done.put(None)
+
+        def pusher() -> None:
+            try:
+                while (batch := read_done.get()) is not None:
+                    if aborted.is_set():
+                        return
+                    result.pushed_bytes += self._push(batch, peers, result)
+                    watermark.release(batch.staging_bytes)
+                    push_done.put(batch)
+            finally:
+                push_done.put(None)
+
+        threads = [
+            threading.Thread(target=guarded(reader)),
+            threading.Thread(target=guarded(pusher)),
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            while (batch := push_done.get()) is not None:
+                if scatter is not None and not aborted.is_set():
+                    scatter(batch)
+        except BaseException as error:
+            failures.append(error)
+            aborted.set()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        result.peak_staging_bytes = watermark.peak
+        return result
