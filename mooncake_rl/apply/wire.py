@@ -1,0 +1,92 @@
+"""The JSON shape of one worker's routing slice, as the coordinator sends it to engines.
+
+A slice is the worker's destination regions (name -> bytes, allocated by the worker at
+prepare) and its batches per stage. Ops travel as compact arrays:
+read ``[key, src_offset, region, dst_offset, length]`` and
+push ``[peer, src_region, src_offset, dst_region, dst_offset, length]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
+from mooncake_rl.errors import InvariantViolation
+
+
+@dataclass(frozen=True)
+class WorkerSlice:
+    regions: Mapping[str, int]
+    stages: tuple[tuple[Batch, ...], ...]
+
+    def __post_init__(self) -> None:
+        for name, size in self.regions.items():
+            if not name or type(size) is not int or size <= 0:
+                raise InvariantViolation(
+                    f"region {name!r} needs a positive integer size, got {size!r}"
+                )
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(op.length for stage in self.stages for batch in stage for op in batch.reads)
+
+    @property
+    def pushed_bytes(self) -> int:
+        return sum(op.length for stage in self.stages for batch in stage for op in batch.pushes)
+
+
+def encode_slice(worker_slice: WorkerSlice) -> dict[str, Any]:
+    return {
+        "regions": dict(worker_slice.regions),
+        "stages": [
+            [
+                {
+                    "reads": [
+                        [r.key, r.src_offset, r.region, r.dst_offset, r.length] for r in batch.reads
+                    ],
+                    "pushes": [
+                        [p.peer, p.src_region, p.src_offset, p.dst_region, p.dst_offset, p.length]
+                        for p in batch.pushes
+                    ],
+                }
+                for batch in stage
+            ]
+            for stage in worker_slice.stages
+        ],
+    }
+
+
+def _ints(values: Sequence[Any], what: str) -> list[int]:
+    if any(type(v) is not int or v < 0 for v in values):
+        raise InvariantViolation(f"{what} must hold non-negative integers, got {list(values)}")
+    return list(values)
+
+
+def decode_slice(raw: Mapping[str, Any]) -> WorkerSlice:
+    """Parse and validate a slice received over HTTP; raises InvariantViolation if malformed."""
+    try:
+        regions = dict(raw["regions"])
+        stages = []
+        for stage in raw["stages"]:
+            batches = []
+            for batch in stage:
+                reads = []
+                for key, *rest in batch["reads"]:
+                    src, region, dst, length = rest
+                    src, dst, length = _ints([src, dst, length], "read offsets")
+                    reads.append(ReadOp(str(key), src, str(region), dst, length))
+                pushes = []
+                for peer, src_region, src, dst_region, dst, length in batch["pushes"]:
+                    src, dst, length = _ints([src, dst, length], "push offsets")
+                    pushes.append(
+                        PushOp(str(peer), str(src_region), src, str(dst_region), dst, length)
+                    )
+                if any(op.length == 0 for op in (*reads, *pushes)):
+                    raise InvariantViolation("zero-length range in slice")
+                batches.append(Batch(tuple(reads), tuple(pushes)))
+            stages.append(tuple(batches))
+    except (KeyError, TypeError, ValueError) as error:
+        raise InvariantViolation(f"malformed routing slice: {error}") from error
+    return WorkerSlice(regions, tuple(stages))
