@@ -100,6 +100,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_update(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mooncake_rl.coordinator import Coordinator, UpdateFailed
+
+    console = Console(stderr=True)
+    token = Settings().auth_token
+    with (
+        _store(args) as store,
+        Coordinator(
+            store,
+            args.engine,
+            token=token.get_secret_value() if token else None,
+            progress=lambda phase: console.log(f"[bold]{phase}[/] done"),
+        ) as coordinator,
+        console.status("updating engines"),
+    ):
+        try:
+            result = coordinator.update(args.name, mode=args.mode, drain_mode=args.drain)
+        except UpdateFailed as failed:
+            print(json.dumps(failed.result.to_json(), indent=2))
+            return 1
+    print(json.dumps(result.to_json(), indent=2))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mooncake_rl.demo import run_demo
 
@@ -146,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep", type=int, default=2)
     _client_flags(gc)
     gc.set_defaults(func=cmd_gc)
+
+    update = commands.add_parser("update", help="bring engines to the active generation")
+    update.add_argument("--name", required=True)
+    update.add_argument("--engine", action="append", required=True, help="engine base URL")
+    update.add_argument("--mode", choices=["compat", "direct"], default="compat")
+    update.add_argument("--drain", choices=["abort", "wait"], default="abort")
+    _client_flags(update)
+    update.set_defaults(func=cmd_update)
 
     demo = commands.add_parser("demo", help="the end-to-end demonstration (make demo)")
     demo.set_defaults(func=cmd_demo)
