@@ -79,7 +79,12 @@ def hf_greedy(model_dir: Path, prompt: list[int] = PROMPT, max_new_tokens: int =
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
+        ids = torch.tensor([prompt])
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=3
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=3,
         )
     return out[0, len(prompt) :].tolist()

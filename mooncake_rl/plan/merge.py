@@ -14,7 +14,7 @@ from itertools import pairwise
 from mooncake_rl.plan.demand import Demand
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Consumer:
     worker: str
     region: str
