@@ -44,6 +44,9 @@ class UpdateResult:
     planned_read_bytes: int = 0
     planned_pushed_bytes: int = 0
     unique_demand_bytes: int = 0
+    cross_node_pushed_bytes: int = 0
+    received_bytes: dict[str, int] = field(default_factory=dict)
+    node_nic_bytes: dict[str, int] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     rebuild: list[str] = field(default_factory=list)
     error: str | None = None
@@ -166,6 +169,9 @@ class Coordinator:
         result.planned_read_bytes = plan.store_read_bytes
         result.planned_pushed_bytes = plan.pushed_bytes
         result.unique_demand_bytes = plan.unique_demand_bytes
+        result.cross_node_pushed_bytes = plan.routing.table.pushed_bytes(plan.routing.topology)[0]
+        result.received_bytes = plan.routing.table.received_bytes()
+        result.node_nic_bytes = dict(plan.routing.node_nic_bytes)
         phase("plan")
 
         _, failed = self._all(targets, "POST", "drain", {u: {"mode": drain_mode} for u in targets})

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import ConfigurationError, InvariantViolation, mooncake_error
-from mooncake_rl.services import check_system_libraries, free_port
+from mooncake_rl.services import check_system_libraries
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import loopback_transport_env
 
@@ -35,23 +35,16 @@ class TransferEngineClient:
 
         self.settings = settings
         self._engine = TransferEngine()
-        p2p = settings.metadata == "P2PHANDSHAKE"
-        # With a metadata server the local name is this engine's segment name and must be
-        # unique per process, so it carries a port; P2P handshake picks its own port.
-        local_name = (
-            settings.hostname if p2p else f"{settings.hostname}:{free_port(settings.hostname)}"
-        )
+        # The data plane always uses the P2P handshake: peers exchange segment descriptors
+        # directly, so newly registered buffers are visible without a metadata round trip.
         code = self._engine.initialize(
-            local_name, settings.metadata, settings.protocol, settings.rdma_devices
+            settings.hostname, "P2PHANDSHAKE", settings.protocol, settings.rdma_devices
         )
         if code != 0:
             raise ConfigurationError(
-                f"Transfer Engine initialize failed ({code}) for {settings.hostname} "
-                f"with metadata {settings.metadata}"
+                f"Transfer Engine initialize failed ({code}) for {settings.hostname}"
             )
-        self.endpoint: str = (
-            f"{settings.hostname}:{self._engine.get_rpc_port()}" if p2p else local_name
-        )
+        self.endpoint: str = f"{settings.hostname}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, int] = {}
 
     def register(self, ptr: int, size: int) -> None:

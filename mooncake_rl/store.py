@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ class RangeRead:
             raise InvariantViolation("range read needs a key")
         if self.src_offset < 0 or self.dst_offset < 0 or self.length <= 0:
             raise InvariantViolation(f"invalid range read {self}")
+
+
+RECORD_READ_ATTEMPTS = 5
 
 
 def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
@@ -200,13 +204,29 @@ class StoreClient:
         return _check(self._store.get_size(key), "get_size", f"key={key}")
 
     def get_bytes(self, key: str) -> bytes:
-        """Whole small object (records, manifests)."""
-        size = self.size(key)
-        data = self._store.get(key)
-        if len(data) != size:
-            raise mooncake_error(-800, "get", f"key={key} expected {size} bytes, got {len(data)}")
-        COUNTERS.add(read=size)
-        return bytes(data)
+        """Whole small object (records, manifests), read into a registered buffer.
+
+        A record replaced by ``upsert`` moments ago can briefly answer with a transfer error
+        while its new replica settles; such reads are retried a few times.
+        """
+        for attempt in range(RECORD_READ_ATTEMPTS):
+            size = self.size(key)
+            buffer = torch.empty(max(size, 1), dtype=torch.uint8)
+            self.register(buffer.data_ptr(), buffer.numel())
+            try:
+                code = self._store.get_into(key, buffer.data_ptr(), buffer.numel())
+            finally:
+                self.unregister(buffer.data_ptr())
+            if code == size:
+                COUNTERS.add(read=size)
+                return buffer[:size].numpy().tobytes()
+            error = mooncake_error(
+                code if code < 0 else -800, "get_into", f"key={key} size={size} got={code}"
+            )
+            if code == -704 or attempt + 1 == RECORD_READ_ATTEMPTS:
+                raise error
+            time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def read_ranges(self, buffer_ptr: int, reads: Sequence[RangeRead]) -> int:
         """Ranged reads into one registered buffer; every byte count is verified."""

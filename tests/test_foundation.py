@@ -116,11 +116,8 @@ def read_ranges_worker(settings: Settings, reads: list[RangeRead]) -> tuple[list
         return buffer.tolist(), (COUNTERS.snapshot() - before).store_read_bytes
 
 
-@pytest.mark.parametrize("metadata", ["http", "P2PHANDSHAKE"])
-def test_transfer_engine_write_between_processes(master: EmbeddedMaster, metadata: str) -> None:
-    settings = settings_for(
-        master, metadata=master.metadata_url if metadata == "http" else metadata
-    )
+def test_transfer_engine_write_between_processes(master: EmbeddedMaster) -> None:
+    settings = settings_for(master)
     source = pattern(7, 4096)
     with ProcessGroup() as group:
         addresses, release = group.queue(), group.queue()

@@ -5,9 +5,13 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-import torch
-
-from mooncake_rl.apply.worker import ApplyWorker, peers_from, region_of
+from mooncake_rl.apply.worker import (
+    ApplyWorker,
+    allocate_arena,
+    arena_views,
+    peers_from,
+    region_of,
+)
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.settings import Settings
 
@@ -17,15 +21,15 @@ def serve_worker(
 ) -> None:
     """Commands: ("prepare", stages) -> description; ("run", batches, descriptions) ->
     result; ("dump", region) -> bytes; ("stop",)."""
-    buffers = {name: torch.zeros(size, dtype=torch.uint8) for name, size in region_sizes.items()}
+    arena, regions = allocate_arena(region_sizes)
+    buffers = arena_views(arena, regions)
     worker = ApplyWorker(settings, worker_id)
     try:
         while True:
             command = inbox.get(timeout=300)
             try:
                 if command[0] == "prepare":
-                    regions = {name: region_of(name, t) for name, t in buffers.items()}
-                    worker.prepare(regions, command[1])
+                    worker.prepare(region_of("arena", arena), regions, command[1])
                     worker.promote()
                     outbox.put(("ok", worker.describe()))
                 elif command[0] == "run":

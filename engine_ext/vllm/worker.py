@@ -24,7 +24,13 @@ import torch
 
 from engine_ext.vllm.placement import RegionSpec, describe_shards
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
-from mooncake_rl.apply.worker import ApplyWorker, peers_from, region_of
+from mooncake_rl.apply.worker import (
+    ApplyWorker,
+    allocate_arena,
+    arena_views,
+    peers_from,
+    region_of,
+)
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.settings import Settings
 
@@ -52,6 +58,8 @@ class _UpdateState:
 
     def __init__(self, worker_id: str) -> None:
         self.apply = ApplyWorker(Settings().with_overrides(segment_bytes=0), worker_id)
+        self.arena: torch.Tensor | None = None
+        self.sizes: dict[str, int] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.slice: WorkerSlice | None = None
         self.mode: str | None = None
@@ -137,16 +145,15 @@ class MooncakeWorkerExtension:
                     f"direct mode needs stored dtype {raw['dtype']} to equal parameter dtype; "
                     f"{mismatched[0]} is {specs[mismatched[0]].dtype}"
                 )
-            buffers = {
-                n: _reuse(state.buffers.get(n), specs[n].nbytes) for n in worker_slice.regions
-            }
+        sizes = dict(worker_slice.regions)
+        if state.arena is None or state.sizes != sizes:
+            arena, regions = allocate_arena(sizes)  # kept across generations while unchanged
         else:
-            buffers = {
-                n: _reuse(state.buffers.get(n), size) for n, size in worker_slice.regions.items()
-            }
-        regions = {name: region_of(name, buffer) for name, buffer in buffers.items()}
-        state.apply.prepare(regions, worker_slice.stages)
-        state.buffers, state.slice, state.mode = buffers, worker_slice, mode
+            arena, regions = state.arena, state.apply.regions
+        state.apply.prepare(region_of("arena", arena), regions, worker_slice.stages)
+        state.arena, state.sizes = arena, sizes
+        state.buffers = arena_views(arena, regions)
+        state.slice, state.mode = worker_slice, mode
         state.layout = raw.get("layout", [])
         state.generation = generation
         return state.apply.describe()
@@ -245,13 +252,6 @@ class MooncakeWorkerExtension:
                     _copy_and_restore_kernel_tensors(layer, info)
                 info.reset()
             finalize_layerwise_reload(model, self.model_config)
-
-
-def _reuse(existing: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-    """Keep a staging buffer (and its registrations) when its size is unchanged."""
-    if existing is not None and existing.numel() == nbytes:
-        return existing
-    return torch.zeros(nbytes, dtype=torch.uint8)
 
 
 def _staged_tensors(state: _UpdateState) -> Iterator[tuple[str, torch.Tensor]]:

@@ -123,6 +123,18 @@ class RegistrationManager:
                 registrar.unregister(base)
             self._provisional[domain].clear()
 
+    def release(self, bases: Iterable[int]) -> None:
+        """Buffers about to be freed: unregister their exact bases everywhere.
+
+        A freed buffer left registered would let a later allocation inside its span be
+        mistaken for already-registered memory.
+        """
+        for base in bases:
+            for domain, registrar in self._registrars.items():
+                for table in (self._persistent[domain], self._provisional[domain]):
+                    if table.pop(base, None) is not None:
+                        registrar.unregister(base)
+
     def reconnect(self, registrars: dict[Domain, Registrar]) -> None:
         """New clients (new epoch): old registrations died with the old clients."""
         self.epoch += 1

@@ -15,16 +15,40 @@ import torch
 from mooncake_rl.apply.executor import Batch, Peer, StageResult, WorkerExecutor
 from mooncake_rl.apply.registration import Domain, Region, RegistrationManager
 from mooncake_rl.engine import TransferEngineClient
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
+
+ALIGN = 64
 
 
 def region_of(name: str, tensor: torch.Tensor) -> Region:
     if not tensor.is_contiguous():
-        raise ValueError(f"region {name} must be contiguous")
+        raise InvariantViolation(f"region {name} must be contiguous")
     return Region(
         name, tensor.data_ptr(), tensor.numel() * tensor.element_size(), str(tensor.device)
     )
+
+
+def allocate_arena(sizes: Mapping[str, int]) -> tuple[torch.Tensor, dict[str, Region]]:
+    """One zeroed buffer holding every region, 64-byte aligned, in name order.
+
+    A worker registers its arena once. Transfer Engine peers cache a segment's buffer list at
+    their first handshake, so registering more memory later would be invisible to them; a
+    new arena therefore comes with a new TE endpoint (see :meth:`ApplyWorker.prepare`).
+    """
+    offsets, cursor = {}, 0
+    for name in sorted(sizes):
+        offsets[name] = cursor
+        cursor += (sizes[name] + ALIGN - 1) // ALIGN * ALIGN
+    arena = torch.zeros(max(cursor, ALIGN), dtype=torch.uint8)
+    base = arena.data_ptr()
+    return arena, {n: Region(n, base + offsets[n], sizes[n]) for n in sorted(sizes)}
+
+
+def arena_views(arena: torch.Tensor, regions: Mapping[str, Region]) -> dict[str, torch.Tensor]:
+    base = arena.data_ptr()
+    return {n: arena[r.base - base : r.base - base + r.size] for n, r in regions.items()}
 
 
 class ApplyWorker:
@@ -37,6 +61,7 @@ class ApplyWorker:
             worker_id, {Domain.STORE: self.store, Domain.ENGINE: self.engine}
         )
         self.regions: dict[str, Region] = {}
+        self.arena: Region | None = None
 
     def describe(self) -> dict[str, Any]:
         """What peers need to write here: TE endpoint, node and region addresses."""
@@ -47,14 +72,34 @@ class ApplyWorker:
             "regions": {n: {"base": r.base, "size": r.size} for n, r in self.regions.items()},
         }
 
-    def prepare(self, regions: Mapping[str, Region], stages: Sequence[Sequence[Batch]]) -> None:
-        """Register (provisionally) and validate every local range; touches no bytes."""
+    def prepare(
+        self, arena: Region, regions: Mapping[str, Region], stages: Sequence[Sequence[Batch]]
+    ) -> None:
+        """Validate every local range and register the arena; touches no bytes.
+
+        A different arena than last time means new memory: the old one is unregistered and
+        the TE endpoint is replaced (a new epoch), so no peer writes with a stale view.
+        """
         executor = WorkerExecutor(
             self.store, self.engine, regions, self.settings.staging_watermark_bytes
         )
         for batches in stages:
             executor.validate(batches)
-        self.registrations.provision(regions.values())
+        for region in regions.values():
+            if not (
+                arena.base <= region.base and region.base + region.size <= arena.base + arena.size
+            ):
+                raise InvariantViolation(f"region {region.name} lies outside the worker's arena")
+        if self.arena is not None and (self.arena.base, self.arena.size) != (
+            arena.base,
+            arena.size,
+        ):
+            self.registrations.release([self.arena.base])
+            self.engine.close()
+            self.engine = TransferEngineClient(self.settings)
+            self.registrations.reconnect({Domain.STORE: self.store, Domain.ENGINE: self.engine})
+        self.registrations.provision([arena])
+        self.arena = arena
         self.regions = dict(regions)
 
     def promote(self) -> None:

@@ -42,6 +42,15 @@ class RoutingTable:
     def store_read_bytes(self) -> int:
         return sum(op.length for _, _, b in self.ops() for op in b.reads)
 
+    def received_bytes(self) -> dict[str, int]:
+        """Bytes landing in each worker's regions: its own reads plus pushes into it."""
+        received: dict[str, int] = defaultdict(int)
+        for worker, _, batch in self.ops():
+            received[worker] += sum(op.length for op in batch.reads)
+            for op in batch.pushes:
+                received[op.peer] += op.length
+        return dict(received)
+
     def pushed_bytes(self, topology: Topology) -> tuple[int, int]:
         """(cross-node, intra-node) pushed bytes."""
         cross = intra = 0
