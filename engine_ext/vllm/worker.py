@@ -138,13 +138,12 @@ class MooncakeWorkerExtension:
                     raise ValueError(
                         f"region {name} is {specs[name].nbytes} bytes, slice says {nbytes}"
                     )
-            wanted_dtype = DTYPES[raw["dtype"]]
-            mismatched = [n for n in worker_slice.regions if specs[n].dtype != wanted_dtype]
-            if mismatched:
-                raise ValueError(
-                    f"direct mode needs stored dtype {raw['dtype']} to equal parameter dtype; "
-                    f"{mismatched[0]} is {specs[mismatched[0]].dtype}"
-                )
+            for name, stored in raw["region_dtypes"].items():
+                if specs[name].dtype != DTYPES[stored]:
+                    raise ValueError(
+                        f"direct mode needs stored dtype {stored} to equal parameter dtype; "
+                        f"{name} is {str(specs[name].dtype).removeprefix('torch.')}"
+                    )
         sizes = dict(worker_slice.regions)
         if state.arena is None or state.sizes != sizes:
             arena, regions = allocate_arena(sizes)  # kept across generations while unchanged

@@ -11,8 +11,10 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mooncake.reshard.weight import (
+    OwnershipAxis,
     ParallelRank,
     ParallelTopology,
     PlacementFragment,
@@ -142,8 +144,13 @@ def direct_demands(
 ) -> list[Demand]:
     """Direct mode for one engine: its TP ranks' exact shards, planned by mooncake.reshard."""
     layout = source_layout(manifest)
-    placement, destination = _placement(manifest, engine_shards, tp_size)
-    plan = plan_stored_transfer_to_target_placement(manifest, placement)
+    try:
+        placement, destination = _placement(manifest, engine_shards, tp_size)
+        plan = plan_stored_transfer_to_target_placement(manifest, placement)
+    except ValueError as error:  # mooncake.reshard states the violated contract
+        raise InvariantViolation(
+            f"engine placement rejected by mooncake.reshard: {error}"
+        ) from error
     prefix = f"{manifest.group_id}/payload/"
     demands = []
     for op in plan.operations:
@@ -213,11 +220,15 @@ def _placement(
         )
         if len(split) > 1:
             raise InvariantViolation(f"{name} is split along several dimensions {split}")
-        axes = (
-            (SplitAxis("tp", split[0]),)
-            if split
-            else ((ReplicatedAxis("tp"),) if tp_size > 1 else ())
-        )
+        holders = {shard.tp_rank for shard in tensor_shards}
+        if split:
+            axes: tuple[Any, ...] = (SplitAxis("tp", split[0]),)
+        elif tp_size == 1:
+            axes = ()
+        elif len(holders) == tp_size:
+            axes = (ReplicatedAxis("tp"),)
+        else:
+            axes = (OwnershipAxis("tp"),)  # e.g. an expert owned by one rank under EP
         target = TensorDescriptor(
             tensor_id=name,
             global_shape=descriptor.global_shape,

@@ -41,7 +41,7 @@ class RoutingPlan:
     table: RoutingTable
     regions: Mapping[str, Mapping[str, int]]
     layout: tuple[dict[str, Any], ...]
-    dtype: str | None
+    region_dtypes: Mapping[str, Mapping[str, str]]  # direct mode: stored dtype per region
     unique_demand_bytes: int
     node_nic_bytes: Mapping[str, int]
 
@@ -89,7 +89,7 @@ class UpdatePlan:
             worker: {
                 "slice": encode_slice(self.worker_slice(worker)),
                 "layout": list(self.routing.layout),
-                "dtype": self.routing.dtype,
+                "region_dtypes": dict(self.routing.region_dtypes.get(worker, {})),
             }
             for worker in self.engines[url]
         }
@@ -144,17 +144,14 @@ def plan_routing(
     topology = Topology({w["worker_id"]: w["node"] for w in workers})
     layout = source_layout(manifest)
     regions: dict[str, dict[str, int]] = {}
-    dtype = None
+    region_dtypes: dict[str, dict[str, str]] = {}
     if mode == "compat":
         entries, total = compat_layout(layout)
         demands = compat_demands(layout, topology.node_of)
         regions = {w: {COMPAT_REGION: total} for w in topology.node_of}
         layout_rows = tuple(e.to_json() for e in entries)
     else:
-        dtypes = {t.dtype for t in manifest.tensors}
-        if len(dtypes) != 1:
-            raise InvariantViolation(f"direct mode needs one stored dtype, found {sorted(dtypes)}")
-        dtype = dtypes.pop()
+        stored = {t.tensor_id: t.dtype for t in manifest.tensors}
         demands = []
         for engine_workers in engines.values():
             demands += _engine_direct_demands(manifest, engine_workers)
@@ -162,6 +159,7 @@ def plan_routing(
             regions[worker["worker_id"]] = {
                 name: spec["bytes"] for name, spec in worker["regions"].items()
             }
+            region_dtypes[worker["worker_id"]] = _region_dtypes(worker, stored)
         layout_rows = ()
     ranges = merge_demands(demands)
     assignments = assign_readers(ranges, topology, batch_bytes)
@@ -173,10 +171,22 @@ def plan_routing(
         table,
         regions,
         layout_rows,
-        dtype,
+        region_dtypes,
         unique_bytes(ranges),
         nic_bytes(assignments, topology),
     )
+
+
+def _region_dtypes(worker: Mapping[str, Any], stored: Mapping[str, str]) -> dict[str, str]:
+    """The stored dtype landing in each region; one region never mixes dtypes."""
+    dtypes: dict[str, str] = {}
+    for shard in worker["shards"]:
+        dtype = stored.get(shard["tensor"])
+        if dtype is None:
+            continue  # reported by the placement check
+        if dtypes.setdefault(shard["region"], dtype) != dtype:
+            raise InvariantViolation(f"region {shard['region']} would receive mixed dtypes")
+    return dtypes
 
 
 def _engine_direct_demands(
