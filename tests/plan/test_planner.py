@@ -322,7 +322,7 @@ def test_validator_rejects_corrupted_tables() -> None:
             worker: ((replace(batch, reads=(cases["uncovered"],)),), stages[1]),
         }
     )
-    with pytest.raises(InvariantViolation, match="uncovered|before holding"):
+    with pytest.raises(InvariantViolation, match=r"uncovered|before holding"):
         validate_routing(short, demands, sizes, routing.topology)
     doubled = RoutingTable(
         {**routing.table.stages, worker: ((replace(batch, reads=(read, read)),), stages[1])}
