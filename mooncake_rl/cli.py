@@ -127,7 +127,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mooncake_rl.demo import run_demo
+    from engine_ext.vllm.demo import run_demo
 
     return run_demo()
 
