@@ -8,66 +8,10 @@ import pytest
 import torch
 
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
+from mooncake_rl.apply.process import WorkerCluster
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from tests.conftest import settings_for
-from tests.procs import CTX
-from tests.workers import serve_worker
-
-
-class Cluster:
-    """Worker processes on node labels, each with its own inbox/outbox."""
-
-    def __init__(
-        self,
-        master: EmbeddedMaster,
-        workers: dict[str, str],
-        regions: dict[str, int],
-        **overrides: Any,
-    ) -> None:
-        self.inboxes: dict[str, Any] = {}
-        self.outboxes: dict[str, Any] = {}
-        self.processes = {}
-        for worker_id, node in workers.items():
-            self.inboxes[worker_id], self.outboxes[worker_id] = CTX.Queue(), CTX.Queue()
-            settings = settings_for(master, node, segment_bytes=0, **overrides)
-            process = CTX.Process(
-                target=serve_worker,
-                args=(
-                    settings,
-                    worker_id,
-                    regions,
-                    self.inboxes[worker_id],
-                    self.outboxes[worker_id],
-                ),
-            )
-            process.start()
-            self.processes[worker_id] = process
-
-    def call(self, worker_id: str, *command: Any) -> Any:
-        self.inboxes[worker_id].put(command)
-        status, value = self.outboxes[worker_id].get(timeout=120)
-        if status != "ok":
-            raise RuntimeError(value)
-        return value
-
-    def call_all(self, commands: dict[str, tuple]) -> dict[str, Any]:
-        for worker_id, command in commands.items():
-            self.inboxes[worker_id].put(command)
-        results = {}
-        for worker_id in commands:
-            status, value = self.outboxes[worker_id].get(timeout=120)
-            results[worker_id] = (status, value)
-        return results
-
-    def close(self) -> None:
-        for worker_id, process in self.processes.items():
-            if process.is_alive():
-                self.inboxes[worker_id].put(("stop",))
-                process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
 
 
 def put_objects(master: EmbeddedMaster, holder_segment: str, objects: dict[str, bytes]) -> None:
@@ -90,10 +34,13 @@ def blob(seed: int, size: int) -> bytes:
 
 @pytest.fixture
 def cluster(master: EmbeddedMaster):
-    clusters: list[Cluster] = []
+    clusters: list[WorkerCluster] = []
 
-    def make(workers: dict[str, str], regions: dict[str, int], **overrides: Any) -> Cluster:
-        clusters.append(Cluster(master, workers, regions, **overrides))
+    def make(workers: dict[str, str], regions: dict[str, int], **overrides: Any) -> WorkerCluster:
+        settings = {
+            w: settings_for(master, n, segment_bytes=0, **overrides) for w, n in workers.items()
+        }
+        clusters.append(WorkerCluster(settings, dict.fromkeys(workers, regions)))
         return clusters[-1]
 
     yield make

@@ -7,7 +7,6 @@ shards must hold, computed independently with numpy slicing.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.plan.demand import COMPAT_REGION, Demand, Shard, direct_demands
 from mooncake_rl.plan.routing import validate_routing
+from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, plan_routing, plan_update
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
@@ -50,55 +50,6 @@ def clusters(draw: Any) -> list[tuple[str, int]]:
 def object_bytes(specs: list[TensorSpec], seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
-
-
-def tp_shards(spec: TensorSpec, tp: int, worker: str, rank: int) -> Shard:
-    """Split along the first dim divisible by tp; otherwise replicated."""
-    for dim, extent in enumerate(spec.shape):
-        if tp > 1 and extent % tp == 0:
-            local = list(spec.shape)
-            local[dim] = extent // tp
-            offset = [0] * len(spec.shape)
-            offset[dim] = rank * local[dim]
-            return Shard(worker, rank, spec.name, tuple(offset), tuple(local), spec.name, 0)
-    return Shard(worker, rank, spec.name, (0,) * len(spec.shape), spec.shape, spec.name, 0)
-
-
-def describe(
-    specs: list[TensorSpec], cluster: list[tuple[str, int]], mode: str
-) -> dict[str, list[dict]]:
-    by_name = {s.name: s for s in specs}
-    engines = {}
-    for e, (node, tp) in enumerate(cluster):
-        workers = []
-        for rank in range(tp):
-            worker = f"e{e}/tp{rank}"
-            shards = [tp_shards(s, tp, worker, rank) for s in specs] if mode == "direct" else []
-            workers.append(
-                {
-                    "worker_id": worker,
-                    "node": node,
-                    "tp_rank": rank,
-                    "tp_size": tp,
-                    "regions": {
-                        s.tensor: {"bytes": math.prod(s.local_shape) * by_name[s.tensor].itemsize}
-                        for s in shards
-                    },
-                    "shards": [
-                        {
-                            "tensor": s.tensor,
-                            "global_shape": list(by_name[s.tensor].shape),
-                            "global_offset": list(s.global_offset),
-                            "local_shape": list(s.local_shape),
-                            "region": s.region,
-                            "region_offset": s.region_offset,
-                        }
-                        for s in shards
-                    ],
-                }
-            )
-        engines[f"http://engine{e}"] = workers
-    return engines
 
 
 def simulate(plan: Any, objects: dict[str, np.ndarray]) -> dict[tuple[str, str], np.ndarray]:
@@ -145,7 +96,7 @@ def test_plans_deliver_exactly_the_demanded_bytes_reading_each_once(
     specs: list[TensorSpec], cluster: list[tuple[str, int]], mode: str, batch_bytes: int, seed: int
 ) -> None:
     manifest = build_manifest("m", 1, specs, "now")
-    engines = describe(specs, cluster, mode)
+    engines = simulated_engines(specs, cluster, mode)
     plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache())
     objects = object_bytes(specs, seed)
     memory = simulate(plan, objects)
@@ -192,7 +143,7 @@ def test_plans_deliver_exactly_the_demanded_bytes_reading_each_once(
 
 def test_cache_hit_recomputes_nothing_and_binds_the_new_generation() -> None:
     specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
-    engines = describe(specs, [("n0", 2), ("n1", 1)], "direct")
+    engines = simulated_engines(specs, [("n0", 2), ("n1", 1)], "direct")
     cache = RoutingCache()
     first = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, cache)
     second = plan_update(build_manifest("m", 2, specs, "later"), engines, "direct", 64, cache)
@@ -291,7 +242,7 @@ def test_experts_owned_by_one_rank_are_read_once_by_their_owner() -> None:
 def test_validator_rejects_corrupted_tables() -> None:
     specs = [TensorSpec("a", (16,), "float32")]
     manifest = build_manifest("m", 1, specs, "now")
-    engines = describe(specs, [("n0", 1), ("n1", 1)], "compat")
+    engines = simulated_engines(specs, [("n0", 1), ("n1", 1)], "compat")
     routing = plan_routing(manifest, engines, "compat", 1 << 20)
     demands = [Demand("a", 0, 64, w, COMPAT_REGION, 0) for w in routing.topology.node_of]
     sizes = {"a": 64}

@@ -1,0 +1,174 @@
+"""Apply throughput: ``python -m bench.apply --size 1GiB --workers 4 --nodes 2 --mode direct``.
+
+Publishes a synthetic model, plans an update for simulated workers (one process each, split
+over node labels), runs it with real Store reads and TE pushes, and prints one JSON object:
+this project's figures, the raw TE loopback GB/s measured in the same run, the pipeline
+efficiency, and the same update done naively (every worker reads all it needs itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+from bench.common import parse_size, store_services, synthetic_model
+from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
+from mooncake_rl.apply.process import WorkerCluster, run_planned_update
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
+from mooncake_rl.store import StoreClient
+
+
+def cluster_shape(workers: int, nodes: int, mode: str) -> list[tuple[str, int]]:
+    """compat: one TP=1 engine per worker; direct: one TP engine per node (DP replicas)."""
+    if mode == "compat":
+        return [(f"node{w % nodes}", 1) for w in range(workers)]
+    return [(f"node{n}", workers // nodes) for n in range(nodes)]
+
+
+def _chunked(reads: list[ReadOp], batch_bytes: int) -> tuple[Batch, ...]:
+    batches, current, size = [], [], 0
+    for read in reads:
+        if current and size + read.length > batch_bytes:
+            batches.append(Batch(tuple(current), ()))
+            current, size = [], 0
+        current.append(read)
+        size += read.length
+    return (*batches, Batch(tuple(current), ())) if current else tuple(batches)
+
+
+def naive(plan: UpdatePlan, batch_bytes: int) -> UpdatePlan:
+    """The baseline: every worker reads everything it needs from the Store itself.
+
+    Follows each piece from its read through the pushes that forward it, then gives every
+    destination its own read of the same source bytes and drops all pushes.
+    """
+    origin: dict[tuple[str, str, int], tuple[str, int]] = {}
+    for stage in range(plan.stages):
+        for worker in sorted(plan.routing.table.stages):
+            for batch in plan.routing.table.batches(worker)[stage]:
+                for read in batch.reads:
+                    origin[(worker, read.region, read.dst_offset)] = (read.key, read.src_offset)
+                for push in batch.pushes:
+                    origin[(push.peer, push.dst_region, push.dst_offset)] = origin[
+                        (worker, push.src_region, push.src_offset)
+                    ]
+    lengths = {}
+    for worker, _, batch in plan.routing.table.ops():
+        for op in (*batch.reads, *batch.pushes):
+            key = (
+                (worker, op.region, op.dst_offset)
+                if isinstance(op, ReadOp)
+                else (op.peer, op.dst_region, op.dst_offset)
+            )
+            lengths[key] = op.length
+    reads: dict[str, list[ReadOp]] = {}
+    for (worker, region, offset), (key, src) in sorted(origin.items()):
+        reads.setdefault(worker, []).append(
+            ReadOp(key, src, region, offset, lengths[(worker, region, offset)])
+        )
+    stages = {w: (_chunked(reads.get(w, []), batch_bytes), ()) for w in plan.routing.regions}
+    return replace(
+        plan, routing=replace(plan.routing, table=replace(plan.routing.table, stages=stages))
+    )
+
+
+def measure(cluster: WorkerCluster, plan: UpdatePlan) -> dict[str, object]:
+    run = run_planned_update(cluster, plan)
+    delivered = sum(plan.routing.table.received_bytes().values())
+    return {
+        "update_seconds": round(run["seconds"], 4),
+        "update_gbps": round(delivered / run["seconds"] / 1e9, 3),
+        "delivered_bytes": delivered,
+        "store_read_bytes": sum(w["read"] for w in run["workers"].values()),
+        "pushed_bytes": sum(w["pushed"] for w in run["workers"].values()),
+        "peak_staging_bytes": max(w["peak_staging"] for w in run["workers"].values()),
+    }
+
+
+def raw_te_gbps(cluster: WorkerCluster, region_sizes: dict[str, dict[str, int]]) -> float:
+    """One worker writes its largest region into another worker's, in 64 MiB batches."""
+    first, second = sorted(region_sizes)[:2]
+    region = max(region_sizes[first], key=lambda r: region_sizes[first][r])
+    size = min(region_sizes[first][region], region_sizes[second].get(region, 0)) or 0
+    if size == 0:
+        return float("nan")
+    chunk = 64 << 20
+    batches = tuple(
+        Batch((), (PushOp(second, region, o, region, o, min(chunk, size - o)),))
+        for o in range(0, size, chunk)
+    )
+    descriptions = [cluster.call(w, "prepare", [()]) for w in (first, second)]
+    started = time.perf_counter()
+    cluster.call(first, "run", batches, descriptions)
+    return size / (time.perf_counter() - started) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", default="1GiB")
+    parser.add_argument("--tensors", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--mode", choices=["compat", "direct"], default="direct")
+    parser.add_argument("--batch", default="64MiB")
+    args = parser.parse_args()
+    model = synthetic_model(parse_size(args.size), args.tensors)
+    total = sum(t.numel() * t.element_size() for _, t in model)
+    with store_services(int(total * 1.2) + (64 << 20)) as (_, _, settings):
+        with StoreClient(settings) as store:
+            record = publish_local(store, "bench-apply", model, dtype="bfloat16")
+            from mooncake_rl.generations.registry import GenerationRegistry
+
+            manifest = GenerationRegistry(store, "bench-apply").load_manifest(record.generation)
+        del model
+        engines = simulated_engines(
+            specs_of_manifest(manifest),
+            cluster_shape(args.workers, args.nodes, args.mode),
+            args.mode,
+        )
+        plan = plan_update(manifest, engines, args.mode, parse_size(args.batch), RoutingCache())
+        nodes = {w["worker_id"]: w["node"] for ws in engines.values() for w in ws}
+        batch_bytes = parse_size(args.batch)
+        worker_settings = {
+            w: settings.with_overrides(
+                node=n, batch_bytes=batch_bytes, staging_watermark_bytes=4 * batch_bytes
+            )
+            for w, n in nodes.items()
+        }
+        with WorkerCluster(worker_settings, plan.routing.regions) as cluster:
+            raw = raw_te_gbps(cluster, {w: dict(r) for w, r in plan.routing.regions.items()})
+            ours = measure(cluster, plan)
+            baseline = measure(cluster, naive(plan, batch_bytes))
+    print(
+        json.dumps(
+            {
+                "bench": "apply",
+                "mode": args.mode,
+                "workers": args.workers,
+                "nodes": args.nodes,
+                "model_bytes": total,
+                "unique_demand_bytes": plan.unique_demand_bytes,
+                **ours,
+                "raw_te_gbps": round(raw, 3),
+                "pipeline_efficiency": round(ours["update_gbps"] / raw, 3),
+                "naive": baseline,
+                "store_read_ratio_naive_over_ours": round(
+                    baseline["store_read_bytes"] / ours["store_read_bytes"], 3
+                ),
+            }
+        )
+    )
+
+
+def specs_of_manifest(manifest: object) -> list:
+    from mooncake_rl.generations.catalog import specs_of as manifest_specs
+
+    return manifest_specs(manifest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Shared benchmark plumbing: sizes, synthetic models, services."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from mooncake_rl.generations.catalog import TensorSpec
+from mooncake_rl.services import EmbeddedMaster, SegmentHolder
+from mooncake_rl.settings import Settings
+
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    for unit, factor in UNITS.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def synthetic_model(
+    total_bytes: int, tensors: int, dtype: torch.dtype = torch.bfloat16
+) -> list[tuple[str, torch.Tensor]]:
+    """Mixed sizes whose rows split evenly over TP 1, 2, 4 and 8; one large embedding-like one."""
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.rand(tensors, generator=generator) + 0.05
+    weights[0] = weights[1:].sum() / 7
+    elements = (weights / weights.sum() * total_bytes / dtype.itemsize).long()
+    out = []
+    for index, count in enumerate(elements.tolist()):
+        rows = max(8, (count // 512) // 8 * 8)
+        out.append((f"w{index}", torch.randn(rows, 512, generator=generator).to(dtype)))
+    return out
+
+
+def specs_of(model: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [
+        TensorSpec.of(name, tensor, str(tensor.dtype).removeprefix("torch."))
+        for name, tensor in model
+    ]
+
+
+@contextlib.contextmanager
+def store_services(segment_bytes: int) -> Iterator[tuple[EmbeddedMaster, SegmentHolder, Settings]]:
+    with (
+        EmbeddedMaster() as master,
+        SegmentHolder(master.master_address, master.metadata_url, segment_bytes) as holder,
+    ):
+        yield (
+            master,
+            holder,
+            Settings(
+                master=master.master_address,
+                metadata=master.metadata_url,
+                segment_bytes=0,
+                local_segment=holder.segment,
+                buffer_bytes=16 << 20,
+            ),
+        )

@@ -1,0 +1,154 @@
+"""A simulated rollout worker in its own process: an ApplyWorker driven over queues.
+
+Tests and benchmarks run several of these on different node labels to exercise the data
+plane across real processes without an inference engine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from mooncake_rl.apply.worker import (
+    ApplyWorker,
+    allocate_arena,
+    arena_views,
+    peers_from,
+    region_of,
+)
+from mooncake_rl.counters import COUNTERS
+from mooncake_rl.plan.update import UpdatePlan
+from mooncake_rl.settings import Settings
+
+
+def serve_worker(
+    settings: Settings, worker_id: str, region_sizes: dict[str, int], inbox: Any, outbox: Any
+) -> None:
+    """Commands: ("prepare", stages) -> description; ("run", batches, descriptions) ->
+    result; ("dump", region) -> bytes; ("stop",)."""
+    arena, regions = allocate_arena(region_sizes)
+    buffers = arena_views(arena, regions)
+    worker = ApplyWorker(settings, worker_id)
+    try:
+        while True:
+            command = inbox.get(timeout=300)
+            try:
+                if command[0] == "prepare":
+                    worker.prepare(region_of("arena", arena), regions, command[1])
+                    worker.promote()
+                    outbox.put(("ok", worker.describe()))
+                elif command[0] == "run":
+                    before = COUNTERS.snapshot()
+                    result = worker.run_stage(command[1], peers_from(command[2]))
+                    delta = COUNTERS.snapshot() - before
+                    outbox.put(("ok", {"result": result, "counters": delta}))
+                elif command[0] == "dump":
+                    outbox.put(("ok", buffers[command[1]].numpy().tobytes()))
+                elif command[0] == "stop":
+                    outbox.put(("ok", None))
+                    return
+            except Exception as error:
+                outbox.put(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        worker.close()
+
+
+class WorkerCluster:
+    """Worker processes (spawned) on node labels, each with its own inbox and outbox."""
+
+    def __init__(
+        self,
+        settings_by_worker: Mapping[str, Settings],
+        region_sizes: Mapping[str, Mapping[str, int]],
+    ) -> None:
+        context = mp.get_context("spawn")
+        self.inboxes: dict[str, Any] = {}
+        self.outboxes: dict[str, Any] = {}
+        self.processes: dict[str, Any] = {}
+        for worker_id, settings in settings_by_worker.items():
+            self.inboxes[worker_id], self.outboxes[worker_id] = context.Queue(), context.Queue()
+            process = context.Process(
+                target=serve_worker,
+                args=(
+                    settings,
+                    worker_id,
+                    dict(region_sizes[worker_id]),
+                    self.inboxes[worker_id],
+                    self.outboxes[worker_id],
+                ),
+            )
+            process.start()
+            self.processes[worker_id] = process
+
+    def call(self, worker_id: str, *command: Any, timeout_s: float = 600) -> Any:
+        status, value = self.call_all({worker_id: command}, timeout_s)[worker_id]
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def call_all(
+        self, commands: Mapping[str, tuple], timeout_s: float = 600
+    ) -> dict[str, tuple[str, Any]]:
+        """Send every command first (so workers run concurrently), then collect replies."""
+        for worker_id, command in commands.items():
+            self.inboxes[worker_id].put(command)
+        replies = {}
+        for worker_id in commands:
+            try:
+                replies[worker_id] = self.outboxes[worker_id].get(timeout=timeout_s)
+            except queue.Empty:
+                alive = self.processes[worker_id].is_alive()
+                replies[worker_id] = (
+                    "error",
+                    f"no reply within {timeout_s}s (process alive: {alive})",
+                )
+        return replies
+
+    def close(self) -> None:
+        for worker_id, process in self.processes.items():
+            if process.is_alive():
+                self.inboxes[worker_id].put(("stop",))
+                process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def __enter__(self) -> WorkerCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_planned_update(
+    cluster: WorkerCluster, plan: UpdatePlan, timeout_s: float = 600
+) -> dict[str, Any]:
+    """Prepare every worker with its slice, then run each stage on all of them (a barrier).
+
+    Returns per-worker counter deltas and stage results plus the apply wall time.
+    """
+    workers = sorted(cluster.processes)
+    prepared = cluster.call_all(
+        {w: ("prepare", plan.worker_slice(w).stages) for w in workers}, timeout_s
+    )
+    failed = {w: v for w, (status, v) in prepared.items() if status != "ok"}
+    if failed:
+        raise RuntimeError(f"prepare failed: {failed}")
+    descriptions = [value for _, value in prepared.values()]
+    started = time.perf_counter()
+    totals: dict[str, Any] = {w: {"read": 0, "pushed": 0, "peak_staging": 0} for w in workers}
+    for stage in range(plan.stages):
+        commands = {w: ("run", plan.worker_slice(w).stages[stage], descriptions) for w in workers}
+        for worker, (status, value) in cluster.call_all(commands, timeout_s).items():
+            if status != "ok":
+                raise RuntimeError(f"{worker} failed in stage {stage}: {value}")
+            totals[worker]["read"] += value["counters"].store_read_bytes
+            totals[worker]["pushed"] += value["counters"].te_pushed_bytes
+            totals[worker]["peak_staging"] = max(
+                totals[worker]["peak_staging"], value["result"].peak_staging_bytes
+            )
+    return {"seconds": time.perf_counter() - started, "workers": totals}

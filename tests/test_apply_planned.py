@@ -1,0 +1,109 @@
+"""Planned updates on 4 worker processes over 2 node labels, real Store and TE, both modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mooncake_rl.apply.process import WorkerCluster, run_planned_update
+from mooncake_rl.generations.catalog import specs_of
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.plan.demand import COMPAT_REGION
+from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.update import RoutingCache, plan_update
+from mooncake_rl.services import EmbeddedMaster
+from mooncake_rl.store import StoreClient
+from tests.conftest import settings_for, trainer_settings
+
+CLUSTERS = {
+    "compat": [("node-a", 1), ("node-a", 1), ("node-b", 1), ("node-b", 1)],
+    "direct": [("node-a", 2), ("node-b", 2)],
+}
+
+
+def random_model(seed: int) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(64, 32), (8, 96), (128,), (16, 4, 8), (40, 40), (2, 2)]
+    return [(f"t{i}", torch.randn(shape, generator=generator)) for i, shape in enumerate(shapes)]
+
+
+def published(master: EmbeddedMaster, holders, model: str, seed: int):
+    with StoreClient(trainer_settings(master, holders("apply-store"), "trainer")) as store:
+        publish_local(store, model, random_model(seed), dtype="float32")
+        registry = GenerationRegistry(store, model)
+        return registry.load_manifest(registry.active().generation)
+
+
+def workers_for(master: EmbeddedMaster, engines: dict, **overrides: object) -> dict:
+    return {
+        w["worker_id"]: settings_for(
+            master,
+            w["node"],
+            segment_bytes=0,
+            batch_bytes=4096,
+            staging_watermark_bytes=16384,
+            **overrides,
+        )
+        for ws in engines.values()
+        for w in ws
+    }
+
+
+@pytest.mark.parametrize("mode", ["compat", "direct"])
+def test_planned_update_is_byte_exact_and_single_pull(
+    master: EmbeddedMaster, holders, mode: str
+) -> None:
+    manifest = published(master, holders, f"planned-{mode}", seed=11)
+    engines = simulated_engines(specs_of(manifest), CLUSTERS[mode], mode)
+    plan = plan_update(manifest, engines, mode, 4096, RoutingCache())
+    with WorkerCluster(workers_for(master, engines), plan.routing.regions) as cluster:
+        run = run_planned_update(cluster, plan)
+        dumps = {
+            w: {r: cluster.call(w, "dump", r) for r in plan.routing.regions[w]}
+            for w in cluster.processes
+        }
+    tensors = {name: t.numpy() for name, t in random_model(11)}
+    if mode == "compat":
+        for regions in dumps.values():
+            for entry in plan.routing.layout:
+                raw = tensors[entry["name"]].tobytes()
+                assert regions[COMPAT_REGION][entry["offset"] : entry["offset"] + len(raw)] == raw
+    else:
+        for ws in engines.values():
+            for w in ws:
+                for shard in w["shards"]:
+                    box = tuple(
+                        slice(o, o + n)
+                        for o, n in zip(shard["global_offset"], shard["local_shape"], strict=True)
+                    )
+                    assert (
+                        dumps[w["worker_id"]][shard["region"]]
+                        == np.ascontiguousarray(tensors[shard["tensor"]][box]).tobytes()
+                    )
+    reads = sum(w["read"] for w in run["workers"].values())
+    pushed = sum(w["pushed"] for w in run["workers"].values())
+    assert reads == plan.unique_demand_bytes == plan.store_read_bytes
+    assert reads == sum(t.nbytes for t in tensors.values())
+    assert pushed == plan.pushed_bytes
+    assert max(w["peak_staging"] for w in run["workers"].values()) <= 16384
+
+
+def test_dead_reader_makes_prepare_fail_with_nothing_written(
+    master: EmbeddedMaster, holders
+) -> None:
+    manifest = published(master, holders, "planned-dead", seed=12)
+    engines = simulated_engines(specs_of(manifest), CLUSTERS["compat"], "compat")
+    plan = plan_update(manifest, engines, "compat", 4096, RoutingCache())
+    with WorkerCluster(workers_for(master, engines), plan.routing.regions) as cluster:
+        victim = sorted(cluster.processes)[-1]
+        cluster.processes[victim].kill()
+        cluster.processes[victim].join()
+        with pytest.raises(RuntimeError, match=r"prepare failed: .*process alive: False"):
+            run_planned_update(cluster, plan, timeout_s=20)
+        for worker in cluster.processes:
+            if worker != victim:
+                assert cluster.call(worker, "dump", COMPAT_REGION) == bytes(
+                    plan.routing.regions[worker][COMPAT_REGION]
+                )
