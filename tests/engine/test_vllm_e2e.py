@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.timeout(900)  # two vLLM servers start inside the module fixture
 
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
