@@ -100,6 +100,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from mooncake_rl.generations.commands import verify_generation
+
+    with _store(args) as store:
+        report = verify_generation(store, args.name, args.generation)
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
 def cmd_update(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -172,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep", type=int, default=2)
     _client_flags(gc)
     gc.set_defaults(func=cmd_gc)
+
+    verify = commands.add_parser("verify", help="check a generation is whole in the Store")
+    verify.add_argument("--name", required=True)
+    verify.add_argument("--generation", type=int, help="default: the active one")
+    _client_flags(verify)
+    verify.set_defaults(func=cmd_verify)
 
     update = commands.add_parser("update", help="bring engines to the active generation")
     update.add_argument("--name", required=True)

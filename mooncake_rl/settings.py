@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     )
     buffer_bytes: int = Field(64 * MiB, gt=0, description="client-local transfer buffer")
     batch_bytes: int = Field(64 * MiB, gt=0, description="bytes per pipeline batch")
+    lease_ttl_s: float = Field(
+        60.0, gt=0, description="serving lease lifetime; engines renew at 1/3"
+    )
     staging_watermark_bytes: int = Field(256 * MiB, gt=0, description="staging bytes in flight")
 
     @field_validator("master")

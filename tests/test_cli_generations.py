@@ -83,6 +83,16 @@ def test_publish_status_gc_round_trip(master: EmbeddedMaster, holders, tmp_path:
         == tensors["model.embed_tokens.weight"].numpy().tobytes()
     )
 
+    verified = run_cli(master, holder.segment, "verify", "--name", "cli-model")
+    assert verified.returncode == 0, verified.stderr
+    report = json.loads(verified.stdout)
+    assert (report["ok"], report["generation"], report["bytes"], report["problems"]) == (
+        True,
+        3,
+        288,
+        [],
+    )
+
     collected = run_cli(master, holder.segment, "gc", "--name", "cli-model", "--keep", "1")
     assert collected.returncode == 0, collected.stderr
     assert json.loads(collected.stdout)["deleted"] == [1, 2]
@@ -90,6 +100,8 @@ def test_publish_status_gc_round_trip(master: EmbeddedMaster, holders, tmp_path:
         run_cli(master, holder.segment, "status", "--name", "cli-model", "--json").stdout
     )
     assert [g["generation"] for g in after["generations"]] == [3]
+    gone = run_cli(master, holder.segment, "verify", "--name", "cli-model", "--generation", "1")
+    assert gone.returncode == 2 and "OBJECT_NOT_FOUND (-704)" in gone.stderr
 
 
 def test_cli_bad_input_is_refused_with_a_clear_error(

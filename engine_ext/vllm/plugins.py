@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from engine_ext.leases import renew_leases
 from engine_ext.receiver import Receiver
 from engine_ext.routes import build_router
 from engine_ext.vllm.backend import VllmBackend
@@ -34,6 +35,7 @@ class MooncakeEndpointPlugin:
 
     def __init__(self) -> None:
         self._receiver: Receiver | None = None
+        self._lease_task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
     def attach_router(self, app: FastAPI) -> None:
@@ -57,3 +59,5 @@ class MooncakeEndpointPlugin:
         model = loaded_name or extra.get("name") or (args.served_model_name or [args.model])[0]
         self._receiver = Receiver(backend, str(model), generation)
         self._ready.set()
+        if generation > 0:  # served from the Store: hold a lease on what we serve
+            self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))

@@ -27,6 +27,7 @@ def engine_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[
         "MOONCAKE_RL_NODE": settings.node,
         "MOONCAKE_RL_HOSTNAME": settings.hostname,
         "GLOG_minloglevel": "2",
+        "MOONCAKE_RL_LEASE_TTL_S": str(settings.lease_ttl_s),
     }
     if settings.auth_token is not None:
         env["MOONCAKE_RL_AUTH_TOKEN"] = settings.auth_token.get_secret_value()

@@ -63,3 +63,34 @@ def gc_generations(store: StoreClient, model: str, keep: int) -> dict[str, objec
         "removed_objects": report.removed_objects,
         "failures": dict(report.failures),
     }
+
+
+def verify_generation(
+    store: StoreClient, model: str, generation: int | None = None
+) -> dict[str, object]:
+    """Is a generation whole? Manifest digest, every payload present with its exact size."""
+    registry = GenerationRegistry(store, model)
+    active = registry.active()
+    if generation is None:
+        if active is None:
+            return {"model": model, "ok": False, "problems": ["no active generation"]}
+        generation = active.generation
+    digest = active.manifest_digest if active and active.generation == generation else None
+    manifest = registry.load_manifest(generation, digest)
+    keys = [f.object_key for f in manifest.fragments]
+    problems = [f"missing {k}" for k, ok in zip(keys, store.exists(keys), strict=True) if not ok]
+    for fragment in manifest.fragments:
+        if (
+            f"missing {fragment.object_key}" not in problems
+            and store.size(fragment.object_key) != fragment.nbytes
+        ):
+            problems.append(f"{fragment.object_key} has the wrong size")
+    return {
+        "model": model,
+        "generation": generation,
+        "ok": not problems,
+        "tensors": len(manifest.tensors),
+        "bytes": sum(f.nbytes for f in manifest.fragments),
+        "digest": manifest.manifest_digest,
+        "problems": problems,
+    }

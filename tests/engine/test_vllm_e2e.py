@@ -7,6 +7,7 @@ Two engines on two node labels: ``a`` (TP=1, bearer token) and ``b`` (TP=2).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,6 @@ import httpx
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.timeout(900)  # two vLLM servers start inside the module fixture
 
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
@@ -24,6 +24,7 @@ from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from tests.conftest import settings_for
 
+pytestmark = pytest.mark.timeout(900)  # two vLLM servers start inside the module fixture
 MODEL = "tiny-e2e"
 TOKEN = "s3cret"
 
@@ -32,7 +33,7 @@ class World:
     def __init__(self, root: Path, master: EmbeddedMaster, holder_segment: str) -> None:
         self.root = root
         self.settings = settings_for(
-            master, "coordinator", segment_bytes=0, local_segment=holder_segment
+            master, "coordinator", segment_bytes=0, local_segment=holder_segment, lease_ttl_s=6.0
         )
         self.dirs = [make_tiny_llama(root / "g1")]
         for seed in (1, 2, 3):
@@ -199,6 +200,19 @@ def test_prepare_failure_keeps_every_engine_on_its_generation(world: World) -> N
         status = engine.mooncake("GET", "status").json()
         assert (status["state"], status["generation"]) == ("serving", 3)
         assert engine.complete(PROMPT) == world.refs[2]
+
+
+def test_engines_hold_leases_on_what_they_serve(world: World) -> None:
+    from mooncake_rl.generations.gc import LeaseBook
+
+    deadline = time.monotonic() + 30
+    while True:
+        leases = LeaseBook(world.store, MODEL).leases()
+        served = {lease.generation for lease in leases.values() if lease.live(time.time())}
+        if len(leases) == 2 and served == {3}:
+            break
+        assert time.monotonic() < deadline, f"leases did not follow the served generation: {leases}"
+        time.sleep(0.5)
 
 
 def test_restarted_engine_serves_the_active_generation(world: World) -> None:
