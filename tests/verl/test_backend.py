@@ -1,0 +1,159 @@
+"""The ``mooncake_store`` engine as VeRL builds it: config, registry, topology, guards."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+from hydra import compose, initialize_config_dir
+from verl.checkpoint_engine import CheckpointEngineRegistry
+from verl.checkpoint_engine.base import CheckpointEngineWithCache
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.import_utils import import_external_libs
+from verl.workers.config import CheckpointEngineConfig
+
+from mooncake_rl.errors import ConfigurationError, InvariantViolation
+from tests.conftest import repo_root
+from verl_bridge.discovery import discover_engine_urls, policy_server_names, server_url
+
+DOCS = repo_root() / "docs" / "verl.md"
+
+
+def docs_yaml() -> str:
+    (block,) = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), flags=re.S)
+    return block
+
+
+def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
+    (tmp_path / "mooncake_store_trainer.yaml").write_text(docs_yaml())
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        config = compose(config_name="mooncake_store_trainer")
+    rollout = config.actor_rollout_ref.rollout
+    assert rollout.engine_kwargs.vllm.worker_extension_cls.endswith("VerlMooncakeExt")
+    checkpoint = omega_conf_to_dataclass(rollout.checkpoint_engine)
+    assert isinstance(checkpoint, CheckpointEngineConfig)
+
+    # The three places VeRL 0.9.1 resolves a backend: manager (driver), trainer, rollout.
+    import_external_libs(checkpoint.custom_backend_module or None)
+    backend_cls = CheckpointEngineRegistry.get(checkpoint.backend)
+    assert issubclass(backend_cls, CheckpointEngineWithCache)
+    assert not backend_cls.__abstractmethods__
+    bucket_size = checkpoint.update_weights_bucket_megabytes << 20
+    kwargs = checkpoint.engine_kwargs.get(checkpoint.backend, {})
+    trainer = CheckpointEngineRegistry.new(
+        checkpoint.backend, is_master=True, bucket_size=bucket_size, **kwargs
+    )
+    rollout_rank = CheckpointEngineRegistry.new(
+        checkpoint.backend, bucket_size=bucket_size, **kwargs
+    )
+    positional = CheckpointEngineRegistry.new(checkpoint.backend, bucket_size, False, **kwargs)
+    assert [type(e) for e in (trainer, rollout_rank, positional)] == [backend_cls] * 3
+    assert (trainer.is_master, rollout_rank.is_master, positional.is_master) == (
+        True,
+        False,
+        False,
+    )
+    assert trainer.config.model == "my-policy" and trainer.config.mode == "compat"
+    assert trainer.config.master == "10.0.0.1:50051" and trainer.config.protocol == "rdma"
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"model": "m", "master_address": "x:1"}, "unknown mooncake_store engine_kwargs"),
+        ({}, "needs engine_kwargs.mooncake_store.model"),
+        ({"model": "bad name"}, "model name"),
+        ({"model": "m", "mode": "fast"}, "mode must be one of"),
+        ({"model": "m", "dtype": "int8"}, "unknown rollout dtype"),
+        ({"model": "m", "engine_urls": ["127.0.0.1:8000"]}, "must start with http"),
+    ],
+)
+def test_bad_engine_kwargs_fail_at_construction(kwargs: dict, message: str) -> None:
+    import_external_libs("verl_bridge.backend")
+    with pytest.raises(ConfigurationError, match=message):
+        CheckpointEngineRegistry.new("mooncake_store", bucket_size=1 << 20, **kwargs)
+
+
+def test_engine_urls_accept_a_list_or_a_comma_separated_string() -> None:
+    import_external_libs("verl_bridge.backend")
+    listed = CheckpointEngineRegistry.new(
+        "mooncake_store", bucket_size=1, model="m", engine_urls=["http://a:1/", "http://b:2"]
+    )
+    joined = CheckpointEngineRegistry.new(
+        "mooncake_store", bucket_size=1, model="m", engine_urls="http://a:1, http://b:2"
+    )
+    assert listed.config.engine_urls == joined.config.engine_urls == ("http://a:1", "http://b:2")
+
+
+def test_topology_shares_one_fresh_sync_id_and_checks_the_master() -> None:
+    import_external_libs("verl_bridge.backend")
+    backend_cls = CheckpointEngineRegistry.get("mooncake_store")
+    metadata = [{"is_master": rank == 0} for rank in range(2)] + [{"is_master": False}] * 3
+    actor, rollout = backend_cls.build_topology(2, 3, metadata)
+    assert actor["role"] == ["trainer"] * 2 and rollout["role"] == ["rollout"] * 3
+    assert actor["rank"] == [0, 1] and rollout["rank"] == [0, 1, 2]
+    assert actor["world_size"] == [2, 2] and rollout["world_size"] == [3] * 3
+    assert len(set(actor["sync_id"] + rollout["sync_id"])) == 1
+    assert backend_cls.build_topology(2, 3, metadata)[0]["sync_id"] != actor["sync_id"]
+    with pytest.raises(InvariantViolation, match="exactly trainer rank 0 must be master"):
+        backend_cls.build_topology(2, 3, list(reversed(metadata)))
+
+
+def test_calls_out_of_order_are_refused() -> None:
+    import_external_libs("verl_bridge.backend")
+    engine = CheckpointEngineRegistry.new("mooncake_store", bucket_size=1, model="m")
+    with pytest.raises(InvariantViolation, match="needs init_process_group"):
+        asyncio.run(engine.send_weights(iter([])))
+
+    async def receive() -> None:
+        async for _ in engine.receive_weights():
+            pass
+
+    with pytest.raises(InvariantViolation, match="needs init_process_group"):
+        asyncio.run(receive())
+    # A trainer rank 1 of 2 without torch.distributed would think it is rank 0: refused.
+    with pytest.raises(InvariantViolation, match="initialize the trainer's process group"):
+        engine.init_process_group(role="trainer", rank=1, world_size=2, sync_id="s")
+
+
+def test_policy_servers_are_found_by_verl_actor_names() -> None:
+    names = [
+        "vllm_server_10_0",
+        "vllm_server_2_0",
+        "vllm_server_2_1",  # node 1 of replica 2: not the replica's address
+        "vllm_server_reward_0_0",
+        "vllm_server_teacher_0_0",
+        "rollout_standalone_0CheckpointEngineWorker_0:0",
+        "sglang_server_3_0",
+    ]
+    expected = ["vllm_server_2_0", "sglang_server_3_0", "vllm_server_10_0"]
+    assert policy_server_names(names) == expected
+    assert server_url("10.0.0.5", 8000) == "http://10.0.0.5:8000"
+    assert server_url("fd00::5", 8000) == "http://[fd00::5]:8000"
+    assert server_url("node-7", 8000) == "http://node-7:8000"
+
+
+def test_discovery_outside_a_ray_job_says_what_to_set() -> None:
+    import ray
+
+    assert not ray.is_initialized()
+    with pytest.raises(ConfigurationError, match="no engine_urls configured"):
+        discover_engine_urls()
+
+
+def test_core_and_bridge_package_do_not_import_verl() -> None:
+    code = (
+        "import sys, verl_bridge, verl_bridge.config, verl_bridge.publish, "
+        "verl_bridge.discovery, mooncake_rl.coordinator, mooncake_rl.generations, "
+        "engine_ext.vllm.loader\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'ray', 'vllm'))\n"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root(), timeout=120)

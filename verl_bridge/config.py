@@ -1,0 +1,97 @@
+"""The backend's ``engine_kwargs``, checked once when VeRL constructs the engine.
+
+VeRL passes ``checkpoint_engine.engine_kwargs.mooncake_store`` as keyword arguments to every
+engine it builds (trainer ranks and rollout ranks alike). Unknown keys are refused so a typo
+fails at start-up instead of silently falling back to a default. Store addresses that differ
+per node (``node``, ``local_segment``) normally come from ``MOONCAKE_RL_*`` environment
+variables, which :class:`~mooncake_rl.settings.Settings` reads; keys given here override them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pydantic import ValidationError
+
+from mooncake_rl.errors import ConfigurationError, InvariantViolation
+from mooncake_rl.generations.catalog import rollout_dtype
+from mooncake_rl.generations.keys import check_model_name
+from mooncake_rl.settings import Settings
+
+MODES = ("compat", "direct")
+
+
+def _urls(value: Any) -> tuple[str, ...]:
+    """A list (or OmegaConf ListConfig) of URLs, or one comma-separated string."""
+    items: Iterable[Any] = value.split(",") if isinstance(value, str) else value
+    urls = tuple(str(url).strip().rstrip("/") for url in items if str(url).strip())
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigurationError(f"engine URL {url!r} must start with http:// or https://")
+    return urls
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """What the backend needs besides VeRL's own ``bucket_size`` and ``is_master``."""
+
+    model: str
+    master: str | None = None
+    metadata: str | None = None
+    protocol: str | None = None
+    hostname: str | None = None
+    node: str | None = None
+    local_segment: str | None = None
+    dtype: str = "bfloat16"
+    mode: str = "compat"
+    engine_urls: tuple[str, ...] = ()
+    token: str | None = None
+    timeout_s: float = 600.0
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> BridgeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown mooncake_store engine_kwargs {unknown}; known: {sorted(known)}"
+            )
+        if not kwargs.get("model"):
+            raise ConfigurationError(
+                "mooncake_store needs engine_kwargs.mooncake_store.model (the Store model name)"
+            )
+        values = dict(kwargs)
+        values["engine_urls"] = _urls(values.get("engine_urls") or ())
+        config = cls(**values)
+        try:
+            check_model_name(config.model)
+            rollout_dtype(config.dtype)
+        except InvariantViolation as error:
+            raise ConfigurationError(str(error)) from error
+        if config.mode not in MODES:
+            raise ConfigurationError(f"mode must be one of {MODES}, got {config.mode!r}")
+        if config.timeout_s <= 0:
+            raise ConfigurationError("timeout_s must be positive")
+        return config
+
+    def settings(self) -> Settings:
+        """Store client settings: environment first, these keys on top; lends no memory.
+
+        Trainer and rollout-side clients are short-lived next to the Store, so they lend
+        nothing; trainer ranks prefer their node's segment holder (``local_segment``).
+        """
+        try:
+            return Settings().with_overrides(
+                master=self.master,
+                metadata=self.metadata,
+                protocol=self.protocol,
+                hostname=self.hostname,
+                node=self.node,
+                local_segment=self.local_segment,
+                auth_token=self.token,
+                segment_bytes=0,
+            )
+        except ValidationError as error:
+            raise ConfigurationError(f"invalid Store settings: {error}") from error
