@@ -220,14 +220,17 @@ def test_stale_and_duplicate_announces_are_fenced(settings: Settings) -> None:
         assert registry.active().generation == 2
 
 
-def watch_active(settings: Settings, model: str, seconds: float) -> dict:
-    """Reader loop: whenever a generation is active, its manifest and payloads are complete."""
+def watch_active(settings: Settings, model: str, last: int, timeout_s: float) -> dict:
+    """Reader loop: whenever a generation is active, its manifest and payloads are complete.
+
+    Runs until generation ``last`` has been seen (or the timeout), however slow the writer.
+    """
     seen: list[int] = []
     checks = 0
     with StoreClient(settings) as store:
         registry = GenerationRegistry(store, model)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (not seen or seen[-1] != last):
             record = registry.active()
             if record is None:
                 continue
@@ -249,7 +252,7 @@ def test_concurrent_reader_never_sees_a_partial_generation(master: EmbeddedMaste
     with StoreClient(settings_for(master, "writer")) as store:
         publish_local(store, model, model_tensors(7, count=20))
         with ProcessGroup() as group:
-            group.start(watch_active, settings_for(master, "reader"), model, 12.0)
+            group.start(watch_active, settings_for(master, "reader"), model, 4, 120.0)
             for seed in (8, 9, 10):
                 publish_local(store, model, model_tensors(seed, count=20))
                 time.sleep(1.0)
