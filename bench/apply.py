@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 
 from bench.common import parse_size, store_services, synthetic_model
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
 from mooncake_rl.apply.process import WorkerCluster, run_planned_update
+from mooncake_rl.apply.wire import WorkerSlice
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.table import bind, record_ranges
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
 from mooncake_rl.store import StoreClient
 
@@ -40,45 +42,45 @@ def _chunked(reads: list[ReadOp], batch_bytes: int) -> tuple[Batch, ...]:
     return (*batches, Batch(tuple(current), ())) if current else tuple(batches)
 
 
-def naive(plan: UpdatePlan, batch_bytes: int) -> UpdatePlan:
-    """The baseline: every worker reads everything it needs from the Store itself.
+@dataclass(frozen=True)
+class NaivePlan:
+    """The baseline: every worker reads everything it needs from the Store itself."""
 
-    Follows each piece from its read through the pushes that forward it, then gives every
-    destination its own read of the same source bytes and drops all pushes.
-    """
-    origin: dict[tuple[str, str, int], tuple[str, int]] = {}
-    for stage in range(plan.stages):
-        for worker in sorted(plan.routing.table.stages):
-            for batch in plan.routing.table.batches(worker)[stage]:
-                for read in batch.reads:
-                    origin[(worker, read.region, read.dst_offset)] = (read.key, read.src_offset)
-                for push in batch.pushes:
-                    origin[(push.peer, push.dst_region, push.dst_offset)] = origin[
-                        (worker, push.src_region, push.src_offset)
-                    ]
-    lengths = {}
-    for worker, _, batch in plan.routing.table.ops():
-        for op in (*batch.reads, *batch.pushes):
-            key = (
-                (worker, op.region, op.dst_offset)
-                if isinstance(op, ReadOp)
-                else (op.peer, op.dst_region, op.dst_offset)
+    slices: dict[str, WorkerSlice]
+    stages: int = 1
+
+    def worker_slice(self, worker: str) -> WorkerSlice:
+        return self.slices[worker]
+
+
+def naive(plan: UpdatePlan, batch_bytes: int) -> NaivePlan:
+    """One read per demanded row of every worker (the table's coverage contract), no pushes."""
+    table = plan.routing.table
+    keys = bind(table, plan.group_id).keys
+    reads: dict[str, list[ReadOp]] = {w: [] for w in plan.routing.regions}
+    for d in table.demands:
+        worker, region = table.workers[int(d["worker"])], table.regions[int(d["dst_region"])]
+        key = keys[int(d["object"])]
+        for src, dst, length in record_ranges(d):
+            reads[worker].append(ReadOp(key, src, region, dst, length))
+    return NaivePlan(
+        {
+            w: WorkerSlice(
+                plan.routing.regions[w], (_chunked(sorted(r, key=_by_source), batch_bytes),)
             )
-            lengths[key] = op.length
-    reads: dict[str, list[ReadOp]] = {}
-    for (worker, region, offset), (key, src) in sorted(origin.items()):
-        reads.setdefault(worker, []).append(
-            ReadOp(key, src, region, offset, lengths[(worker, region, offset)])
-        )
-    stages = {w: (_chunked(reads.get(w, []), batch_bytes), ()) for w in plan.routing.regions}
-    return replace(
-        plan, routing=replace(plan.routing, table=replace(plan.routing.table, stages=stages))
+            for w, r in reads.items()
+        }
     )
 
 
-def measure(cluster: WorkerCluster, plan: UpdatePlan) -> dict[str, object]:
+def _by_source(op: ReadOp) -> tuple[str, int]:
+    return op.key, op.src_offset
+
+
+def measure(
+    cluster: WorkerCluster, plan: UpdatePlan | NaivePlan, delivered: int
+) -> dict[str, object]:
     run = run_planned_update(cluster, plan)
-    delivered = sum(plan.routing.table.received_bytes().values())
     return {
         "update_seconds": round(run["seconds"], 4),
         "update_gbps": round(delivered / run["seconds"] / 1e9, 3),
@@ -141,8 +143,9 @@ def main() -> None:
         }
         with WorkerCluster(worker_settings, plan.routing.regions) as cluster:
             raw = raw_te_gbps(cluster, {w: dict(r) for w, r in plan.routing.regions.items()})
-            ours = measure(cluster, plan)
-            baseline = measure(cluster, naive(plan, batch_bytes))
+            delivered = sum(plan.routing.received_bytes().values())
+            ours = measure(cluster, plan, delivered)
+            baseline = measure(cluster, naive(plan, batch_bytes), delivered)
     print(
         json.dumps(
             {

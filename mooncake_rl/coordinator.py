@@ -169,8 +169,8 @@ class Coordinator:
         result.planned_read_bytes = plan.store_read_bytes
         result.planned_pushed_bytes = plan.pushed_bytes
         result.unique_demand_bytes = plan.unique_demand_bytes
-        result.cross_node_pushed_bytes = plan.routing.table.pushed_bytes(plan.routing.topology)[0]
-        result.received_bytes = plan.routing.table.received_bytes()
+        result.cross_node_pushed_bytes = plan.routing.cross_node_pushed_bytes
+        result.received_bytes = plan.routing.received_bytes()
         result.node_nic_bytes = dict(plan.routing.node_nic_bytes)
         phase("plan")
 

@@ -32,6 +32,7 @@ from mooncake_rl.apply.worker import (
     region_of,
 )
 from mooncake_rl.counters import COUNTERS
+from mooncake_rl.plan.demand import STAGING_REGION
 from mooncake_rl.settings import Settings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -130,11 +131,12 @@ class MooncakeWorkerExtension:
         worker_slice = decode_slice(raw["slice"])
         if mode == "direct":
             specs = {r.name: r for r in self._mooncake_regions()[0]}
-            unknown = sorted(set(worker_slice.regions) - set(specs))
+            # A reader that consumes none of a chunk holds it in the planner's staging region.
+            unknown = sorted(set(worker_slice.regions) - set(specs) - {STAGING_REGION})
             if unknown:
                 raise ValueError(f"slice names regions this worker does not have: {unknown[:3]}")
             for name, nbytes in worker_slice.regions.items():
-                if specs[name].nbytes != nbytes:
+                if name != STAGING_REGION and specs[name].nbytes != nbytes:
                     raise ValueError(
                         f"region {name} is {specs[name].nbytes} bytes, slice says {nbytes}"
                     )

@@ -1,89 +1,153 @@
-"""Reader assignment: exactly one reader per range, balancing every node's NIC bytes.
+"""Reader assignment: exactly one reader per chunk, balancing each node's NIC load.
 
 A node's NIC load is the bytes its workers read from the Store plus the bytes they push to
-other nodes; intra-node pushes ride local transports and cost nothing. A range consumed on
-k nodes costs its reader's node ``k * length`` wherever it is read, so the assignment only
-chooses *where*: the least-loaded node among those that consume the range, then its
-least-loaded consuming worker (the read lands straight in that worker's destination).
-Ranges longer than ``split_bytes`` are cut first, so one wide tensor spreads over several
-readers. Greedy in decreasing cost, ties broken by name: deterministic, and the busiest
-node exceeds the mean by at most one piece's cost when every node consumes everything.
+other nodes (intra-node pushes are free). A chunk of ``b`` bytes consumed on ``n_c`` nodes
+costs its reader's node ``b * n_c`` if the reader is on a consumer node (one read, one
+push per *other* consumer node; relays fan out on their own node for free) and
+``b * (n_c + 1)`` otherwise.
+
+Greedy longest-processing-time: chunks in decreasing cost order, each to the node that
+minimizes ``load + cost`` (ties: consumer nodes, then the lowest node index), then to the
+least-loaded consumer worker on that node (staging on a non-consumer only if the node has
+no consumer). **Balance bound** (proof): when the chunk that last raised the maximum node
+was placed, its node minimized ``load + cost``, so ``max <= min_load + cost_max <= mean +
+cost_max`` with ``cost_max = max b * (n_c + 1)`` (loads only grow, the minimum never exceeds
+the final mean). Ranges are chunked so ``cost_max <= balance_slack * (estimated mean)``
+unless that would make chunks smaller than ``min_chunk_bytes``; chunks also never exceed
+``batch_bytes`` (except a single row wider than it).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Iterable, Mapping
+import heapq
 from dataclasses import dataclass
 
-from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.merge import SourceRange
+import numpy as np
+
+from mooncake_rl.plan import grid
+from mooncake_rl.plan.merge import Ranges
+from mooncake_rl.plan.params import PlanParams
+from mooncake_rl.plan.topology import Topology
+
+I64 = np.int64
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Rollout workers and the node label each one runs on."""
+@dataclass(frozen=True, eq=False)
+class Chunks:
+    """Chunk ``j`` is rows ``dr..dr+rows`` x bytes ``dc..dc+cols`` of range ``range_[j]``."""
 
-    node_of: Mapping[str, str]
-
-    def __post_init__(self) -> None:
-        if not self.node_of or any(not w or not n for w, n in self.node_of.items()):
-            raise InvariantViolation("topology needs workers with node labels")
-
-    @property
-    def nodes(self) -> list[str]:
-        return sorted(set(self.node_of.values()))
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(sorted(self.node_of.items())).encode()).hexdigest()
+    range_: np.ndarray
+    dr: np.ndarray
+    rows: np.ndarray
+    dc: np.ndarray
+    cols: np.ndarray
+    reader: np.ndarray
+    consumer_nodes: np.ndarray  # distinct consumer nodes of the chunk's range
+    max_cost: int  # max over chunks of bytes * (consumer nodes + 1): the balance-bound term
 
 
-@dataclass(frozen=True)
-class Assignment:
-    range: SourceRange
-    reader: str
+def assign_readers(ranges: Ranges, topology: Topology, params: PlanParams) -> Chunks:
+    """Chunk ranges and pick one reader per chunk (deterministic, see module docstring)."""
+    node_of = np.array(topology.worker_node, I64)
+    n_nodes = len(topology.nodes)
+    n = len(ranges)
+    rows = ranges.r1 - ranges.r0
+    cols = ranges.c1 - ranges.c0
+    nbytes = rows * cols
+
+    cons_range = np.repeat(np.arange(n, dtype=I64), np.diff(ranges.ptr))
+    cons_node = node_of[ranges.worker]
+    order = np.lexsort((ranges.worker, cons_node, cons_range))
+    g_first = grid.group_starts(cons_range[order], cons_node[order])
+    g_start = np.flatnonzero(g_first)
+    g_range = cons_range[order][g_start]
+    g_node = cons_node[order][g_start]
+    n_c = np.bincount(g_range, minlength=n).astype(I64)
+    range_groups = np.searchsorted(g_range, np.arange(n + 1))
+
+    est_mean = max(1.0, float((nbytes * n_c).sum()) / n_nodes)
+    cap = params.balance_slack * est_mean
+    k_bal = np.ceil(nbytes * (n_c + 1) / cap).astype(I64)
+    k_small = np.maximum(1, nbytes // params.min_chunk_bytes)
+    k = np.maximum(_ceil_div(nbytes, params.batch_bytes), np.minimum(k_bal, k_small))
+    multi = rows > 1
+    per_chunk_rows = np.where(
+        multi,
+        np.minimum(_ceil_div(rows, k), np.maximum(1, params.batch_bytes // cols)),
+        1,
+    )
+    per_chunk_cols = np.where(
+        multi, cols, _ceil_div(_ceil_div(cols, k), params.align) * params.align
+    )
+    n_chunks = np.where(multi, _ceil_div(rows, per_chunk_rows), _ceil_div(cols, per_chunk_cols))
+    owner, within = grid.expand_counts(n_chunks)
+    dr = np.where(multi[owner], within * per_chunk_rows[owner], 0)
+    dc = np.where(multi[owner], 0, within * per_chunk_cols[owner])
+    c_rows = np.where(multi[owner], np.minimum(per_chunk_rows[owner], rows[owner] - dr), 1)
+    c_cols = np.where(
+        multi[owner], cols[owner], np.minimum(per_chunk_cols[owner], cols[owner] - dc)
+    )
+    c_bytes = c_rows * c_cols
+    cost = c_bytes * n_c[owner]
+    lpt = np.lexsort((np.arange(len(owner)), -cost))
+
+    workers_on: list[list[int]] = [[] for _ in range(n_nodes)]
+    for w, node in enumerate(topology.worker_node):
+        workers_on[node].append(w)
+    reader = _greedy(
+        lpt.tolist(),
+        owner.tolist(),
+        c_bytes.tolist(),
+        range_groups.tolist(),
+        g_node.tolist(),
+        [*g_start.tolist(), len(order)],
+        ranges.worker[order].tolist(),
+        workers_on,
+        n_nodes,
+        len(topology.workers),
+    )
+    return Chunks(
+        range_=owner,
+        dr=dr,
+        rows=c_rows,
+        dc=dc,
+        cols=c_cols,
+        reader=np.array(reader, I64),
+        consumer_nodes=n_c[owner],
+        max_cost=int((c_bytes * (n_c[owner] + 1)).max()) if len(owner) else 0,
+    )
 
 
-def split_ranges(ranges: Iterable[SourceRange], split_bytes: int) -> list[SourceRange]:
-    if split_bytes <= 0:
-        raise InvariantViolation("split_bytes must be positive")
-    pieces = []
-    for source in ranges:
-        for start in range(source.start, source.start + source.length, split_bytes):
-            pieces.append(
-                source.piece(start, min(split_bytes, source.start + source.length - start))
-            )
-    return pieces
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
-def assign_readers(
-    ranges: Iterable[SourceRange], topology: Topology, split_bytes: int
-) -> list[Assignment]:
-    node_load = dict.fromkeys(topology.nodes, 0)
-    worker_load: dict[str, int] = dict.fromkeys(topology.node_of, 0)
-    pieces = split_ranges(ranges, split_bytes)
-
-    def fan_out_nodes(piece: SourceRange) -> list[str]:
-        return sorted({topology.node_of[c.worker] for c in piece.consumers})
-
-    order = sorted(pieces, key=lambda p: (-p.length * len(fan_out_nodes(p)), p.obj, p.start))
-    assignments = []
-    for piece in order:
-        nodes = fan_out_nodes(piece)
-        node = min(nodes, key=lambda n: (node_load[n], n))
-        local = sorted({c.worker for c in piece.consumers if topology.node_of[c.worker] == node})
-        reader = min(local, key=lambda w: (worker_load[w], w))
-        node_load[node] += piece.length * len(nodes)
-        worker_load[reader] += piece.length
-        assignments.append(Assignment(piece, reader))
-    assignments.sort(key=lambda a: (a.range.obj, a.range.start))
-    return assignments
-
-
-def nic_bytes(assignments: Iterable[Assignment], topology: Topology) -> dict[str, int]:
-    load = dict.fromkeys(topology.nodes, 0)
-    for assignment in assignments:
-        nodes = {topology.node_of[c.worker] for c in assignment.range.consumers}
-        load[topology.node_of[assignment.reader]] += assignment.range.length * len(nodes)
-    return load
+def _greedy(
+    lpt, owner, c_bytes, range_groups, g_node, g_bounds, g_workers, workers_on, n_nodes, n_w
+):
+    """The LPT loop; plain lists because it runs once per chunk."""
+    load = [0] * n_nodes
+    wload = [0] * n_w
+    heap = [(0, node) for node in range(n_nodes)]
+    reader = [0] * len(owner)
+    for j in lpt:
+        r = owner[j]
+        b = c_bytes[j]
+        gs, ge = range_groups[r], range_groups[r + 1]
+        nodes = g_node[gs:ge]
+        best = min(nodes, key=load.__getitem__)
+        cost = b * (ge - gs)
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heappop(heap)
+        low, low_node = heap[0]
+        if low + cost + b < load[best] + cost:
+            node, candidates, cost = low_node, workers_on[low_node], cost + b
+        else:
+            g = gs + nodes.index(best)
+            node, candidates = best, g_workers[g_bounds[g] : g_bounds[g + 1]]
+        w = min(candidates, key=wload.__getitem__)
+        reader[j] = w
+        wload[w] += cost
+        load[node] += cost
+        heapq.heappush(heap, (load[node], node))
+    return reader

@@ -1,274 +1,215 @@
-"""What each rollout worker needs: byte ranges of Store objects and where they land.
+"""What each rollout worker needs, and where the bytes must land.
 
-Objects are named relative to their generation's payload prefix, so demands — and every
-plan built from them — are the same for every generation with the same layout.
+Two modes. *Compat*: every worker receives every full tensor into one receive buffer (region
+``compat``) laid out by :func:`compat_layout`, then feeds the engine's own ``load_weights``.
+*Direct*: every worker declares its exact shards as a ``WeightPlacementPart`` and receives
+only the bytes that land in its parameters; where each placement fragment lands is given by
+:class:`Destinations` (default: one region per placement fragment, named by its id).
+
+Demands are declared once per registration and reused every generation, so their digests
+are computed once per object (``cached_property``) and exclude generation fields.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
-from collections.abc import Iterable, Mapping, Sequence
+import marshal
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from operator import attrgetter
 
-from mooncake.reshard.weight import (
-    OwnershipAxis,
-    ParallelRank,
-    ParallelTopology,
-    PlacementFragment,
-    ReplicatedAxis,
-    SplitAxis,
-    TensorDescriptor,
-    TopologyParticipant,
-    WeightManifest,
-    WeightPlacementManifest,
-    plan_stored_transfer_to_target_placement,
-)
+import numpy as np
+from mooncake.reshard.weight import WeightPlacementPart
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan.source import SourceLayout
 
-ALIGN = 64
-COMPAT_REGION = "model"
+STAGING_REGION = "staging"
+COMPAT_REGION = "compat"
 
 
-@dataclass(frozen=True, order=True)
-class Demand:
-    """Worker ``worker`` needs bytes [src_offset, +length) of ``obj`` at ``region``+dst_offset."""
+@dataclass(frozen=True)
+class CompatDemand:
+    """Every worker needs every full tensor, packed into its ``compat`` region."""
 
-    obj: str
-    src_offset: int
-    length: int
-    worker: str
-    region: str
-    dst_offset: int
+    align: int = 64
 
     def __post_init__(self) -> None:
-        if self.src_offset < 0 or self.dst_offset < 0 or self.length <= 0:
-            raise InvariantViolation(f"invalid demand {self}")
+        if type(self.align) is not int or self.align <= 0:
+            raise InvariantViolation(f"compat alignment must be a positive int: {self.align!r}")
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(f"mooncake-rl/compat/v1/align={self.align}".encode()).hexdigest()
 
 
-@dataclass(frozen=True)
-class SourceLayout:
-    """The generation-independent shape of a published generation."""
+@dataclass(frozen=True, eq=False)
+class CompatLayout:
+    """Offsets of full tensors in every worker's compat region (tensor ids sorted)."""
 
-    object_sizes: Mapping[str, int]
-    tensors: Mapping[str, TensorDescriptor]
-    fragment_objects: Mapping[str, tuple[str, int]]  # tensor -> (object, offset) for full tensors
-    digest: str
+    tensor_ids: tuple[str, ...]
+    offsets: np.ndarray
+    nbytes: np.ndarray
+    total_bytes: int
 
+    @cached_property
+    def index(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.tensor_ids)}
 
-def source_layout(manifest: WeightManifest) -> SourceLayout:
-    prefix = f"{manifest.group_id}/payload/"
-    sizes: dict[str, int] = {}
-    where: dict[str, tuple[str, int]] = {}
-    rows = []
-    for fragment in manifest.fragments:
-        name = fragment.object_key.removeprefix(prefix)
-        sizes[name] = max(sizes.get(name, 0), fragment.object_offset + fragment.nbytes)
-        where[fragment.tensor_id] = (name, fragment.object_offset)
-        rows.append(
-            [
-                fragment.tensor_id,
-                name,
-                fragment.object_offset,
-                fragment.nbytes,
-                list(fragment.global_offset),
-                list(fragment.local_shape),
-            ]
-        )
-    tensors = {t.tensor_id: t for t in manifest.tensors}
-    for t in manifest.tensors:
-        rows.append([t.tensor_id, list(t.global_shape), t.dtype, t.itemsize])
-    digest = hashlib.sha256(json.dumps(sorted(map(str, rows))).encode()).hexdigest()
-    return SourceLayout(sizes, tensors, where, digest)
+    def offset(self, tensor_id: str) -> int:
+        """Byte offset of ``tensor_id`` in the compat region."""
+        return int(self.offsets[self.index[tensor_id]])
 
 
-@dataclass(frozen=True)
-class CompatEntry:
-    """Where one full tensor sits in a compat worker's staging region."""
-
-    name: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: str
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "region": COMPAT_REGION,
-            "offset": self.offset,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-        }
-
-
-def compat_layout(layout: SourceLayout) -> tuple[list[CompatEntry], int]:
-    """Every full tensor, in manifest order, 64-byte aligned in one staging region."""
-    entries, cursor = [], 0
-    for name, descriptor in layout.tensors.items():
-        entries.append(CompatEntry(name, cursor, descriptor.global_shape, descriptor.dtype))
-        nbytes = math.prod(descriptor.global_shape) * descriptor.itemsize
-        cursor += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return entries, cursor
-
-
-def compat_demands(layout: SourceLayout, workers: Iterable[str]) -> list[Demand]:
-    """Compat mode: every worker needs every full tensor (the engine's loader shards it)."""
-    entries, _ = compat_layout(layout)
-    demands = []
-    for worker in sorted(workers):
-        for entry in entries:
-            obj, offset = layout.fragment_objects[entry.name]
-            nbytes = math.prod(entry.shape) * layout.tensors[entry.name].itemsize
-            demands.append(Demand(obj, offset, nbytes, worker, COMPAT_REGION, entry.offset))
-    return demands
-
-
-@dataclass(frozen=True)
-class Shard:
-    """A box of checkpoint tensor ``tensor`` held by ``worker`` at ``region``+``region_offset``."""
-
-    worker: str
-    tp_rank: int
-    tensor: str
-    global_offset: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    region: str
-    region_offset: int
-
-
-def direct_demands(
-    manifest: WeightManifest, engine_shards: Sequence[Shard], tp_size: int
-) -> list[Demand]:
-    """Direct mode for one engine: its TP ranks' exact shards, planned by mooncake.reshard."""
-    layout = source_layout(manifest)
-    try:
-        placement, destination = _placement(manifest, engine_shards, tp_size)
-        plan = plan_stored_transfer_to_target_placement(manifest, placement)
-    except ValueError as error:  # mooncake.reshard states the violated contract
-        raise InvariantViolation(
-            f"engine placement rejected by mooncake.reshard: {error}"
-        ) from error
-    prefix = f"{manifest.group_id}/payload/"
-    demands = []
-    for op in plan.operations:
-        worker, region, base = destination[op.target.placement_fragment_id]
-        obj = op.source.object_key.removeprefix(prefix)
-        for src, dst, length in op.iter_segments(
-            max_segments=plan.planning_limits.max_segments_per_region
-        ):
-            demands.append(
-                Demand(obj, op.source.object_offset + src, length, worker, region, base + dst)
-            )
-    if not layout.object_sizes:
-        raise InvariantViolation("empty manifest")
-    return _coalesce(demands)
-
-
-def _coalesce(demands: list[Demand]) -> list[Demand]:
-    """Merge segments contiguous in both source and destination (row-wise lowering)."""
-    merged: list[Demand] = []
-    for demand in sorted(demands, key=lambda d: (d.worker, d.region, d.dst_offset)):
-        last = merged[-1] if merged else None
-        if (
-            last is not None
-            and last.worker == demand.worker
-            and last.region == demand.region
-            and last.obj == demand.obj
-            and last.dst_offset + last.length == demand.dst_offset
-            and last.src_offset + last.length == demand.src_offset
-        ):
-            merged[-1] = Demand(
-                last.obj,
-                last.src_offset,
-                last.length + demand.length,
-                last.worker,
-                last.region,
-                last.dst_offset,
-            )
-        else:
-            merged.append(demand)
-    return merged
-
-
-def _placement(
-    manifest: WeightManifest, shards: Sequence[Shard], tp_size: int
-) -> tuple[WeightPlacementManifest, dict[str, tuple[str, str, int]]]:
-    source = {t.tensor_id: t for t in manifest.tensors}
-    by_tensor: dict[str, list[Shard]] = {}
-    for shard in shards:
-        if shard.tensor not in source:
-            raise InvariantViolation(f"engine holds {shard.tensor!r}, which the generation lacks")
-        by_tensor.setdefault(shard.tensor, []).append(shard)
-    missing = sorted(set(source) - set(by_tensor))
-    if missing:
-        raise InvariantViolation(
-            f"engine placement lacks tensors the generation has: {missing[:3]}"
-        )
-    tensors, fragments, destination = [], [], {}
-    for name, tensor_shards in by_tensor.items():
-        descriptor = source[name]
-        split = sorted(
-            {
-                d
-                for s in tensor_shards
-                for d, (o, n) in enumerate(zip(s.global_offset, s.local_shape, strict=True))
-                if o != 0 or n != descriptor.global_shape[d]
-            }
-        )
-        if len(split) > 1:
-            raise InvariantViolation(f"{name} is split along several dimensions {split}")
-        holders = {shard.tp_rank for shard in tensor_shards}
-        if split:
-            axes: tuple[Any, ...] = (SplitAxis("tp", split[0]),)
-        elif tp_size == 1:
-            axes = ()
-        elif len(holders) == tp_size:
-            axes = (ReplicatedAxis("tp"),)
-        else:
-            axes = (OwnershipAxis("tp"),)  # e.g. an expert owned by one rank under EP
-        target = TensorDescriptor(
-            tensor_id=name,
-            global_shape=descriptor.global_shape,
-            dtype=descriptor.dtype,
-            itemsize=descriptor.itemsize,
-            shard_dims=tuple(split),
-            layout_fingerprint=descriptor.layout_fingerprint,
-            parallel_axes=axes,
-        )
-        tensors.append(target)
-        for shard in tensor_shards:
-            fragment = PlacementFragment(
-                tensor_id=name,
-                global_offset=shard.global_offset,
-                local_shape=shard.local_shape,
-                nbytes=math.prod(shard.local_shape) * descriptor.itemsize,
-                rank=ParallelRank(tp=shard.tp_rank),
-            )
-            fragments.append(fragment)
-            destination[fragment.placement_fragment_id] = (
-                shard.worker,
-                shard.region,
-                shard.region_offset,
-            )
-    topology = ParallelTopology(
-        tp_size=tp_size,
-        pp_size=1,
-        ep_size=1,
-        dp_size=1,
-        participants=tuple(
-            TopologyParticipant(f"tp{r}", ParallelRank(tp=r)) for r in range(tp_size)
-        ),
+def compat_layout(layout: SourceLayout, align: int) -> CompatLayout:
+    """Pack full tensors in tensor-id order, each starting on an ``align``-byte boundary."""
+    nbytes = np.array(
+        [t.itemsize * int(np.prod(t.global_shape)) for t in layout.tensors], dtype=np.int64
     )
-    placement = WeightPlacementManifest.from_fragments(
-        resource_id=manifest.resource_id,
-        revision=manifest.revision,
-        weight_generation=manifest.weight_generation,
-        placement_set_id="mooncake-rl",
-        topology=topology,
-        tensors=tensors,
-        fragments=fragments,
+    padded = -(-nbytes // align) * align
+    offsets = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
+    total = int(offsets[-1] + nbytes[-1]) if len(nbytes) else 0
+    return CompatLayout(
+        tensor_ids=tuple(t.tensor_id for t in layout.tensors),
+        offsets=offsets,
+        nbytes=nbytes,
+        total_bytes=total,
     )
-    return placement, destination
+
+
+@dataclass(frozen=True)
+class Destinations:
+    """Where one worker wants its placement fragments to land.
+
+    ``regions``: (region name, size in bytes), e.g. one fused ``qkv_proj`` parameter buffer.
+    ``fragments``: (placement_fragment_id, region, base offset): the fragment's row-major bytes
+    occupy ``[base, base + nbytes)`` of the region. Every fragment of the worker's part needs
+    an entry; two fragments may share a region (fused parameters) but must not overlap.
+    """
+
+    regions: tuple[tuple[str, int], ...]
+    fragments: tuple[tuple[str, str, int], ...]
+
+    def __post_init__(self) -> None:
+        regions = tuple(sorted(self.regions))
+        fragments = tuple(sorted(self.fragments))
+        sizes = dict(regions)
+        if len(sizes) != len(regions):
+            raise InvariantViolation("destinations declare a region twice")
+        for name, size in regions:
+            if not isinstance(name, str) or not name or name == STAGING_REGION:
+                raise InvariantViolation(f"bad destination region name {name!r}")
+            if type(size) is not int or size <= 0:
+                raise InvariantViolation(f"region {name} needs a positive size, got {size!r}")
+        if len({f for f, _, _ in fragments}) != len(fragments):
+            raise InvariantViolation("destinations map a placement fragment twice")
+        for fragment_id, region, base in fragments:
+            if region not in sizes:
+                raise InvariantViolation(f"fragment {fragment_id} maps to unknown region {region}")
+            if type(base) is not int or base < 0:
+                raise InvariantViolation(f"fragment {fragment_id} has bad base offset {base!r}")
+        object.__setattr__(self, "regions", regions)
+        object.__setattr__(self, "fragments", fragments)
+
+    @classmethod
+    def of(
+        cls, regions: Mapping[str, int], fragments: Mapping[str, tuple[str, int]]
+    ) -> Destinations:
+        return cls(
+            tuple(regions.items()),
+            tuple((f, region, base) for f, (region, base) in fragments.items()),
+        )
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(repr((self.regions, self.fragments)).encode()).hexdigest()
+
+
+_PART_TENSOR = attrgetter(
+    "tensor_id",
+    "global_shape",
+    "dtype",
+    "itemsize",
+    "shard_dims",
+    "layout_fingerprint",
+    "layer_id",
+    "expert_id",
+)
+_PART_AXES = attrgetter("parallel_axes")
+_PART_FRAGMENT = attrgetter(
+    "placement_fragment_id",
+    "tensor_id",
+    "global_offset",
+    "local_shape",
+    "nbytes",
+    "pipeline_stage_id",
+    "aliases",
+)
+
+
+def part_digest(part: WeightPlacementPart) -> str:
+    """Digest of a part's rank, tensors and fragments; not its generation or participant id.
+
+    Plain fields go through marshal format 2 (a pure function of content); parallel axes
+    are dataclasses, rendered once per distinct value.
+    """
+    h = hashlib.sha256(b"mooncake-rl/placement-part/v1")
+    h.update(repr(part.rank).encode())
+    h.update(marshal.dumps(list(map(_PART_TENSOR, part.tensors)), 2))
+    rendered: dict[tuple, str] = {}
+    for axes in map(_PART_AXES, part.tensors):
+        text = rendered.get(axes)
+        if text is None:
+            text = rendered[axes] = repr(axes)
+        h.update(text.encode())
+    h.update(marshal.dumps(list(map(_PART_FRAGMENT, part.fragments)), 2))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class DirectDemand:
+    """Each worker's placement part, and optionally its destinations (worker id -> value)."""
+
+    parts: tuple[tuple[str, WeightPlacementPart], ...]
+    destinations: tuple[tuple[str, Destinations], ...] = ()
+
+    def __post_init__(self) -> None:
+        parts = tuple(sorted(self.parts, key=lambda p: p[0]))
+        destinations = tuple(sorted(self.destinations, key=lambda d: d[0]))
+        if len({w for w, _ in parts}) != len(parts):
+            raise InvariantViolation("a worker declares two placement parts")
+        if len({w for w, _ in destinations}) != len(destinations):
+            raise InvariantViolation("a worker declares two destination maps")
+        for worker, part in parts:
+            if not isinstance(part, WeightPlacementPart):
+                raise InvariantViolation(f"worker {worker}: part is not a WeightPlacementPart")
+        known = {w for w, _ in parts}
+        for worker, dest in destinations:
+            if worker not in known:
+                raise InvariantViolation(f"destinations for worker {worker} without a part")
+            if not isinstance(dest, Destinations):
+                raise InvariantViolation(f"worker {worker}: destinations of the wrong type")
+        object.__setattr__(self, "parts", parts)
+        object.__setattr__(self, "destinations", destinations)
+
+    @classmethod
+    def of(
+        cls,
+        parts: Mapping[str, WeightPlacementPart],
+        destinations: Mapping[str, Destinations] | None = None,
+    ) -> DirectDemand:
+        return cls(tuple(parts.items()), tuple((destinations or {}).items()))
+
+    @cached_property
+    def digest(self) -> str:
+        """Computed once per demand; parts shared by several workers are hashed once."""
+        memo: dict[int, str] = {}
+        h = hashlib.sha256(b"mooncake-rl/direct/v1")
+        for worker, part in self.parts:
+            if id(part) not in memo:
+                memo[id(part)] = part_digest(part)
+            h.update(f"{worker}\x00{memo[id(part)]}\x00".encode())
+        for worker, dest in self.destinations:
+            h.update(f"{worker}\x00{dest.digest}\x00".encode())
+        return h.hexdigest()

@@ -1,70 +1,87 @@
-"""Demand merge: per object, the union of demanded bytes cut into disjoint ranges.
+"""Demand merge: per Store object, the union of demanded bytes cut into disjoint ranges.
 
-Every range lists each consumer's destination, so overlapping demands become one read plus
-pushes, and bytes nobody demands are never read (the single-pull invariant).
+A *range* is a rectangle of its object's grid (rows ``r0..r1`` of ``pitch`` bytes, columns
+``c0..c1``) that every demand touching it covers entirely, so one read serves all its
+consumers. Overlapping demands (replicated norms, the same shard on every instance)
+collapse into one range with many consumers; bytes nobody demands never appear.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import pairwise
 
-from mooncake_rl.plan.demand import Demand
+import numpy as np
 
-
-@dataclass(frozen=True, order=True)
-class Consumer:
-    worker: str
-    region: str
-    dst_offset: int
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan import grid
+from mooncake_rl.plan.targets import DemandSet
 
 
-@dataclass(frozen=True)
-class SourceRange:
-    obj: str
-    start: int
-    length: int
-    consumers: tuple[Consumer, ...]
+@dataclass(frozen=True, eq=False)
+class Ranges:
+    """Disjoint demanded source ranges and their consumers.
 
-    def piece(self, start: int, length: int) -> SourceRange:
-        shift = start - self.start
-        return SourceRange(
-            self.obj,
-            start,
-            length,
-            tuple(Consumer(c.worker, c.region, c.dst_offset + shift) for c in self.consumers),
+    Range ``r`` is rows ``r0[r]..r1[r]`` x bytes ``c0[r]..c1[r]`` of object ``obj[r]``,
+    whose rows are ``pitch[r]`` bytes apart. Consumer ``c`` (``ptr[r] <= c < ptr[r+1]``,
+    sorted by worker) receives row ``i`` at ``dst_offset[c] + i * dst_pitch[c]`` of its
+    ``region[c]``.
+    """
+
+    obj: np.ndarray
+    r0: np.ndarray
+    r1: np.ndarray
+    c0: np.ndarray
+    c1: np.ndarray
+    pitch: np.ndarray
+    ptr: np.ndarray
+    worker: np.ndarray
+    region: np.ndarray
+    dst_offset: np.ndarray
+    dst_pitch: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.obj)
+
+
+def merge_demands(demands: DemandSet) -> Ranges:
+    """Partition the union of all demands into ranges with their consumer destinations."""
+    rects, spaces = grid.to_rects(
+        demands.obj, demands.src_offset, demands.length, demands.count, demands.src_stride
+    )
+    lanes = grid.to_lanes(rects)
+    cells = grid.elementary_cells(lanes)
+    rect = lanes.rect[cells.pair_entry]
+    piece = rects.member[rect]
+    pitch = rects.pitch[cells.space]
+    strided = rects.strided[rect]
+    rel = lanes.k0[cells.pair_entry] * demands.dst_stride[piece] + cells.pair_j0
+    dst_pitch = np.where(strided, demands.dst_stride[piece], pitch[cells.pair_cell])
+
+    counts = demands.ptr[piece + 1] - demands.ptr[piece]
+    owner, within = grid.expand_counts(counts)
+    consumer = demands.ptr[piece[owner]] + within
+    cell = cells.pair_cell[owner]
+    worker = demands.worker[consumer]
+    order = np.lexsort((worker, cell))
+    cell, worker, owner, consumer = cell[order], worker[order], owner[order], consumer[order]
+    duplicate = np.flatnonzero((cell[1:] == cell[:-1]) & (worker[1:] == worker[:-1]))
+    if len(duplicate):
+        c = cell[duplicate[0]]
+        raise InvariantViolation(
+            f"worker #{worker[duplicate[0]]} demands bytes of object #{spaces[cells.space[c]]} "
+            f"(rows {cells.r0[c]}..{cells.r1[c]}, bytes {cells.c0[c]}..{cells.c1[c]}) twice"
         )
-
-
-def merge_demands(demands: Iterable[Demand]) -> list[SourceRange]:
-    by_object: dict[str, list[Demand]] = defaultdict(list)
-    for demand in demands:
-        by_object[demand.obj].append(demand)
-    ranges: list[SourceRange] = []
-    for obj in sorted(by_object):
-        items = by_object[obj]
-        cuts = sorted({d.src_offset for d in items} | {d.src_offset + d.length for d in items})
-        items.sort(key=lambda d: (d.src_offset, d.worker, d.region, d.dst_offset))
-        active: list[Demand] = []
-        cursor = 0
-        for begin, end in pairwise(cuts):
-            while cursor < len(items) and items[cursor].src_offset <= begin:
-                active.append(items[cursor])
-                cursor += 1
-            active = [d for d in active if d.src_offset + d.length > begin]
-            if not active:
-                continue
-            consumers = tuple(
-                sorted(
-                    Consumer(d.worker, d.region, d.dst_offset + begin - d.src_offset)
-                    for d in active
-                )
-            )
-            ranges.append(SourceRange(obj, begin, end - begin, consumers))
-    return ranges
-
-
-def unique_bytes(ranges: Iterable[SourceRange]) -> int:
-    return sum(r.length for r in ranges)
+    n = len(cells.space)
+    return Ranges(
+        obj=spaces[cells.space],
+        r0=cells.r0,
+        r1=cells.r1,
+        c0=cells.c0,
+        c1=cells.c1,
+        pitch=pitch,
+        ptr=np.searchsorted(cell, np.arange(n + 1)).astype(np.int64),
+        worker=worker,
+        region=demands.region[consumer],
+        dst_offset=demands.dst_offset[consumer] + rel[owner],
+        dst_pitch=dst_pitch[owner],
+    )

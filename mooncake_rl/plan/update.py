@@ -1,87 +1,108 @@
 """One update's plan for a set of engines, cached across generations with the same layout.
 
-The routing table is a pure function of (source layout digest, engines' placement, mode,
-batch size): it names objects relative to the generation, so a cache hit replans nothing and
-only the group prefix of the new generation is bound when slices are encoded.
+Adapts the engines' worker descriptions (``GET /mooncake/placement`` replies) to the
+planner's declarations (``Worker``/``Topology``, ``CompatDemand`` or ``DirectDemand`` with
+one ``WeightPlacementPart`` and ``Destinations`` per worker), and lowers the planner's
+routing table to the executor's ops: table stage 1 and 2 are slice stages 0 and 1.
+
+The routing table names objects relative to the generation, so a cache hit replans nothing
+and only the group prefix of the new generation is bound when slices are encoded.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake.reshard.weight import WeightManifest
+import numpy as np
+from mooncake.reshard.weight import (
+    OwnershipAxis,
+    ParallelRank,
+    PlacementFragment,
+    ReplicatedAxis,
+    SplitAxis,
+    TensorDescriptor,
+    WeightManifest,
+    WeightPlacementPart,
+)
 
-from mooncake_rl.apply.executor import Batch, ReadOp
+from mooncake_rl.apply.executor import Batch
 from mooncake_rl.apply.wire import WorkerSlice, encode_slice
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.assign import Topology, assign_readers, nic_bytes
-from mooncake_rl.plan.demand import (
-    COMPAT_REGION,
-    Demand,
-    Shard,
-    compat_demands,
-    compat_layout,
-    direct_demands,
-    source_layout,
-)
-from mooncake_rl.plan.merge import merge_demands, unique_bytes
-from mooncake_rl.plan.routing import RoutingTable, build_routing, validate_routing
+from mooncake_rl.plan.cache import PlanCache
+from mooncake_rl.plan.demand import COMPAT_REGION, CompatDemand, Destinations, DirectDemand
+from mooncake_rl.plan.params import PlanParams
+from mooncake_rl.plan.planner import plan_routing as plan_table
+from mooncake_rl.plan.table import RoutingTable, bind
+from mooncake_rl.plan.topology import Topology, Worker
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RoutingPlan:
     """The generation-independent, cacheable part of an update plan."""
 
     mode: str
     topology: Topology
     table: RoutingTable
-    regions: Mapping[str, Mapping[str, int]]
-    layout: tuple[dict[str, Any], ...]
+    regions: Mapping[str, Mapping[str, int]]  # worker -> region -> bytes (staging included)
+    layout: tuple[dict[str, Any], ...]  # compat mode: where each full tensor sits
     region_dtypes: Mapping[str, Mapping[str, str]]  # direct mode: stored dtype per region
     unique_demand_bytes: int
     node_nic_bytes: Mapping[str, int]
 
+    @property
+    def cross_node_pushed_bytes(self) -> int:
+        return self.table.totals.cross_node_push_bytes
 
-@dataclass(frozen=True)
+    @property
+    def pushed_bytes(self) -> int:
+        totals = self.table.totals
+        return totals.cross_node_push_bytes + totals.intra_node_push_bytes
+
+    def received_bytes(self) -> dict[str, int]:
+        """Bytes landing in each worker's destination regions (staging excluded)."""
+        delivered = self.table.totals.delivered_bytes
+        return {w: int(delivered[i]) for i, w in enumerate(self.table.workers)}
+
+
+@dataclass(frozen=True, eq=False)
 class UpdatePlan:
     routing: RoutingPlan
     group_id: str
     engines: Mapping[str, tuple[str, ...]]  # engine url -> its worker ids
 
     stages: int = 2
+    _slices: dict[str, WorkerSlice] = field(default_factory=dict, repr=False)
 
     @property
     def store_read_bytes(self) -> int:
-        return self.routing.table.store_read_bytes
+        return self.routing.table.totals.store_read_bytes
 
     @property
     def pushed_bytes(self) -> int:
-        return sum(self.routing.table.pushed_bytes(self.routing.topology))
+        return self.routing.pushed_bytes
 
     @property
     def unique_demand_bytes(self) -> int:
         return self.routing.unique_demand_bytes
 
     def worker_slice(self, worker: str) -> WorkerSlice:
-        prefix = f"{self.group_id}/payload/"
-        bound = tuple(
-            tuple(
-                Batch(
-                    tuple(
-                        ReadOp(prefix + r.key, r.src_offset, r.region, r.dst_offset, r.length)
-                        for r in b.reads
-                    ),
-                    b.pushes,
-                )
-                for b in stage
+        """The worker's regions and executor batches per stage, bound to this generation."""
+        if worker not in self._slices:
+            table = self.routing.table
+            bound = bind(table, self.group_id)
+            stages: list[list[Batch]] = [[] for _ in range(self.stages)]
+            if worker in table.worker_ids:
+                for batch in table.batches(worker):
+                    stages[batch.stage - 1].append(
+                        Batch(tuple(bound.read_ops(batch)), tuple(bound.push_ops(batch)))
+                    )
+            self._slices[worker] = WorkerSlice(
+                self.routing.regions[worker], tuple(tuple(s) for s in stages)
             )
-            for stage in self.routing.table.batches(worker)
-        )
-        return WorkerSlice(self.routing.regions[worker], bound)
+        return self._slices[worker]
 
     def engine_workers(self, url: str) -> dict[str, Any]:
         """The prepare body's ``workers``: one encoded slice per worker of the engine."""
@@ -95,16 +116,23 @@ class UpdatePlan:
         }
 
 
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
 class RoutingCache:
-    """Routing plans by (source layout, target placement, mode, batch) digests."""
+    """Routing tables by (source layout, demand, topology, params) digests.
+
+    Wraps the planner's ``PlanCache``: a hit returns the very same table and replans
+    nothing; the per-worker regions and layout rows are re-derived from it (cheap).
+    """
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[str, str, str, int], RoutingPlan] = {}
-        self.misses = 0
+        self.tables = PlanCache()
+
+    @property
+    def hits(self) -> int:
+        return self.tables.hits
+
+    @property
+    def misses(self) -> int:
+        return self.tables.misses
 
     def get_or_plan(
         self,
@@ -113,22 +141,15 @@ class RoutingCache:
         mode: str,
         batch_bytes: int,
     ) -> RoutingPlan:
-        layout = source_layout(manifest)
-        target = _digest({u: sorted(_target_identity(w) for w in ws) for u, ws in engines.items()})
-        key = (layout.digest, target, mode, batch_bytes)
-        if key not in self._plans:
-            self.misses += 1
-            self._plans[key] = plan_routing(manifest, engines, mode, batch_bytes)
-        return self._plans[key]
+        return plan_routing(manifest, engines, mode, batch_bytes, self.tables)
 
 
-def _target_identity(worker: Mapping[str, Any]) -> str:
-    return json.dumps(
-        {
-            k: worker.get(k)
-            for k in ("worker_id", "node", "tp_rank", "tp_size", "regions", "shards")
-        },
-        sort_keys=True,
+def topology_of(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> Topology:
+    """One ``Worker`` per worker description; an engine (its URL) is one instance."""
+    return Topology.of(
+        Worker(w["worker_id"], w["node"], url, int(w["tp_rank"]))
+        for url, workers in engines.items()
+        for w in workers
     )
 
 
@@ -137,43 +158,67 @@ def plan_routing(
     engines: Mapping[str, Sequence[Mapping[str, Any]]],
     mode: str,
     batch_bytes: int,
+    tables: PlanCache | None = None,
 ) -> RoutingPlan:
     if mode not in ("compat", "direct"):
         raise InvariantViolation(f"unknown mode {mode!r}")
     workers = [w for ws in engines.values() for w in ws]
-    topology = Topology({w["worker_id"]: w["node"] for w in workers})
-    layout = source_layout(manifest)
-    regions: dict[str, dict[str, int]] = {}
+    topology = topology_of(engines)
+    params = PlanParams(batch_bytes=batch_bytes)
+    regions: dict[str, dict[str, int]] = {w["worker_id"]: {} for w in workers}
     region_dtypes: dict[str, dict[str, str]] = {}
+    demand: CompatDemand | DirectDemand
     if mode == "compat":
-        entries, total = compat_layout(layout)
-        demands = compat_demands(layout, topology.node_of)
-        regions = {w: {COMPAT_REGION: total} for w in topology.node_of}
-        layout_rows = tuple(e.to_json() for e in entries)
+        demand = CompatDemand()
     else:
         stored = {t.tensor_id: t.dtype for t in manifest.tensors}
-        demands = []
+        parts: dict[str, WeightPlacementPart] = {}
+        destinations: dict[str, Destinations] = {}
         for engine_workers in engines.values():
-            demands += _engine_direct_demands(manifest, engine_workers)
+            for worker_id, (part, dest) in _engine_parts(manifest, engine_workers).items():
+                parts[worker_id] = part
+                destinations[worker_id] = dest
+        demand = DirectDemand.of(parts, destinations)
         for worker in workers:
             regions[worker["worker_id"]] = {
-                name: spec["bytes"] for name, spec in worker["regions"].items()
+                name: int(spec["bytes"]) for name, spec in worker["regions"].items()
             }
             region_dtypes[worker["worker_id"]] = _region_dtypes(worker, stored)
-        layout_rows = ()
-    ranges = merge_demands(demands)
-    assignments = assign_readers(ranges, topology, batch_bytes)
-    table = build_routing(assignments, topology, batch_bytes)
-    validate_routing(table, demands, layout.object_sizes, topology)
+    table = plan_table(manifest, topology, demand, params=params, cache=tables)
+    for row in table.region_sizes.tolist():
+        worker, region, size = table.workers[row[0]], table.regions[row[1]], row[2]
+        if regions[worker].setdefault(region, size) != size:
+            raise InvariantViolation(
+                f"{worker}:{region} declares {regions[worker][region]} bytes, plan needs {size}"
+            )
+    totals = table.totals
     return RoutingPlan(
         mode,
         topology,
         table,
         regions,
-        layout_rows,
+        _compat_rows(manifest, table) if mode == "compat" else (),
         region_dtypes,
-        unique_bytes(ranges),
-        nic_bytes(assignments, topology),
+        totals.unique_demand_bytes,
+        {n: int(b) for n, b in zip(table.nodes, totals.node_nic_bytes.tolist(), strict=True)},
+    )
+
+
+def _compat_rows(manifest: WeightManifest, table: RoutingTable) -> tuple[dict[str, Any], ...]:
+    """Where each full tensor sits in a compat worker's receive region (the engine's loader
+    reads them back as views)."""
+    layout = table.compat
+    assert layout is not None
+    tensors = {t.tensor_id: t for t in manifest.tensors}
+    return tuple(
+        {
+            "name": name,
+            "region": COMPAT_REGION,
+            "offset": offset,
+            "shape": list(tensors[name].global_shape),
+            "dtype": tensors[name].dtype,
+        }
+        for name, offset in zip(layout.tensor_ids, np.asarray(layout.offsets).tolist(), strict=True)
     )
 
 
@@ -189,26 +234,105 @@ def _region_dtypes(worker: Mapping[str, Any], stored: Mapping[str, str]) -> dict
     return dtypes
 
 
-def _engine_direct_demands(
+def _engine_parts(
     manifest: WeightManifest, workers: Sequence[Mapping[str, Any]]
-) -> list[Demand]:
+) -> dict[str, tuple[WeightPlacementPart, Destinations]]:
+    """One engine's TP ranks as placement parts, and where each fragment lands."""
     tp_sizes = {int(w["tp_size"]) for w in workers}
-    if len(tp_sizes) != 1 or len(workers) != tp_sizes.copy().pop():
+    if len(tp_sizes) != 1 or len(workers) != next(iter(tp_sizes)):
         raise InvariantViolation("an engine must describe every TP rank exactly once")
-    shards = [
-        Shard(
-            w["worker_id"],
-            int(w["tp_rank"]),
-            s["tensor"],
-            tuple(s["global_offset"]),
-            tuple(s["local_shape"]),
-            s["region"],
-            int(s["region_offset"]),
+    if {int(w["tp_rank"]) for w in workers} != set(range(len(workers))):
+        raise InvariantViolation("an engine must describe every TP rank exactly once")
+    tp_size = tp_sizes.pop()
+    source = {t.tensor_id: t for t in manifest.tensors}
+    holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+    for w in workers:
+        for shard in w["shards"]:
+            if shard["tensor"] not in source:
+                raise InvariantViolation(
+                    f"engine holds {shard['tensor']!r}, which the generation lacks"
+                )
+            holders.setdefault(shard["tensor"], []).append((int(w["tp_rank"]), shard))
+    missing = sorted(set(source) - set(holders))
+    if missing:
+        raise InvariantViolation(
+            f"engine placement lacks tensors the generation has: {missing[:3]}"
         )
-        for w in workers
-        for s in w["shards"]
-    ]
-    return direct_demands(manifest, shards, tp_sizes.pop())
+    descriptors = {
+        name: _target_descriptor(source[name], shards, tp_size) for name, shards in holders.items()
+    }
+    out = {}
+    for w in workers:
+        rank = ParallelRank(tp=int(w["tp_rank"]))
+        fragments, destination = [], {}
+        for shard in w["shards"]:
+            descriptor = source[shard["tensor"]]
+            fragment = PlacementFragment(
+                tensor_id=shard["tensor"],
+                global_offset=tuple(shard["global_offset"]),
+                local_shape=tuple(shard["local_shape"]),
+                nbytes=math.prod(shard["local_shape"]) * descriptor.itemsize,
+                rank=rank,
+            )
+            if fragment.placement_fragment_id in destination:
+                raise InvariantViolation(
+                    f"{w['worker_id']} declares the same box of {shard['tensor']} twice"
+                )
+            fragments.append(fragment)
+            destination[fragment.placement_fragment_id] = (
+                shard["region"],
+                int(shard["region_offset"]),
+            )
+        names = dict.fromkeys(f.tensor_id for f in fragments)
+        part = WeightPlacementPart(
+            resource_id=manifest.resource_id,
+            revision=manifest.revision,
+            weight_generation=manifest.weight_generation,
+            placement_set_id="mooncake-rl",
+            topology_id=f"mooncake-rl/tp{tp_size}",
+            participant_id=f"tp{rank.tp}",
+            rank=rank,
+            tensors=tuple(descriptors[n] for n in names),
+            fragments=tuple(fragments),
+        )
+        regions = {name: int(spec["bytes"]) for name, spec in w["regions"].items()}
+        out[w["worker_id"]] = (part, Destinations.of(regions, destination))
+    return out
+
+
+def _target_descriptor(
+    descriptor: TensorDescriptor, shards: Sequence[tuple[int, Mapping[str, Any]]], tp_size: int
+) -> TensorDescriptor:
+    """The tensor as the engine places it: split along one dim, replicated, or owned."""
+    split = sorted(
+        {
+            d
+            for _, s in shards
+            for d, (o, n) in enumerate(zip(s["global_offset"], s["local_shape"], strict=True))
+            if o != 0 or n != descriptor.global_shape[d]
+        }
+    )
+    if len(split) > 1:
+        raise InvariantViolation(f"{descriptor.tensor_id} is split along several dimensions")
+    ranks = {rank for rank, _ in shards}
+    axes: tuple[Any, ...]
+    if split:
+        axes = (SplitAxis("tp", split[0]),)
+    elif tp_size == 1:
+        axes = ()
+    elif len(ranks) == tp_size:
+        axes = (ReplicatedAxis("tp"),)
+    else:
+        axes = (OwnershipAxis("tp"),)  # e.g. an expert owned by one rank under EP
+    return TensorDescriptor(
+        tensor_id=descriptor.tensor_id,
+        global_shape=descriptor.global_shape,
+        dtype=descriptor.dtype,
+        itemsize=descriptor.itemsize,
+        shard_dims=tuple(split),
+        layout_fingerprint=descriptor.layout_fingerprint,
+        parallel_axes=axes,
+    )
 
 
 def plan_update(

@@ -1,0 +1,304 @@
+"""Model and cluster shapes for benchmarks and tests, generated from public configs.
+
+Tensor names follow the Hugging Face checkpoints. Each tensor says how a TP engine shards
+it: ``column`` (output dim 0 split), ``row`` (input dim 1 split), ``replicated`` (every
+rank holds it: norms, MLA down-projections, the router) or ``expert`` (one routed expert,
+owned whole by one rank: EP over the instance's TP ranks, experts in contiguous blocks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mooncake.reshard.weight import (
+    OwnershipAxis,
+    ParallelRank,
+    PlacementFragment,
+    ReplicatedAxis,
+    SplitAxis,
+    StoredFragment,
+    TensorDescriptor,
+    WeightManifest,
+    WeightPlacementPart,
+)
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan.demand import DirectDemand
+from mooncake_rl.plan.source import object_key
+from mooncake_rl.plan.topology import Topology, Worker
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+KINDS = ("column", "row", "replicated", "expert")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    dtype: str = "bfloat16"
+    layer_id: int | None = None
+    expert_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvariantViolation(f"{self.name}: unknown shard kind {self.kind}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    num_experts: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+# meta-llama/Meta-Llama-3-70B config.json: num_hidden_layers 80, hidden_size 8192,
+# intermediate_size 28672, num_attention_heads 64, num_key_value_heads 8 (head_dim 128),
+# vocab_size 128256, torch_dtype bfloat16, tie_word_embeddings false.
+LLAMA3_70B = dict(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128,
+                  vocab=128256)  # fmt: skip
+
+# moonshotai/Kimi-K2-Instruct config.json (DeepseekV3ForCausalLM): num_hidden_layers 61,
+# first_k_dense_replace 1, hidden_size 7168, intermediate_size 18432, moe_intermediate_size
+# 2048, n_routed_experts 384, n_shared_experts 1, q_lora_rank 1536, kv_lora_rank 512,
+# qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128, num_attention_heads 64,
+# vocab_size 163840. The router's e_score_correction_bias is kept in float32.
+KIMI_K2 = dict(layers=61, first_dense=1, hidden=7168, intermediate=18432, moe_intermediate=2048,
+               experts=384, shared=1, q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64,
+               v_head=128, heads=64, vocab=163840)  # fmt: skip
+
+
+# A small DeepSeek-V3-shaped MoE (same tensor kinds, 69M parameters) for quick runs.
+SMALL_MOE = dict(layers=4, first_dense=1, hidden=1024, intermediate=2816, moe_intermediate=256,
+                 experts=16, shared=1, q_lora=256, kv_lora=128, qk_nope=32, qk_rope=16, v_head=32,
+                 heads=8, vocab=8192)  # fmt: skip
+
+
+def llama(
+    name: str, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+    head_dim: int, vocab: int,
+) -> ModelShape:  # fmt: skip
+    """A dense Llama: fused-friendly q/k/v and gate/up column shards, o/down row shards."""
+    t = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), "column")]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t += [
+            TensorSpec(p + name, shape, kind, layer_id=i)
+            for name, shape, kind in (
+                ("input_layernorm.weight", (hidden,), "replicated"),
+                ("self_attn.q_proj.weight", (q, hidden), "column"),
+                ("self_attn.k_proj.weight", (kv, hidden), "column"),
+                ("self_attn.v_proj.weight", (kv, hidden), "column"),
+                ("self_attn.o_proj.weight", (hidden, q), "row"),
+                ("post_attention_layernorm.weight", (hidden,), "replicated"),
+                ("mlp.gate_proj.weight", (intermediate, hidden), "column"),
+                ("mlp.up_proj.weight", (intermediate, hidden), "column"),
+                ("mlp.down_proj.weight", (hidden, intermediate), "row"),
+            )
+        ]
+    t += [
+        TensorSpec("model.norm.weight", (hidden,), "replicated"),
+        TensorSpec("lm_head.weight", (vocab, hidden), "column"),
+    ]
+    return ModelShape(name, tuple(t))
+
+
+def deepseek_v3(
+    name: str, layers: int, first_dense: int, hidden: int, intermediate: int,
+    moe_intermediate: int, experts: int, shared: int, q_lora: int, kv_lora: int, qk_nope: int,
+    qk_rope: int, v_head: int, heads: int, vocab: int,
+) -> ModelShape:  # fmt: skip
+    """DeepSeek-V3 architecture (MLA + MoE), every routed expert its own tensor."""
+    t = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), "column")]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t += [
+            TensorSpec(p + name, shape, kind, layer_id=i)
+            for name, shape, kind in (
+                ("input_layernorm.weight", (hidden,), "replicated"),
+                ("self_attn.q_a_proj.weight", (q_lora, hidden), "replicated"),
+                ("self_attn.q_a_layernorm.weight", (q_lora,), "replicated"),
+                ("self_attn.q_b_proj.weight", (heads * (qk_nope + qk_rope), q_lora), "column"),
+                ("self_attn.kv_a_proj_with_mqa.weight", (kv_lora + qk_rope, hidden), "replicated"),
+                ("self_attn.kv_a_layernorm.weight", (kv_lora,), "replicated"),
+                ("self_attn.kv_b_proj.weight", (heads * (qk_nope + v_head), kv_lora), "column"),
+                ("self_attn.o_proj.weight", (hidden, heads * v_head), "row"),
+                ("post_attention_layernorm.weight", (hidden,), "replicated"),
+            )
+        ]
+        if i < first_dense:
+            t += _mlp(p + "mlp.", hidden, intermediate, i)
+            continue
+        t += [
+            TensorSpec(p + "mlp.gate.weight", (experts, hidden), "replicated", layer_id=i),
+            TensorSpec(p + "mlp.gate.e_score_correction_bias", (experts,), "replicated",
+                       "float32", layer_id=i),
+        ]  # fmt: skip
+        t += _mlp(p + "mlp.shared_experts.", hidden, moe_intermediate * shared, i)
+        expert_shapes = (
+            ("gate_proj", (moe_intermediate, hidden)),
+            ("up_proj", (moe_intermediate, hidden)),
+            ("down_proj", (hidden, moe_intermediate)),
+        )
+        t += [
+            TensorSpec(
+                f"{p}mlp.experts.{e}.{name}.weight", shape, "expert", layer_id=i, expert_id=e
+            )
+            for e in range(experts)
+            for name, shape in expert_shapes
+        ]
+    t += [
+        TensorSpec("model.norm.weight", (hidden,), "replicated"),
+        TensorSpec("lm_head.weight", (vocab, hidden), "column"),
+    ]
+    return ModelShape(name, tuple(t), num_experts=experts)
+
+
+def _mlp(p: str, hidden: int, intermediate: int, layer: int) -> list[TensorSpec]:
+    return [
+        TensorSpec(p + "gate_proj.weight", (intermediate, hidden), "column", layer_id=layer),
+        TensorSpec(p + "up_proj.weight", (intermediate, hidden), "column", layer_id=layer),
+        TensorSpec(p + "down_proj.weight", (hidden, intermediate), "row", layer_id=layer),
+    ]
+
+
+MODELS = {
+    "llama-70b": lambda: llama("llama-70b", **LLAMA3_70B),
+    "kimi-k2": lambda: deepseek_v3("kimi-k2", **KIMI_K2),
+    "small": lambda: deepseek_v3("small", **SMALL_MOE),
+}
+
+
+def group_id(model: ModelShape, generation: int) -> str:
+    return f"mooncake-rl/{model.name}/g{generation:012d}"
+
+
+def weight_manifest(model: ModelShape, generation: int) -> WeightManifest:
+    """The manifest issue 3 publishes: one contiguous Store object per tensor."""
+    group = group_id(model, generation)
+    tensors, fragments = [], []
+    for spec in model.tensors:
+        tensors.append(_descriptor(spec, (), ()))
+        fragments.append(
+            StoredFragment(
+                fragment_id=f"{spec.name}#0",
+                tensor_id=spec.name,
+                global_offset=(0,) * len(spec.shape),
+                local_shape=spec.shape,
+                object_key=object_key(group, spec.name),
+                object_offset=0,
+                nbytes=spec.nbytes,
+            )
+        )
+    return WeightManifest(
+        namespace="mooncake-rl",
+        resource_id=model.name,
+        revision="r0",
+        weight_generation=generation,
+        group_id=group,
+        manifest_key=f"{group}/manifest",
+        tensors=tuple(tensors),
+        fragments=tuple(fragments),
+        created_at="1970-01-01T00:00:00Z",
+    )
+
+
+def _descriptor(spec: TensorSpec, shard_dims, axes) -> TensorDescriptor:
+    return TensorDescriptor(
+        tensor_id=spec.name,
+        global_shape=spec.shape,
+        dtype=spec.dtype,
+        itemsize=ITEMSIZE[spec.dtype],
+        shard_dims=shard_dims,
+        layout_fingerprint="row-major",
+        parallel_axes=axes,
+        layer_id=spec.layer_id,
+        expert_id=spec.expert_id,
+    )
+
+
+def instance_parts(model: ModelShape, tp: int) -> tuple[WeightPlacementPart, ...]:
+    """One engine instance's placement: one part per TP rank (EP over the same ranks)."""
+    ep = tp if model.num_experts else 1
+    if model.num_experts % tp and model.num_experts:
+        raise InvariantViolation(f"{model.num_experts} experts do not split over TP{tp}")
+    parts = []
+    for r in range(tp):
+        rank = ParallelRank(tp=r, ep=r if ep > 1 else 0)
+        tensors, fragments = [], []
+        for spec in model.tensors:
+            placed = _placed(spec, tp, r, model.num_experts)
+            if placed is None:
+                continue
+            descriptor, offset, local = placed
+            tensors.append(descriptor)
+            nbytes = math.prod(local) * ITEMSIZE[spec.dtype]
+            fragments.append(PlacementFragment(spec.name, offset, local, nbytes, rank))
+        parts.append(
+            WeightPlacementPart(
+                resource_id=model.name,
+                revision="r0",
+                weight_generation=0,
+                placement_set_id=f"{model.name}/tp{tp}",
+                topology_id=f"{model.name}/tp{tp}",
+                participant_id=f"tp{r}",
+                rank=rank,
+                tensors=tuple(tensors),
+                fragments=tuple(fragments),
+            )
+        )
+    return tuple(parts)
+
+
+def _placed(spec: TensorSpec, tp: int, r: int, num_experts: int):
+    zeros = (0,) * len(spec.shape)
+    if spec.kind == "replicated":
+        return _descriptor(spec, (), (ReplicatedAxis("tp"),)), zeros, spec.shape
+    if spec.kind == "expert":
+        if spec.expert_id * tp // num_experts != r:
+            return None
+        axes = (OwnershipAxis("ep"), OwnershipAxis("tp"))
+        return _descriptor(spec, (), axes), zeros, spec.shape
+    dim = 0 if spec.kind == "column" else 1
+    if spec.shape[dim] % tp:
+        raise InvariantViolation(f"{spec.name}: dim {dim} of {spec.shape} does not split by {tp}")
+    size = spec.shape[dim] // tp
+    offset = tuple(r * size if d == dim else 0 for d in range(len(spec.shape)))
+    local = tuple(size if d == dim else n for d, n in enumerate(spec.shape))
+    return _descriptor(spec, (dim,), (SplitAxis("tp", dim),)), offset, local
+
+
+def parse_target(target: str) -> tuple[int, int]:
+    """``"16xTP8"`` -> (16 instances, TP 8)."""
+    instances, _, tp = target.lower().partition("xtp")
+    if not instances.isdigit() or not tp.isdigit():
+        raise InvariantViolation(f"target must look like 16xTP8, got {target!r}")
+    return int(instances), int(tp)
+
+
+def cluster(
+    model: ModelShape, instances: int, tp: int, workers_per_node: int = 8
+) -> tuple[Topology, DirectDemand]:
+    """``instances`` engines of TP ``tp`` packed onto nodes of ``workers_per_node`` GPUs.
+
+    All instances share one placement (the same part objects), as identical engines do.
+    """
+    parts = instance_parts(model, tp)
+    workers, by_worker = [], {}
+    for i in range(instances):
+        for r in range(tp):
+            g = i * tp + r
+            worker_id = f"w{g:05d}"
+            workers.append(Worker(worker_id, f"node{g // workers_per_node:04d}", f"inst{i:04d}", r))
+            by_worker[worker_id] = parts[r]
+    return Topology.of(workers), DirectDemand.of(by_worker)

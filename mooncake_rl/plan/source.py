@@ -1,0 +1,140 @@
+"""The generation-independent view of a published generation: its *layout*.
+
+Keys change every generation (``{group_id}/payload/<name>``) but the layout does not, so
+plans are made in terms of object *names* (the part after the payload prefix) and keyed by
+a digest of the layout (tensors, shapes, dtypes, fragment geometry, object offsets and
+sizes), never by the generation, group or keys. Concrete keys are bound at lowering time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import pairwise
+from operator import attrgetter, itemgetter
+
+import numpy as np
+from mooncake.reshard.weight import TensorDescriptor, WeightManifest
+
+from mooncake_rl.errors import InvariantViolation
+
+
+def payload_prefix(group_id: str) -> str:
+    """Prefix every payload key of a generation group starts with."""
+    return f"{group_id}/payload/"
+
+
+def object_key(group_id: str, name: str) -> str:
+    """Concrete Store key of object ``name`` in generation group ``group_id``."""
+    return f"{payload_prefix(group_id)}{name}"
+
+
+# Plain-data fields (str, int, None, int tuples) serialized with marshal format 2: a pure
+# function of content (no object references, no interning flags), and fast because it is
+# C code; parallel axes are dataclasses and go through repr.
+_TENSOR_FIELDS = attrgetter(
+    "tensor_id",
+    "global_shape",
+    "dtype",
+    "itemsize",
+    "shard_dims",
+    "layout_fingerprint",
+    "layer_id",
+    "expert_id",
+)
+_TENSOR_AXES = attrgetter("parallel_axes")
+_FRAGMENT_FIELDS = attrgetter(
+    "tensor_id", "global_offset", "local_shape", "object_offset", "nbytes", "aliases"
+)
+_FRAGMENT_KEY = attrgetter("object_key")
+
+
+def source_digest(manifest: WeightManifest) -> str:
+    """SHA-256 of the layout of ``manifest``: equal for two generations of the same layout.
+
+    Covers every tensor field and every fragment's geometry, object name, offset and size;
+    excludes generation, revision, group, the keys' group prefix, fragment ids and timestamps.
+    It runs on the cached path, so it only uses C-level iteration.
+    """
+    prefix = payload_prefix(manifest.group_id)
+    h = hashlib.sha256(b"mooncake-rl/source-layout/v1")
+    h.update(marshal.dumps(list(map(_TENSOR_FIELDS, manifest.tensors)), 2))
+    h.update("\x00".join(map(repr, map(_TENSOR_AXES, manifest.tensors))).encode())
+    h.update(marshal.dumps(list(map(_FRAGMENT_FIELDS, manifest.fragments)), 2))
+    names = map(itemgetter(slice(len(prefix), None)), map(_FRAGMENT_KEY, manifest.fragments))
+    h.update("\x00".join(names).encode())  # every key starts with the prefix (validated)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class SourceLayout:
+    """Objects and per-tensor stored fragments of one generation, keys reduced to names.
+
+    Tensors are sorted by id, objects by name. Tensor ``t``'s stored fragments, sorted by
+    global offset, are ``fragment_ptr[t]..fragment_ptr[t+1]`` of ``fragment_object`` (object
+    index) and ``fragment_offset`` (byte offset in the object); ``geometry[t]`` holds their
+    (global_offset, local_shape, nbytes). ``object_sizes`` is the end of each object's last
+    fragment: the bytes a ranged read may touch.
+    """
+
+    digest: str
+    objects: tuple[str, ...]
+    object_sizes: np.ndarray
+    tensors: tuple[TensorDescriptor, ...]
+    fragment_ptr: np.ndarray
+    fragment_object: np.ndarray
+    fragment_offset: np.ndarray
+    geometry: tuple[tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...], ...]
+
+    @cached_property
+    def tensor_index(self) -> dict[str, int]:
+        return {t.tensor_id: i for i, t in enumerate(self.tensors)}
+
+
+_GEOMETRY = attrgetter("global_offset", "local_shape", "nbytes")
+
+
+def source_layout(manifest: WeightManifest, digest: str | None = None) -> SourceLayout:
+    """Extract the layout of a generation (C-level passes; Python only per multi-fragment
+    tensor)."""
+    fragments = manifest.fragments
+    aliased = next((f for f in fragments if f.aliases), None)
+    if aliased is not None:
+        raise InvariantViolation(
+            f"stored fragment {aliased.fragment_id} declares aliases; aliased tensors are "
+            "not supported by the planner (publish each tensor as its own object)"
+        )
+    cut = itemgetter(slice(len(payload_prefix(manifest.group_id)), None))
+    names = list(map(cut, map(_FRAGMENT_KEY, fragments)))
+    objects = sorted(set(names))
+    obj = np.fromiter(
+        map(dict(zip(objects, range(len(objects)), strict=True)).__getitem__, names), np.int64
+    )
+    tensors = tuple(sorted(manifest.tensors, key=attrgetter("tensor_id")))
+    tindex = dict(zip(map(attrgetter("tensor_id"), tensors), range(len(tensors)), strict=True))
+    owner = np.fromiter(map(tindex.__getitem__, map(attrgetter("tensor_id"), fragments)), np.int64)
+    geometry = list(map(_GEOMETRY, fragments))
+    offset = np.fromiter(map(attrgetter("object_offset"), fragments), np.int64, len(fragments))
+    nbytes = np.fromiter(map(attrgetter("nbytes"), fragments), np.int64, len(fragments))
+    order = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=len(tensors))
+    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    for t in np.flatnonzero(counts > 1).tolist():  # several fragments: by global offset
+        span = order[ptr[t] : ptr[t + 1]]
+        order[ptr[t] : ptr[t + 1]] = sorted(span.tolist(), key=lambda i: geometry[i][0])
+    sizes = np.zeros(len(objects), dtype=np.int64)
+    np.maximum.at(sizes, obj, offset + nbytes)
+    ordered = [geometry[i] for i in order.tolist()]
+    bounds = ptr.tolist()
+    return SourceLayout(
+        digest=digest if digest is not None else source_digest(manifest),
+        objects=tuple(objects),
+        object_sizes=sizes,
+        tensors=tensors,
+        fragment_ptr=ptr,
+        fragment_object=obj[order],
+        fragment_offset=offset[order],
+        geometry=tuple(tuple(ordered[a:b]) for a, b in pairwise(bounds)),
+    )

@@ -1,0 +1,302 @@
+"""The routing table: the contract between the planner and the apply pipeline.
+
+Records are numpy structured arrays (a 1T MoE onto 128 workers is ~1.3M records; Python
+objects per record would dominate planning time). Every record describes ``count`` byte
+ranges of ``length`` bytes; range ``k`` starts at ``src_offset + k * src_stride`` on the
+source side and ``dst_offset + k * dst_stride`` on the destination side. When ``count == 1``
+both strides equal ``length``; a side whose stride equals ``length`` is contiguous.
+
+Reads (``READ_DTYPE``): worker ``worker`` reads object ``object`` (index into
+``objects``) into its own region ``dst_region`` (index into ``regions``).
+Pushes (``PUSH_DTYPE``): worker ``worker`` writes bytes of its own region ``src_region``
+into region ``dst_region`` of worker ``peer`` with one TE one-sided write. Stage 1 pushes
+move bytes the sender read itself in the same or an earlier batch; stage 2 pushes (relay
+fan-out inside a node) move bytes the sender received in stage 1, so they may start only
+after the coordinator's barrier: consumers are passive and learn nothing else.
+Batches: per worker and stage, batch ``b``'s reads land at most ``batch_bytes`` (one read
+never exceeds it unless a single row does); stage 1 pushes ride in the batch of their read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+import numpy as np
+
+from mooncake_rl.apply.executor import PushOp, ReadOp
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan import grid
+from mooncake_rl.plan.demand import STAGING_REGION, CompatLayout
+from mooncake_rl.plan.params import PlanParams
+from mooncake_rl.plan.source import object_key
+
+READ_DTYPE = np.dtype(
+    [
+        ("worker", np.int32),
+        ("batch", np.int32),
+        ("object", np.int32),
+        ("src_offset", np.int64),
+        ("src_stride", np.int64),
+        ("dst_region", np.int32),
+        ("dst_offset", np.int64),
+        ("dst_stride", np.int64),
+        ("length", np.int64),
+        ("count", np.int64),
+    ]
+)
+PUSH_DTYPE = np.dtype(
+    [
+        ("worker", np.int32),
+        ("stage", np.int8),
+        ("batch", np.int32),
+        ("peer", np.int32),
+        ("src_region", np.int32),
+        ("src_offset", np.int64),
+        ("src_stride", np.int64),
+        ("dst_region", np.int32),
+        ("dst_offset", np.int64),
+        ("dst_stride", np.int64),
+        ("length", np.int64),
+        ("count", np.int64),
+    ]
+)
+# What each worker must end up holding: object bytes -> its region (the coverage contract).
+DEMAND_DTYPE = np.dtype(
+    [
+        ("worker", np.int32),
+        ("dst_region", np.int32),
+        ("dst_offset", np.int64),
+        ("dst_stride", np.int64),
+        ("object", np.int32),
+        ("src_offset", np.int64),
+        ("src_stride", np.int64),
+        ("length", np.int64),
+        ("count", np.int64),
+    ]
+)
+REGION_DTYPE = np.dtype([("worker", np.int32), ("region", np.int32), ("size", np.int64)])
+
+
+class RecordBatch(NamedTuple):
+    """One pipeline step of one worker, as table records: its reads, then the pushes they feed.
+
+    ``bind(...).read_ops``/``push_ops`` lower it to the executor's ``ReadOp``/``PushOp``.
+    """
+
+    stage: int
+    index: int
+    reads: np.ndarray
+    pushes: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class Totals:
+    """Traffic a table causes: the figures benchmarks report and tests check."""
+
+    store_read_bytes: int
+    cross_node_push_bytes: int
+    intra_node_push_bytes: int
+    node_nic_bytes: np.ndarray  # per node: reads + cross-node pushes sent
+    delivered_bytes: np.ndarray  # per worker: bytes landed outside staging
+    demanded_bytes: np.ndarray  # per worker
+    unique_demand_bytes: int  # size of the union of demanded source bytes
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingTable:
+    """A generation-independent routing table (see module docstring for record semantics).
+
+    ``region_sizes`` declares every region a record may touch, including each reader's
+    ``staging`` region; ``demands`` is the coverage contract the validator checks against.
+    ``compat`` is the compat-mode receive-buffer layout (None in direct mode).
+    ``max_chunk_cost`` is the term of the documented balance bound
+    ``max(node_nic_bytes) <= mean(node_nic_bytes) + max_chunk_cost``.
+    """
+
+    mode: str
+    source_digest: str
+    target_digest: str
+    topology_digest: str
+    params: PlanParams
+    workers: tuple[str, ...]
+    nodes: tuple[str, ...]
+    worker_node: np.ndarray
+    objects: tuple[str, ...]
+    object_sizes: np.ndarray
+    regions: tuple[str, ...]
+    region_sizes: np.ndarray
+    reads: np.ndarray
+    pushes: np.ndarray
+    demands: np.ndarray
+    compat: CompatLayout | None
+    lower_bound_bytes: int
+    max_chunk_cost: int
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("compat", "direct"):
+            raise InvariantViolation(f"unknown routing mode {self.mode!r}")
+        for name, dtype in (
+            ("reads", READ_DTYPE),
+            ("pushes", PUSH_DTYPE),
+            ("demands", DEMAND_DTYPE),
+            ("region_sizes", REGION_DTYPE),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1:
+                raise InvariantViolation(f"routing table {name} must be a 1-D {dtype} array")
+        if len(self.worker_node) != len(self.workers) or len(self.object_sizes) != len(
+            self.objects
+        ):
+            raise InvariantViolation("routing table worker/object metadata lengths differ")
+        if not self.regions or self.regions[0] != STAGING_REGION:
+            raise InvariantViolation(f"region 0 must be {STAGING_REGION!r}")
+        if not _is_sorted(self.reads["worker"], self.reads["batch"]) or not _is_sorted(
+            self.pushes["worker"], self.pushes["stage"], self.pushes["batch"]
+        ):
+            raise InvariantViolation("routing table records are not in worker/stage/batch order")
+        for array in (
+            self.worker_node,
+            self.object_sizes,
+            self.region_sizes,
+            self.reads,
+            self.pushes,
+            self.demands,
+        ):
+            array.flags.writeable = False  # tables are shared through the cache
+
+    def batches(self, worker: str) -> tuple[RecordBatch, ...]:
+        """The worker's batches in execution order: stage 1 batches, then stage 2.
+
+        Records are sorted by worker, so this slices instead of scanning the table.
+        """
+        w = self.worker_ids[worker]
+        reads = _rows_of(self.reads, w)
+        pushes = _rows_of(self.pushes, w)
+        out = []
+        for stage in (1, 2):
+            staged = pushes[pushes["stage"] == stage]
+            stage_reads = reads if stage == 1 else reads[:0]
+            for b in np.union1d(stage_reads["batch"], staged["batch"]).tolist():
+                out.append(
+                    RecordBatch(
+                        stage,
+                        b,
+                        _rows_of(stage_reads, b, "batch"),
+                        _rows_of(staged, b, "batch"),
+                    )
+                )
+        return tuple(out)
+
+    @cached_property
+    def worker_ids(self) -> dict[str, int]:
+        return {w: i for i, w in enumerate(self.workers)}
+
+    @cached_property
+    def totals(self) -> Totals:
+        reads, pushes, demands = self.reads, self.pushes, self.demands
+        node = self.worker_node
+        read_bytes = reads["length"] * reads["count"]
+        push_bytes = pushes["length"] * pushes["count"]
+        cross = node[pushes["worker"]] != node[pushes["peer"]]
+        nic = np.bincount(node[reads["worker"]], read_bytes, len(self.nodes))
+        nic += np.bincount(node[pushes["worker"][cross]], push_bytes[cross], len(self.nodes))
+        landed = np.bincount(
+            reads["worker"][reads["dst_region"] != 0],
+            read_bytes[reads["dst_region"] != 0],
+            len(self.workers),
+        )
+        landed += np.bincount(pushes["peer"], push_bytes, len(self.workers))
+        demanded = np.bincount(
+            demands["worker"], demands["length"] * demands["count"], len(self.workers)
+        )
+        return Totals(
+            store_read_bytes=int(read_bytes.sum()),
+            cross_node_push_bytes=int(push_bytes[cross].sum()),
+            intra_node_push_bytes=int(push_bytes[~cross].sum()),
+            node_nic_bytes=nic.astype(np.int64),
+            delivered_bytes=landed.astype(np.int64),
+            demanded_bytes=demanded.astype(np.int64),
+            unique_demand_bytes=demanded_union_bytes(demands),
+        )
+
+
+def demanded_union_bytes(demands: np.ndarray) -> int:
+    """Size of the union of the demanded source bytes (what single-pull must read)."""
+    cols = np.stack(
+        [
+            demands[n].astype(np.int64)
+            for n in ("object", "src_offset", "length", "count", "src_stride")
+        ]
+    )
+    if not cols.shape[1]:
+        return 0
+    order = grid.lex_order(cols[0], cols[1])  # adjacent duplicates go; any left are harmless
+    unique = cols[:, order][:, grid.group_starts(*cols[:, order])]
+    rects, _ = grid.to_rects(*unique)
+    return int(grid.union_bytes(grid.to_lanes(rects)).sum())
+
+
+def _rows_of(records: np.ndarray, value: int, field: str = "worker") -> np.ndarray:
+    """The contiguous rows whose sorted ``field`` equals ``value``."""
+    lo, hi = np.searchsorted(records[field], [value, value + 1])
+    return records[lo:hi]
+
+
+def _is_sorted(*keys: np.ndarray) -> bool:
+    """Whether rows are in non-decreasing lexicographic order of ``keys``."""
+    undecided = np.ones(max(len(keys[0]) - 1, 0), dtype=bool)
+    for key in keys:
+        a, b = key[:-1], key[1:]
+        if (undecided & (b < a)).any():
+            return False
+        undecided &= b == a
+    return True
+
+
+def record_ranges(record: np.void) -> list[tuple[int, int, int]]:
+    """(src, dst, length) byte ranges of one record, fused when both sides are contiguous."""
+    length, count = int(record["length"]), int(record["count"])
+    src, dst = int(record["src_offset"]), int(record["dst_offset"])
+    s_stride, d_stride = int(record["src_stride"]), int(record["dst_stride"])
+    if count == 1 or (s_stride == length and d_stride == length):
+        return [(src, dst, length * count)]
+    return [(src + k * s_stride, dst + k * d_stride, length) for k in range(count)]
+
+
+@dataclass(frozen=True, eq=False)
+class BoundRoutingTable:
+    """A table bound to one generation: object names resolved to that group's keys."""
+
+    table: RoutingTable
+    group_id: str
+    keys: tuple[str, ...]
+
+    def read_ops(self, batch: RecordBatch) -> list[ReadOp]:
+        regions = self.table.regions
+        return [
+            ReadOp(self.keys[int(r["object"])], src, regions[int(r["dst_region"])], dst, length)
+            for r in batch.reads
+            for src, dst, length in record_ranges(r)
+        ]
+
+    def push_ops(self, batch: RecordBatch) -> list[PushOp]:
+        regions, workers = self.table.regions, self.table.workers
+        return [
+            PushOp(
+                workers[int(p["peer"])],
+                regions[int(p["src_region"])],
+                src,
+                regions[int(p["dst_region"])],
+                dst,
+                length,
+            )
+            for p in batch.pushes
+            for src, dst, length in record_ranges(p)
+        ]
+
+
+def bind(table: RoutingTable, group_id: str) -> BoundRoutingTable:
+    """Lower a cached table to one generation's concrete keys (cheap: one string per object)."""
+    return BoundRoutingTable(table, group_id, tuple(object_key(group_id, n) for n in table.objects))

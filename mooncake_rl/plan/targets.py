@@ -1,0 +1,356 @@
+"""Turn declared demands into demanded runs with concrete destinations.
+
+Output (:class:`DemandSet`): *pieces* (a strided source run plus the destination pitch)
+and, per piece, its consumers as (worker, region, offset of the piece's first byte in that
+region). Instances whose placements are equal form one group that is planned once; the
+consumers of a group's piece are the workers holding its slot in every instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+from operator import attrgetter
+
+import numpy as np
+from mooncake.reshard.weight import ParallelRank, WeightManifest
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan import grid
+from mooncake_rl.plan.demand import (
+    COMPAT_REGION,
+    STAGING_REGION,
+    CompatDemand,
+    CompatLayout,
+    Destinations,
+    DirectDemand,
+    compat_layout,
+)
+from mooncake_rl.plan.reshard import TargetGroup, plan_group
+from mooncake_rl.plan.source import SourceLayout
+from mooncake_rl.plan.table import DEMAND_DTYPE
+from mooncake_rl.plan.topology import Topology
+
+I64 = np.int64
+
+
+@dataclass(frozen=True, eq=False)
+class DemandSet:
+    """Every demanded run and where it lands; the input of merge and of the validator.
+
+    Piece ``p`` reads ``count[p]`` rows of ``length[p]`` bytes at ``src_offset[p] + k *
+    src_stride[p]`` of object ``obj[p]``; consumer ``c`` of it (``ptr[p] <= c < ptr[p+1]``)
+    receives row ``k`` at ``dst_offset[c] + k * dst_stride[p]`` of region ``region[c]`` of
+    worker ``worker[c]``. ``region_worker/region_id/region_size`` declare every region a
+    consumer may be written in; ``regions`` names region ids (0 is staging).
+    """
+
+    regions: tuple[str, ...]
+    obj: np.ndarray
+    src_offset: np.ndarray
+    length: np.ndarray
+    count: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+    ptr: np.ndarray
+    worker: np.ndarray
+    region: np.ndarray
+    dst_offset: np.ndarray
+    region_worker: np.ndarray
+    region_id: np.ndarray
+    region_size: np.ndarray
+    lower_bound_bytes: int
+    compat: CompatLayout | None
+
+
+def demand_set(
+    manifest: WeightManifest,
+    layout: SourceLayout,
+    topology: Topology,
+    demand: CompatDemand | DirectDemand,
+) -> DemandSet:
+    """Plan every distinct placement once and attach each consumer's destination."""
+    if isinstance(demand, CompatDemand):
+        return _compat(manifest, layout, topology, demand)
+    if isinstance(demand, DirectDemand):
+        return _direct(manifest, layout, topology, demand)
+    raise InvariantViolation(f"unknown demand type {type(demand).__name__}")
+
+
+def _compat(manifest, layout, topology, demand: CompatDemand) -> DemandSet:
+    packed = compat_layout(layout, demand.align)
+    n_tensors = len(layout.tensors)
+    target = TargetGroup(
+        slots=(ParallelRank(),),
+        descriptors=layout.tensors,
+        geometry=tuple(
+            ((0, (0,) * len(t.global_shape), t.global_shape, int(packed.nbytes[i]), None),)
+            for i, t in enumerate(layout.tensors)
+        ),
+        fragment_ptr=np.arange(n_tensors + 1, dtype=I64),
+        fragment_key=np.arange(n_tensors, dtype=I64),
+        fragment_slot=np.zeros(n_tensors, dtype=I64),
+    )
+    runs = plan_group(manifest, layout, target)
+    n = len(topology.workers)
+    workers = np.arange(n, dtype=I64)
+    consumers = np.tile(workers, len(runs.obj))
+    region = np.full(len(consumers), 1, I64)
+    dst = np.repeat(packed.offsets[runs.fkey] + runs.dst_offset, n)
+    return DemandSet(
+        regions=(STAGING_REGION, COMPAT_REGION),
+        obj=runs.obj,
+        src_offset=runs.src_offset,
+        length=runs.length,
+        count=runs.count,
+        src_stride=runs.src_stride,
+        dst_stride=runs.dst_stride,
+        ptr=np.arange(len(runs.obj) + 1, dtype=I64) * n,
+        worker=consumers,
+        region=region,
+        dst_offset=dst,
+        region_worker=workers,
+        region_id=np.ones(n, I64),
+        region_size=np.full(n, packed.total_bytes, I64),
+        lower_bound_bytes=n * int(packed.nbytes.sum()),
+        compat=packed,
+    )
+
+
+def _direct(manifest, layout, topology: Topology, demand: DirectDemand) -> DemandSet:
+    parts = dict(demand.parts)
+    destinations = dict(demand.destinations)
+    unknown = sorted(set(parts) - set(topology.worker_index))
+    if unknown:
+        raise InvariantViolation(f"placement part for unknown worker {unknown[0]}")
+    missing = [w for w in topology.worker_ids if w not in parts]
+    if missing:
+        raise InvariantViolation(f"worker {missing[0]} declares no placement part")
+    fkeys: dict[str, int] = {}
+    fkey_nbytes: list[int] = []
+    groups: list[tuple[tuple, list[list[int]]]] = []
+    for instance, members in topology.instances:
+        slots = sorted(members, key=lambda w: _rank_order(parts[topology.worker_ids[w]].rank))
+        ranks = [parts[topology.worker_ids[w]].rank for w in slots]
+        if len(set(ranks)) != len(ranks):
+            raise InvariantViolation(f"instance {instance} has two workers with one rank")
+        for w, rank in zip(slots, ranks, strict=True):
+            declared = topology.workers[w].tp_rank
+            if declared is not None and declared != rank.tp:
+                raise InvariantViolation(
+                    f"worker {topology.worker_ids[w]}: tp_rank {declared} != part rank {rank}"
+                )
+        signature = tuple(
+            (p.rank, p.tensors, p.fragments) for p in (parts[topology.worker_ids[w]] for w in slots)
+        )
+        for existing, rows in groups:
+            if existing == signature:
+                rows.append(slots)
+                break
+        else:
+            groups.append((signature, [slots]))
+    planned = []
+    for signature, rows in groups:
+        target = _target_group(layout, signature, fkeys, fkey_nbytes)
+        planned.append((plan_group(manifest, layout, target), target, np.array(rows, I64)))
+    return _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations)
+
+
+def _rank_order(rank: ParallelRank) -> tuple[int, int, int, int]:
+    return (rank.dp, rank.pp, rank.ep, rank.tp)
+
+
+_PLACED = attrgetter(
+    "tensor_id",
+    "global_offset",
+    "local_shape",
+    "nbytes",
+    "pipeline_stage_id",
+    "placement_fragment_id",
+    "aliases",
+)
+
+
+_TENSOR_ID = attrgetter("tensor_id")
+
+
+def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> TargetGroup:
+    """The target view of one distinct placement, with fragment keys registered.
+
+    Runs once per distinct placement over every fragment, so it sticks to C-level passes.
+    """
+    descriptors: dict[str, object] = {}
+    rows: list[tuple] = []
+    slot_of: list[int] = []
+    for slot, (_, tensors, part_fragments) in enumerate(signature):
+        mine = dict(zip(map(_TENSOR_ID, tensors), tensors, strict=True))
+        for tensor_id in mine.keys() & descriptors.keys():
+            first, other = descriptors[tensor_id], mine[tensor_id]
+            if first is not other and first != other:
+                raise InvariantViolation(f"placement tensor descriptor mismatch: {tensor_id}")
+        descriptors.update(mine)
+        rows.extend(map(_PLACED, part_fragments))
+        slot_of.extend([slot] * len(part_fragments))
+    index = layout.tensor_index
+    unknown = sorted(descriptors.keys() - index.keys())
+    if unknown:
+        raise InvariantViolation(f"target manifests contain unknown tensors: {unknown[0]}")
+    if len(descriptors) < len(index):
+        absent = next(t.tensor_id for t in layout.tensors if t.tensor_id not in descriptors)
+        raise InvariantViolation(f"target manifests are missing tensors: {absent}")
+    tensor_ids, offsets, shapes, nbytes, stages, fragment_ids, aliases = (
+        zip(*rows, strict=True) if rows else ((),) * 7
+    )
+    if any(aliases):
+        fragment_id = fragment_ids[next(i for i, a in enumerate(aliases) if a)]
+        raise InvariantViolation(
+            f"placement fragment {fragment_id} declares aliases; "
+            "aliased tensors are not supported by the planner"
+        )
+    new = [f for f in dict.fromkeys(fragment_ids) if f not in fkeys]
+    size_of = dict(zip(fragment_ids, nbytes, strict=True))
+    fkeys.update(zip(new, range(len(fkeys), len(fkeys) + len(new)), strict=True))
+    fkey_nbytes.extend(map(size_of.__getitem__, new))
+    n = len(rows)
+    tensor = np.fromiter(map(index.__getitem__, tensor_ids), I64, n)
+    slot = np.array(slot_of, I64)
+    order = grid.lex_order(tensor, slot)
+    geometry = list(zip(slot_of, offsets, shapes, nbytes, stages, strict=True))
+    starts = np.flatnonzero(grid.group_starts(tensor[order], slot[order]))
+    ends = np.append(starts[1:], n)
+    several = ends - starts > 1  # a tensor cut into several fragments on one rank
+    for a, b in zip(starts[several].tolist(), ends[several].tolist(), strict=True):
+        order[a:b] = sorted(order[a:b].tolist(), key=lambda k: geometry[k][1:3])
+    counts = np.bincount(tensor, minlength=len(index))
+    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(I64)
+    ordered = [geometry[i] for i in order.tolist()]
+    return TargetGroup(
+        slots=tuple(rank for rank, _, _ in signature),
+        descriptors=tuple(map(descriptors.__getitem__, map(_TENSOR_ID, layout.tensors))),
+        geometry=tuple(tuple(ordered[a:b]) for a, b in pairwise(ptr.tolist())),
+        fragment_ptr=ptr,
+        fragment_key=np.fromiter(map(fkeys.__getitem__, fragment_ids), I64, n)[order],
+        fragment_slot=slot[order],
+    )
+
+
+def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> DemandSet:
+    """Expand group runs over instances and resolve (worker, fragment) -> (region, base)."""
+    names = [STAGING_REGION, *fkeys]  # default region of fragment key f is 1 + f
+    region_ids = dict(zip(names, range(len(names)), strict=True)) if destinations else {}
+    nbytes = np.array(fkey_nbytes, I64)
+    by_dest: dict[int, tuple[Destinations, np.ndarray, np.ndarray]] = {}
+    for dest in destinations.values():
+        if id(dest) in by_dest:
+            continue
+        region = np.full(len(fkeys), -1, I64)
+        base = np.zeros(len(fkeys), I64)
+        for name, _ in dest.regions:
+            region_ids.setdefault(name, len(names))
+            if len(names) < len(region_ids):
+                names.append(name)
+        sizes = dict(dest.regions)
+        for fragment_id, name, offset in dest.fragments:
+            f = fkeys.get(fragment_id)
+            if f is None:
+                continue
+            if offset + fkey_nbytes[f] > sizes[name]:
+                raise InvariantViolation(
+                    f"fragment {fragment_id} ({fkey_nbytes[f]} bytes at {offset}) does not fit "
+                    f"region {name} ({sizes[name]} bytes)"
+                )
+            region[f], base[f] = region_ids[name], offset
+        by_dest[id(dest)] = (dest, region, base)
+    resolver = np.full(len(topology.workers), -1, I64)
+    dest_list = list(by_dest.values())
+    dest_pos = {id(d): i for i, (d, _, _) in enumerate(dest_list)}
+    for worker, dest in destinations.items():
+        resolver[topology.worker_index[worker]] = dest_pos[id(dest)]
+
+    pieces: list[list[np.ndarray]] = [[] for _ in range(6)]
+    consumers: list[list[np.ndarray]] = [[] for _ in range(4)]
+    rows: list[list[np.ndarray]] = [[], []]  # (worker, fragment key) of default regions
+    lower_bound = 0
+    for runs, target, instances in planned:
+        n_inst = len(instances)
+        for column, value in zip(
+            pieces,
+            (runs.obj, runs.src_offset, runs.length, runs.count, runs.src_stride, runs.dst_stride),
+            strict=True,
+        ):
+            column.append(value)
+        worker = instances[:, runs.slot].T.reshape(-1)
+        fkey = np.repeat(runs.fkey, n_inst)
+        consumers[0].append(worker)
+        consumers[1].append(fkey)
+        consumers[2].append(np.repeat(runs.dst_offset, n_inst))
+        consumers[3].append(np.full(len(runs.obj), n_inst, I64))
+        for s in range(len(target.slots)):
+            keys = target.fragment_key[target.fragment_slot == s]
+            lower_bound += n_inst * int(nbytes[keys].sum())
+            rows[0].append(np.repeat(instances[:, s], len(keys)))
+            rows[1].append(np.tile(keys, n_inst))
+    worker = np.concatenate(consumers[0])
+    fkey = np.concatenate(consumers[1])
+    region = 1 + fkey
+    dst = np.concatenate(consumers[2]).copy()
+    custom = resolver[worker] >= 0
+    for i, (_, dest_region, dest_base) in enumerate(dest_list):
+        mask = custom & (resolver[worker] == i)
+        region[mask] = dest_region[fkey[mask]]
+        dst[mask] += dest_base[fkey[mask]]
+        unmapped = mask & (region < 0)
+        if unmapped.any():
+            c = np.flatnonzero(unmapped)[0]
+            fragment_id = next(k for k, v in fkeys.items() if v == fkey[c])
+            raise InvariantViolation(
+                f"worker {topology.worker_ids[worker[c]]} has no destination for placement "
+                f"fragment {fragment_id}"
+            )
+    region_worker = np.concatenate(rows[0])
+    region_key = np.concatenate(rows[1])
+    default = resolver[region_worker] < 0
+    region_worker, region_key = region_worker[default], region_key[default]
+    extra_w, extra_r, extra_s = [], [], []
+    for worker_id, dest in destinations.items():
+        for name, size in dest.regions:
+            extra_w.append(topology.worker_index[worker_id])
+            extra_r.append(region_ids[name])
+            extra_s.append(size)
+    return DemandSet(
+        regions=tuple(names),
+        obj=np.concatenate(pieces[0]),
+        src_offset=np.concatenate(pieces[1]),
+        length=np.concatenate(pieces[2]),
+        count=np.concatenate(pieces[3]),
+        src_stride=np.concatenate(pieces[4]),
+        dst_stride=np.concatenate(pieces[5]),
+        ptr=np.concatenate([[0], np.cumsum(np.concatenate(consumers[3]))]).astype(I64),
+        worker=worker,
+        region=region,
+        dst_offset=dst,
+        region_worker=np.concatenate([region_worker, np.array(extra_w, I64)]),
+        region_id=np.concatenate([1 + region_key, np.array(extra_r, I64)]),
+        region_size=np.concatenate([nbytes[region_key], np.array(extra_s, I64)]),
+        lower_bound_bytes=lower_bound,
+        compat=None,
+    )
+
+
+def demand_records(demands: DemandSet) -> np.ndarray:
+    """One DEMAND_DTYPE record per (piece, consumer): what each worker must end up holding."""
+    piece, _ = grid.expand_counts(np.diff(demands.ptr))
+    out = np.zeros(len(piece), DEMAND_DTYPE)
+    for name, value in (
+        ("worker", demands.worker),
+        ("dst_region", demands.region),
+        ("dst_offset", demands.dst_offset),
+        ("dst_stride", demands.dst_stride[piece]),
+        ("object", demands.obj[piece]),
+        ("src_offset", demands.src_offset[piece]),
+        ("src_stride", demands.src_stride[piece]),
+        ("length", demands.length[piece]),
+        ("count", demands.count[piece]),
+    ):
+        out[name] = value
+    return out

@@ -1,0 +1,317 @@
+"""Routing-table validator: the checks ``prepare`` runs before any byte moves.
+
+It trusts nothing the planner computed except the table itself, and checks it against the
+table's own coverage contract (``demands``):
+
+1. records are well formed and name known workers, objects and declared regions, in bounds;
+2. every read lies within its object; reads of one object are pairwise disjoint and their
+   total equals the size of the union of demanded source bytes (the single-pull invariant);
+3. no two writes (reads landing, pushes landing) overlap in any region of any worker, and
+   demands do not overlap either;
+4. every push moves exactly the bytes some earlier write landed at the sender (a read in the
+   same or an earlier batch, or a push of an earlier stage), so its source bytes are known;
+5. every write outside staging lands inside one demand and carries exactly the object bytes
+   that demand maps to that place; per demand, the written bytes equal the demanded bytes.
+
+With 3 and 5, every demanded byte is written exactly once with the right content.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan import grid
+from mooncake_rl.plan.table import RoutingTable, demanded_union_bytes
+
+I64 = np.int64
+
+
+def validate_routing_table(table: RoutingTable) -> None:
+    """Raise :class:`InvariantViolation` naming the first broken invariant, else return."""
+    _V(table).run()
+
+
+def _columns(records: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: records[name].astype(I64) for name in records.dtype.names}
+
+
+class _V:
+    def __init__(self, table: RoutingTable) -> None:
+        self.t = table
+        self.n_regions = len(table.regions)
+        self.reads, self.pushes = _columns(table.reads), _columns(table.pushes)
+        self.demands = _columns(table.demands)
+        r, p = self.reads, self.pushes
+        self.land = {"worker": np.concatenate([r["worker"], p["peer"]])}
+        for name in ("dst_region", "dst_offset", "dst_stride", "length", "count"):
+            self.land[name] = np.concatenate([r[name], p[name]])
+        rs = table.region_sizes
+        key = rs["worker"].astype(I64) * self.n_regions + rs["region"]
+        order = np.argsort(key)
+        self.declared, self.declared_size = key[order], rs["size"].astype(I64)[order]
+
+    # -- naming helpers for messages -------------------------------------------------------
+    def _w(self, i) -> str:
+        return self.t.workers[int(i)] if 0 <= int(i) < len(self.t.workers) else f"#{int(i)}"
+
+    def _r(self, i) -> str:
+        return self.t.regions[int(i)] if 0 <= int(i) < self.n_regions else f"#{int(i)}"
+
+    def _o(self, i) -> str:
+        return self.t.objects[int(i)] if 0 <= int(i) < len(self.t.objects) else f"#{int(i)}"
+
+    def _read(self, i) -> str:
+        r = self.t.reads[int(i)]
+        return (
+            f"read #{int(i)} (worker {self._w(r['worker'])}, object {self._o(r['object'])}"
+            f"@{int(r['src_offset'])}, {int(r['count'])}x{int(r['length'])} bytes -> "
+            f"{self._r(r['dst_region'])}@{int(r['dst_offset'])})"
+        )
+
+    def _push(self, i) -> str:
+        p = self.t.pushes[int(i)]
+        return (
+            f"push #{int(i)} (stage {int(p['stage'])}, {self._w(p['worker'])}:"
+            f"{self._r(p['src_region'])}@{int(p['src_offset'])} -> {self._w(p['peer'])}:"
+            f"{self._r(p['dst_region'])}@{int(p['dst_offset'])}, "
+            f"{int(p['count'])}x{int(p['length'])} bytes)"
+        )
+
+    def _demand(self, i) -> str:
+        d = self.t.demands[int(i)]
+        return (
+            f"demand #{int(i)} (worker {self._w(d['worker'])}, {self._r(d['dst_region'])}"
+            f"@{int(d['dst_offset'])} <- {self._o(d['object'])}@{int(d['src_offset'])}, "
+            f"{int(d['count'])}x{int(d['length'])} bytes)"
+        )
+
+    def _landing(self, i) -> str:
+        n = len(self.t.reads)
+        return self._read(i) if i < n else self._push(i - n)
+
+    def _space(self, columns, worker: str = "worker", region: str = "dst_region"):
+        return columns[worker] * self.n_regions + columns[region]
+
+    # -- checks ----------------------------------------------------------------------------
+    def run(self) -> None:
+        if (self.declared[1:] == self.declared[:-1]).any():
+            raise InvariantViolation("a worker declares one region twice")
+        self.well_formed()
+        self.object_bounds()
+        self.region_bounds(self.demands, self._demand)
+        self.region_bounds(self.land, self._landing)
+        self.disjoint(self.demands, self._demand, "demands")
+        self.disjoint(self.land, self._landing, "writes")
+        self.single_pull_disjoint()
+        self.provenance()
+        self.content_and_coverage()
+        self.single_pull_total()
+
+    def well_formed(self) -> None:
+        t = self.t
+        n_w, n_o = len(t.workers), len(t.objects)
+        for c, describe, fields in (
+            (self.reads, self._read, (("worker", n_w), ("object", n_o), ("dst_region", None))),
+            (
+                self.pushes,
+                self._push,
+                (("worker", n_w), ("peer", n_w), ("src_region", None), ("dst_region", None)),
+            ),
+            (self.demands, self._demand, (("worker", n_w), ("object", n_o), ("dst_region", None))),
+        ):
+            bad = np.zeros(len(c["length"]), bool)
+            for name, limit in fields:
+                bad |= (c[name] < 0) | (c[name] >= (limit if limit is not None else self.n_regions))
+            length, count = c["length"], c["count"]
+            bad |= (length <= 0) | (count <= 0) | (c["src_offset"] < 0) | (c["dst_offset"] < 0)
+            for stride in (c["src_stride"], c["dst_stride"]):
+                bad |= np.where(count == 1, stride != length, stride < length)
+            if "stage" in c:
+                bad |= (c["stage"] < 1) | (c["stage"] > 2) | (c["peer"] == c["worker"])
+            if "batch" in c:
+                bad |= c["batch"] < 0
+            if bad.any():
+                raise InvariantViolation(f"malformed {describe(np.flatnonzero(bad)[0])}")
+        for c, describe in ((self.pushes, self._push), (self.demands, self._demand)):
+            staged = np.flatnonzero(c["dst_region"] == 0)
+            if len(staged):
+                raise InvariantViolation(f"{describe(staged[0])} targets the staging region")
+
+    def object_bounds(self) -> None:
+        r = self.reads
+        end = grid.run_ends(r["src_offset"], r["length"], r["count"], r["src_stride"])
+        size = self.t.object_sizes[r["object"]]
+        past = np.flatnonzero(end > size)
+        if len(past):
+            i = past[0]
+            raise InvariantViolation(
+                f"{self._read(i)} reads past the end of its object ({int(end[i])} > "
+                f"{int(size[i])} bytes)"
+            )
+
+    def region_bounds(self, c, describe) -> None:
+        """Records land in declared regions, inside them (push sources are checked by
+        provenance: each must equal a write)."""
+        space = self._space(c)
+        pos = np.minimum(np.searchsorted(self.declared, space), max(len(self.declared) - 1, 0))
+        known = self.declared[pos] == space if len(self.declared) else np.zeros(len(space), bool)
+        if not known.all():
+            i = np.flatnonzero(~known)[0]
+            raise InvariantViolation(
+                f"{describe(i)} touches undeclared region {self._r(c['dst_region'][i])} "
+                f"of worker {self._w(c['worker'][i])}"
+            )
+        end = grid.run_ends(c["dst_offset"], c["length"], c["count"], c["dst_stride"])
+        size = self.declared_size[pos]
+        over = np.flatnonzero(end > size)
+        if len(over):
+            i = over[0]
+            raise InvariantViolation(
+                f"{describe(i)} runs past the end of region {self._r(c['dst_region'][i])} "
+                f"({int(end[i])} > {int(size[i])} bytes)"
+            )
+
+    def disjoint(self, c, describe, what: str) -> None:
+        if len(c["length"]) < 2:
+            return
+        space = self._space(c)
+        offset, length, count, stride = c["dst_offset"], c["length"], c["count"], c["dst_stride"]
+        if ((count == 1) | (stride == length)).all():  # all contiguous: one sort suffices
+            end = offset + length * count
+            order = grid.lex_order(space, offset)
+            s, o, e = space[order], offset[order], end[order]
+            hit = np.flatnonzero((s[1:] == s[:-1]) & (o[1:] < e[:-1]))
+            pair = None if not len(hit) else (order[hit[0]], order[hit[0] + 1])
+        else:
+            rects, _ = grid.to_rects(space, offset, length, count, stride)
+            hit = grid.first_overlap(grid.to_lanes(rects))
+            pair = None if hit is None else tuple(rects.member[x] for x in hit)
+        if pair is not None:
+            a, b = (int(x) for x in pair)
+            raise InvariantViolation(f"{what} overlap: {describe(a)} and {describe(b)}")
+
+    def single_pull_disjoint(self) -> None:
+        r = self.reads
+        if len(r["length"]) < 2:
+            return
+        rects, _ = grid.to_rects(
+            r["object"], r["src_offset"], r["length"], r["count"], r["src_stride"]
+        )
+        hit = grid.first_overlap(grid.to_lanes(rects))
+        if hit is not None:
+            a, b = (int(rects.member[x]) for x in hit)
+            raise InvariantViolation(
+                f"single-pull violated: {self._read(a)} and {self._read(b)} read the same bytes"
+            )
+
+    def provenance(self) -> None:
+        """Match every push source to the write that put those bytes at the sender."""
+        n_r, p, land = len(self.t.reads), self.pushes, self.land
+        source, exact = grid.at_or_before(
+            self._space(land),
+            land["dst_offset"],
+            self._space(p, "worker", "src_region"),
+            p["src_offset"],
+        )
+        s = np.maximum(source, 0)
+        same = (
+            exact
+            & (land["dst_stride"][s] == p["src_stride"])
+            & (land["length"][s] == p["length"])
+            & (land["count"][s] == p["count"])
+        )
+        bad = np.flatnonzero(~same)
+        if len(bad):
+            raise InvariantViolation(
+                f"{self._push(bad[0])} sends bytes no earlier write landed at the sender "
+                "(its source is not exactly one read or received push)"
+            )
+        from_read = source < n_r
+        stage = p["stage"]
+        src_stage = np.where(from_read, 0, stage[np.maximum(source - n_r, 0)])
+        read_batch = np.zeros(len(stage), I64)
+        read_batch[from_read] = self.reads["batch"][source[from_read]]
+        early = np.where(from_read, (stage == 2) | (read_batch <= p["batch"]), src_stage < stage)
+        late = np.flatnonzero(~early)
+        if len(late):
+            raise InvariantViolation(
+                f"{self._push(late[0])} sends bytes before they arrive at the sender "
+                f"(from {self._landing(int(source[late[0]]))})"
+            )
+        # Provenance (object, source offset, source stride) of every landing.
+        zeros = np.zeros(len(stage), I64)
+        obj = np.concatenate([self.reads["object"], zeros])
+        off = np.concatenate([self.reads["src_offset"], zeros])
+        stride = np.concatenate([self.reads["src_stride"], zeros])
+        for level in (1, 2):
+            sel = np.flatnonzero(stage == level)
+            src = source[sel]
+            obj[sel + n_r], off[sel + n_r], stride[sel + n_r] = obj[src], off[src], stride[src]
+        self.l_obj, self.l_src, self.l_src_stride = obj, off, stride
+
+    def content_and_coverage(self) -> None:
+        """Each write lands inside one demand with the right bytes; demands are full."""
+        d, land = self.demands, self.land
+        outside = np.flatnonzero(land["dst_region"] != 0)
+        w = {name: column[outside] for name, column in land.items()}
+        match, _ = grid.at_or_before(
+            self._space(d), d["dst_offset"], self._space(w), w["dst_offset"]
+        )
+        m = np.maximum(match, 0)
+        ok = (match >= 0) & (self._space(d)[m] == self._space(w))
+        rel = w["dst_offset"] - d["dst_offset"][m]
+        dd = {
+            name: d[name][m]
+            for name in ("dst_stride", "length", "count", "src_offset", "src_stride", "object")
+        }
+        l_len, l_cnt, l_dst_stride = w["length"], w["count"], w["dst_stride"]
+        l_obj, l_src, l_src_stride = (
+            self.l_obj[outside],
+            self.l_src[outside],
+            self.l_src_stride[outside],
+        )
+        extent = (l_cnt - 1) * np.where(l_cnt > 1, l_dst_stride, 0) + l_len
+        single = dd["count"] == 1
+        row = np.where(single, 0, rel // np.maximum(dd["dst_stride"], 1))
+        col = np.where(single, rel, rel % np.maximum(dd["dst_stride"], 1))
+        ok &= l_obj == dd["object"]
+        ok &= np.where(
+            single,
+            (l_src - dd["src_offset"] == rel)
+            & ((l_cnt == 1) | (l_dst_stride == l_src_stride))
+            & (rel + extent <= dd["length"]),
+            (col + l_len <= dd["length"])
+            & (row + l_cnt <= dd["count"])
+            & (
+                (l_cnt == 1)
+                | ((l_dst_stride == dd["dst_stride"]) & (l_src_stride == dd["src_stride"]))
+            )
+            & (l_src == dd["src_offset"] + row * dd["src_stride"] + col),
+        )
+        wrong = np.flatnonzero(~ok)
+        if len(wrong):
+            i = int(outside[wrong[0]])
+            raise InvariantViolation(
+                f"{self._landing(i)} writes bytes no demand maps to that place "
+                f"(it carries object {self._o(self.l_obj[i])}@{int(self.l_src[i])})"
+            )
+        got = np.bincount(m, weights=l_len * l_cnt, minlength=len(d["length"])).astype(I64)
+        need = d["length"] * d["count"]
+        short = np.flatnonzero(got != need)
+        if len(short):
+            i = short[0]
+            raise InvariantViolation(
+                f"{self._demand(i)} receives {int(got[i])} of {int(need[i])} bytes "
+                "(uncovered or extra bytes)"
+            )
+
+    def single_pull_total(self) -> None:
+        t = self.t
+        union = demanded_union_bytes(t.demands)
+        total = int((self.reads["length"] * self.reads["count"]).sum())
+        if total != union:
+            raise InvariantViolation(
+                f"single-pull violated: reads move {total} bytes but the union of demanded "
+                f"source bytes is {union}"
+            )

@@ -1,0 +1,89 @@
+"""Caching: generation-independent keys, and a hit recomputes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan import (
+    CompatDemand,
+    DirectDemand,
+    PlanCache,
+    PlanParams,
+    Topology,
+    Worker,
+    bind,
+    plan_routing,
+    source_digest,
+)
+from mooncake_rl.plan import planner as planner_module
+
+from .helpers import Spec, manifest, parts
+
+SPECS = [Spec("a", (8, 4), kind="split", dim=0), Spec("b", (4,))]
+WORKERS = [Worker(f"w{r}", f"n{r}", "i0", r) for r in range(2)]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    real = planner_module.build_routing_table
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner_module, "build_routing_table", counting)
+    return calls
+
+
+def test_hit_across_generations_recomputes_nothing(counted):
+    topology = Topology.of(WORKERS)
+    demand = DirectDemand.of(
+        {w.worker_id: p for w, p in zip(WORKERS, parts(SPECS, 2), strict=True)}
+    )
+    cache = PlanCache()
+    first = plan_routing(manifest(SPECS, generation=1), topology, demand, cache=cache)
+    second = plan_routing(manifest(SPECS, generation=2), topology, demand, cache=cache)
+    assert second is first and len(counted) == 1
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert bind(second, "g2").keys == ("g2/payload/a", "g2/payload/b")
+
+
+def test_digest_ignores_generation_but_not_layout():
+    one, two = manifest(SPECS, generation=1), manifest(SPECS, generation=2)
+    assert one.group_id != two.group_id and source_digest(one) == source_digest(two)
+    reshaped = [Spec("a", (4, 8), kind="split", dim=0), Spec("b", (4,))]
+    assert source_digest(manifest(reshaped)) != source_digest(one)
+    assert source_digest(manifest(SPECS, packed=True)) != source_digest(one)
+    retyped = [Spec("a", (8, 4), "float32", kind="split", dim=0), Spec("b", (4,))]
+    assert source_digest(manifest(retyped)) != source_digest(one)
+
+
+def test_misses_when_topology_target_or_params_change(counted):
+    cache = PlanCache(max_entries=2)
+    m = manifest(SPECS)
+    topology = Topology.of(WORKERS)
+    plan_routing(m, topology, CompatDemand(), cache=cache)
+    plan_routing(m, Topology.of([*WORKERS, Worker("w2", "n2")]), CompatDemand(), cache=cache)
+    plan_routing(m, topology, CompatDemand(align=128), cache=cache)
+    plan_routing(m, topology, CompatDemand(), params=PlanParams(batch_bytes=1 << 20), cache=cache)
+    assert len(counted) == 4 and cache.misses == 4 and len(cache) == 2  # LRU bound
+    plan_routing(m, topology, CompatDemand(), params=PlanParams(batch_bytes=1 << 20), cache=cache)
+    assert len(counted) == 4 and cache.hits == 1
+
+
+def test_delegates_topology_digest_and_validation():
+    topology = Topology.of([Worker("b", "n0"), Worker("a", "n0"), Worker("c", "n1")])
+    assert topology.worker_ids == ("a", "b", "c") and topology.delegate("n0") == "a"
+    moved = Topology.of(topology.workers, {"n0": "b"})
+    assert moved.delegate("n0") == "b" and moved.digest != topology.digest
+    assert Topology.of(reversed(topology.workers)).digest == topology.digest
+    with pytest.raises(InvariantViolation, match="not a worker on that node"):
+        Topology.of(topology.workers, {"n0": "c"})
+    with pytest.raises(InvariantViolation, match="duplicate worker id"):
+        Topology.of([Worker("a", "n0"), Worker("a", "n1")])
+    with pytest.raises(InvariantViolation, match="needs a node label"):
+        Worker("x", "")
+    with pytest.raises(InvariantViolation, match="unknown node"):
+        topology.delegate("n9")

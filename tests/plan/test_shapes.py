@@ -1,0 +1,66 @@
+"""Benchmark shapes follow the public configs; the bench prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan.shapes import MODELS, cluster, instance_parts, parse_target
+
+
+def params(model) -> int:
+    return sum(math.prod(t.shape) for t in model.tensors)
+
+
+def test_llama3_70b_matches_the_published_parameter_count():
+    model = MODELS["llama-70b"]()
+    assert len(model.tensors) == 80 * 9 + 3
+    assert params(model) == 70_553_706_496  # Meta-Llama-3-70B: 70.55B parameters
+
+
+def test_kimi_k2_has_every_expert_as_its_own_tensor():
+    model = MODELS["kimi-k2"]()
+    kinds = Counter(t.kind for t in model.tensors)
+    assert kinds["expert"] == 60 * 384 * 3 == 69_120
+    assert len(model.tensors) == 69_975
+    assert 1.02e12 < params(model) < 1.03e12  # "1T total parameters"
+
+
+def test_small_instance_parts_shard_by_kind():
+    model = MODELS["small"]()
+    tp4 = instance_parts(model, 4)
+    experts = [sorted({t.expert_id for t in p.tensors if t.expert_id is not None}) for p in tp4]
+    assert experts == [list(range(4 * r, 4 * r + 4)) for r in range(4)]  # EP: contiguous blocks
+    assert all(len([f for f in p.fragments if ".experts." in f.tensor_id]) == 36 for p in tp4)
+    o_proj = [
+        f for f in tp4[2].fragments if f.tensor_id == "model.layers.0.self_attn.o_proj.weight"
+    ]
+    assert [(f.global_offset, f.local_shape) for f in o_proj] == [((0, 128), (1024, 64))]
+    topology, demand = cluster(model, 2, 4, workers_per_node=4)
+    assert len(topology.nodes) == 2 and len(demand.parts) == 8
+    assert parse_target("16xTP8") == (16, 8)
+    with pytest.raises(InvariantViolation):
+        parse_target("TP8")
+
+
+def test_bench_prints_one_json_object():
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.plan", "--model", "small", "--target", "2xTP4"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    result = json.loads(out)
+    assert result["store_read_bytes / unique_demand_bytes"] == 1.0
+    assert result["delivered_bytes / lower_bound_bytes"] == 1.0
+    assert result["workers"] == 8 and result["mode"] == "direct"

@@ -1,0 +1,217 @@
+"""The engine-facing adapter (``plan.update``): worker descriptions in, executor slices out.
+
+Every plan is executed on byte arrays through ``UpdatePlan.worker_slice`` (reads from random
+object bytes, pushes in stage and batch order) and each worker's regions are compared with
+the bytes its declared shards must hold, computed independently with numpy slicing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.plan.demand import COMPAT_REGION
+from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@st.composite
+def models(draw: Any) -> list[TensorSpec]:
+    count = draw(st.integers(1, 12))
+    specs = []
+    for index in range(count):
+        rank = draw(st.integers(1, 3))
+        shape = tuple(draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12])) for _ in range(rank))
+        specs.append(TensorSpec(f"t{index}", shape, draw(st.sampled_from(sorted(DTYPES)))))
+    return specs
+
+
+@st.composite
+def clusters(draw: Any) -> list[tuple[str, int]]:
+    """Engines as (node, tp size)."""
+    return draw(
+        st.lists(
+            st.tuples(st.sampled_from(["n0", "n1", "n2", "n3"]), st.sampled_from([1, 2, 4])),
+            min_size=1,
+            max_size=4,
+        )
+    )
+
+
+def simulate(plan: UpdatePlan, objects: dict[str, np.ndarray]) -> dict[tuple[str, str], Any]:
+    prefix = f"{plan.group_id}/payload/"
+    memory = {
+        (w, r): np.zeros(size, dtype=np.uint8)
+        for w, regions in plan.routing.regions.items()
+        for r, size in regions.items()
+    }
+    for stage in range(plan.stages):
+        for worker in sorted(plan.routing.regions):
+            for batch in plan.worker_slice(worker).stages[stage]:
+                for read in batch.reads:
+                    raw = objects[read.key.removeprefix(prefix)]
+                    memory[(worker, read.region)][
+                        read.dst_offset : read.dst_offset + read.length
+                    ] = raw[read.src_offset : read.src_offset + read.length]
+                for push in batch.pushes:
+                    memory[(push.peer, push.dst_region)][
+                        push.dst_offset : push.dst_offset + push.length
+                    ] = memory[(worker, push.src_region)][
+                        push.src_offset : push.src_offset + push.length
+                    ]
+    return memory
+
+
+def expected_shard(spec: TensorSpec, raw: np.ndarray, shard: dict) -> np.ndarray:
+    tensor = raw.view(DTYPES[spec.dtype]).reshape(spec.shape)
+    index = tuple(
+        slice(o, o + n) for o, n in zip(shard["global_offset"], shard["local_shape"], strict=True)
+    )
+    return np.ascontiguousarray(tensor[index]).view(np.uint8).reshape(-1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    models(),
+    clusters(),
+    st.sampled_from(["compat", "direct"]),
+    st.sampled_from([16, 64, 1 << 20]),
+    st.integers(0, 99),
+)
+def test_slices_deliver_exactly_the_demanded_bytes_reading_each_once(
+    specs: list[TensorSpec], cluster: list[tuple[str, int]], mode: str, batch_bytes: int, seed: int
+) -> None:
+    manifest = build_manifest("m", 1, specs, "now")
+    engines = simulated_engines(specs, cluster, mode)
+    plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache())
+    rng = np.random.default_rng(seed)
+    objects = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
+    memory = simulate(plan, objects)
+    by_name = {s.name: s for s in specs}
+    if mode == "compat":
+        for worker in plan.routing.regions:
+            for entry in plan.routing.layout:
+                got = memory[(worker, COMPAT_REGION)][
+                    entry["offset"] : entry["offset"] + by_name[entry["name"]].nbytes
+                ]
+                assert np.array_equal(got, objects[entry["name"]])
+    else:
+        for workers in engines.values():
+            for worker in workers:
+                for shard in worker["shards"]:
+                    want = expected_shard(by_name[shard["tensor"]], objects[shard["tensor"]], shard)
+                    assert np.array_equal(memory[(worker["worker_id"], shard["region"])], want)
+    model_bytes = sum(s.nbytes for s in specs)
+    assert plan.store_read_bytes == plan.unique_demand_bytes == model_bytes
+    slices = [plan.worker_slice(w) for w in plan.routing.regions]
+    assert sum(s.read_bytes for s in slices) == plan.store_read_bytes
+    assert sum(s.pushed_bytes for s in slices) == plan.pushed_bytes
+    received = plan.routing.received_bytes()
+    for workers in engines.values():
+        for worker in workers:
+            declared = sum(r["bytes"] for r in worker["regions"].values())
+            # compat: the padding between tensors is never written
+            want = model_bytes if mode == "compat" else declared
+            assert received[worker["worker_id"]] == want
+    nodes = {node for node, _ in cluster}
+    if mode == "compat":
+        assert plan.routing.cross_node_pushed_bytes == model_bytes * (len(nodes) - 1)
+
+
+def test_cache_hit_replans_nothing_and_binds_the_new_generation() -> None:
+    specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
+    engines = simulated_engines(specs, [("n0", 2), ("n1", 1)], "direct")
+    cache = RoutingCache()
+    first = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, cache)
+    second = plan_update(build_manifest("m", 2, specs, "later"), engines, "direct", 64, cache)
+    assert cache.misses == 1 and cache.hits == 1
+    assert second.routing.table is first.routing.table
+    keys = {
+        op.key for stage in second.worker_slice("e0/tp0").stages for b in stage for op in b.reads
+    }
+    assert keys and all(k.startswith("mooncake-rl/m/g000000000002/payload/") for k in keys)
+
+
+def _worker(rank: int, tp: int, regions: dict[str, int], shards: list[tuple]) -> dict[str, Any]:
+    return {
+        "worker_id": f"e/tp{rank}",
+        "node": "n0",
+        "tp_rank": rank,
+        "tp_size": tp,
+        "regions": {name: {"bytes": size} for name, size in regions.items()},
+        "shards": [
+            {
+                "tensor": tensor,
+                "global_offset": list(offset),
+                "local_shape": list(shape),
+                "region": region,
+                "region_offset": base,
+            }
+            for tensor, offset, shape, region, base in shards
+        ],
+    }
+
+
+def test_fused_gate_up_boxes_land_back_to_back() -> None:
+    """Two checkpoint tensors stacked in one fused parameter, as vLLM's gate_up does."""
+    specs = [TensorSpec("gate", (4, 2), "float32"), TensorSpec("up", (4, 2), "float32")]
+    manifest = build_manifest("m", 1, specs, "now")
+    engines = {
+        "http://e": [
+            _worker(
+                r,
+                2,
+                {"gate_up": 32},
+                [
+                    ("gate", (2 * r, 0), (2, 2), "gate_up", 0),
+                    ("up", (2 * r, 0), (2, 2), "gate_up", 16),
+                ],
+            )
+            for r in range(2)
+        ]
+    }
+    plan = plan_update(manifest, engines, "direct", 64, RoutingCache())
+    objects = {s.name: np.arange(s.nbytes, dtype=np.uint8) + 100 * i for i, s in enumerate(specs)}
+    memory = simulate(plan, objects)
+    assert np.array_equal(
+        memory[("e/tp1", "gate_up")], np.concatenate([objects["gate"][16:], objects["up"][16:]])
+    )
+    assert plan.store_read_bytes == 64 and plan.pushed_bytes == 0
+
+
+def test_experts_owned_by_one_rank_are_read_once_by_their_owner() -> None:
+    """Under EP each expert tensor lives on one rank: no pushes, one read per expert."""
+    specs = [TensorSpec(f"experts.{i}.w", (4, 4), "bfloat16") for i in range(4)]
+    manifest = build_manifest("m", 1, specs, "now")
+    engines = {
+        "http://e": [
+            _worker(
+                r,
+                2,
+                {f"experts.{i}.w": 32 for i in range(4) if i % 2 == r},
+                [
+                    (f"experts.{i}.w", (0, 0), (4, 4), f"experts.{i}.w", 0)
+                    for i in range(4)
+                    if i % 2 == r
+                ],
+            )
+            for r in range(2)
+        ]
+    }
+    plan = plan_update(manifest, engines, "direct", 64, RoutingCache())
+    prefix = f"{plan.group_id}/payload/"
+    reads = sorted(
+        (w, op.key.removeprefix(prefix))
+        for w in plan.routing.regions
+        for stage in plan.worker_slice(w).stages
+        for batch in stage
+        for op in batch.reads
+    )
+    assert reads == sorted((f"e/tp{i % 2}", f"experts.{i}.w") for i in range(4))
+    assert plan.pushed_bytes == 0 and plan.store_read_bytes == 4 * 32

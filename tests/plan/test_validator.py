@@ -1,0 +1,133 @@
+"""The validator rejects corrupted tables with a precise message."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan import DirectDemand, PlanParams, Topology, Worker, plan_routing
+from mooncake_rl.plan.validate import validate_routing_table
+
+from .helpers import Spec, check_delivery, contents, execute, fragment_bytes, manifest, parts
+
+SPECS = [
+    Spec("q", (8, 8), kind="split", dim=0),
+    Spec("o", (8, 8), kind="split", dim=1),
+    Spec("norm", (8,)),
+]
+
+
+@pytest.fixture(scope="module")
+def table():
+    """Two TP2 instances on two nodes: strided reads, stage 1 and stage 2 pushes."""
+    ps = parts(SPECS, 2)
+    workers = [Worker(f"i{i}r{r}", f"n{i}", f"i{i}", r) for i in range(2) for r in range(2)]
+    demand = DirectDemand.of({w.worker_id: ps[w.tp_rank] for w in workers})
+    t = plan_routing(manifest(SPECS), Topology.of(workers), demand)
+    assert set(t.pushes["stage"].tolist()) == {1, 2}
+    assert (t.reads["count"] > 1).any()
+    return t
+
+
+def corrupt(t, records: str, index: int, **fields):
+    array = getattr(t, records).copy()
+    for name, value in fields.items():
+        array[index][name] = value
+    return replace(t, **{records: array})
+
+
+def rejects(t, pattern: str) -> None:
+    with pytest.raises(InvariantViolation, match=pattern):
+        validate_routing_table(t)
+
+
+def test_valid_table_passes(table):
+    validate_routing_table(table)
+
+
+def test_uncovered_byte(table):
+    dropped = replace(table, pushes=table.pushes[1:])
+    rejects(dropped, r"receives \d+ of \d+ bytes|sends bytes no earlier write landed")
+
+
+def test_overlapping_write(table):
+    doubled = replace(table, pushes=np.insert(table.pushes, 0, table.pushes[0]))
+    rejects(doubled, r"writes overlap: push #0 .* and push #1")
+
+
+def test_read_past_object_end(table):
+    i = int(np.flatnonzero(table.reads["count"] == 1)[0])
+    size = int(table.object_sizes[table.reads[i]["object"]])
+    rejects(corrupt(table, "reads", i, src_offset=size - int(table.reads[i]["length"]) + 2),
+            "reads past the end of its object")  # fmt: skip
+
+
+def test_wrong_range_length(table):
+    i = int(np.flatnonzero(table.reads["count"] == 1)[0])
+    length = int(table.reads[i]["length"]) - 2
+    shorter = corrupt(table, "reads", i, length=length, src_stride=length, dst_stride=length)
+    rejects(shorter, r"receives \d+ of \d+ bytes|sends bytes no earlier write landed")
+
+
+def test_wrong_source_bytes(table):
+    i = int(np.flatnonzero(table.reads["count"] > 1)[0])
+    moved = corrupt(table, "reads", i, src_offset=int(table.reads[i]["src_offset"]) ^ 8)
+    rejects(moved, "single-pull violated|writes bytes no demand maps")
+
+
+def test_push_before_its_bytes_arrive(table):
+    i = int(np.flatnonzero(table.pushes["stage"] == 2)[0])
+    early = corrupt(table, "pushes", i, stage=1)
+    early = replace(
+        early,
+        pushes=early.pushes[
+            np.lexsort((early.pushes["batch"], early.pushes["stage"], early.pushes["worker"]))
+        ],
+    )
+    rejects(early, "before they arrive")
+
+
+def test_double_read_breaks_single_pull(table):
+    r = table.reads[:1].copy()
+    r["dst_region"] = 0  # a second copy of the same bytes, into staging
+    staged = np.zeros(1, table.region_sizes.dtype)
+    staged[0] = (r["worker"][0], 0, 1 << 20)
+    doubled = replace(
+        table,
+        reads=np.sort(np.concatenate([table.reads, r]), order=["worker", "batch"], kind="stable"),
+        region_sizes=np.concatenate([table.region_sizes, staged]),
+    )
+    rejects(doubled, "single-pull violated")
+
+
+def test_undeclared_region_and_staging_targets(table):
+    rejects(
+        corrupt(table, "reads", 0, dst_region=len(table.regions) - 1),
+        "undeclared region|past the end",
+    )
+    rejects(corrupt(table, "pushes", 0, dst_region=0), "targets the staging region")
+    rejects(corrupt(table, "pushes", 0, peer=int(table.pushes[0]["worker"])), "malformed push")
+
+
+def test_reader_outside_the_demand_stages_through_staging():
+    """A node with spare NIC reads for a busy one: its read lands in staging, then moves on."""
+    specs = [Spec("big", (64,), "float32", kind="owned")]  # held by one rank of a TP2 engine
+    ps = parts(specs, 2)
+    owner = next(r for r in range(2) if ps[r].fragments)
+    workers = [Worker("a", "n0", "i0", owner), Worker("b", "n1", "i0", 1 - owner)]
+    demand = DirectDemand.of({"a": ps[owner], "b": ps[1 - owner]})
+    params = PlanParams(batch_bytes=64, min_chunk_bytes=32, balance_slack=0.01)
+    table = plan_routing(manifest(specs), Topology.of(workers), demand, params=params)
+    staged = table.reads[table.reads["dst_region"] == 0]
+    assert len(staged) and set(staged["worker"].tolist()) == {1}
+    assert table.totals.store_read_bytes == 256
+    data = contents(specs)
+    buffers, written, _ = execute(table, data)
+    fragment = ps[owner].fragments[0]
+    chunk = fragment_bytes(specs[0], data["big"], fragment.global_offset, fragment.local_shape)
+    check_delivery(table, buffers, written, {(0, fragment.placement_fragment_id): [(0, chunk)]})
+    nic = table.totals.node_nic_bytes
+    assert nic.max() <= nic.mean() + table.max_chunk_cost
