@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -43,20 +43,38 @@ def specs_of(model: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     ]
 
 
+def client_settings(master: EmbeddedMaster, holder: SegmentHolder, node: str = "node0") -> Settings:
+    """A client that lends no memory and prefers ``holder``'s segment, labelled ``node``."""
+    return Settings(
+        master=master.master_address,
+        metadata=master.metadata_url,
+        node=node,
+        segment_bytes=0,
+        local_segment=holder.segment,
+        buffer_bytes=16 << 20,
+    )
+
+
 @contextlib.contextmanager
 def store_services(segment_bytes: int) -> Iterator[tuple[EmbeddedMaster, SegmentHolder, Settings]]:
     with (
         EmbeddedMaster() as master,
         SegmentHolder(master.master_address, master.metadata_url, segment_bytes) as holder,
     ):
-        yield (
-            master,
-            holder,
-            Settings(
-                master=master.master_address,
-                metadata=master.metadata_url,
-                segment_bytes=0,
-                local_segment=holder.segment,
-                buffer_bytes=16 << 20,
-            ),
-        )
+        yield master, holder, client_settings(master, holder)
+
+
+@contextlib.contextmanager
+def node_services(
+    segment_bytes: int, nodes: Iterable[str]
+) -> Iterator[tuple[EmbeddedMaster, dict[str, Settings]]]:
+    """A master and one segment holder of ``segment_bytes`` per node label; client settings
+    per label."""
+    with EmbeddedMaster() as master, contextlib.ExitStack() as stack:
+        settings = {}
+        for node in sorted(set(nodes)):
+            holder = stack.enter_context(
+                SegmentHolder(master.master_address, master.metadata_url, segment_bytes)
+            )
+            settings[node] = client_settings(master, holder, node)
+        yield master, settings

@@ -12,33 +12,10 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-import torch
-
+from bench.common import node_services, parse_size, synthetic_model
 from mooncake_rl.generations import GenerationPublisher, TrainerTopology, finalize_generation
-from mooncake_rl.services import EmbeddedMaster, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    for unit, factor in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
-
-
-def synthetic_model(total_bytes: int, tensors: int) -> list[tuple[str, torch.Tensor]]:
-    """Mixed sizes: one embedding-like tensor of 1/8 and the rest from a fixed spread."""
-    generator = torch.Generator().manual_seed(0)
-    weights = torch.rand(tensors, generator=generator) + 0.05
-    weights[0] = weights[1:].sum() / 7
-    sizes = (weights / weights.sum() * total_bytes / 2).long().clamp(min=1)  # bf16 elements
-    return [
-        (f"w{i}", torch.randn(int(n), generator=generator).to(torch.bfloat16))
-        for i, n in enumerate(sizes)
-    ]
 
 
 def _rank(
@@ -66,39 +43,18 @@ def main() -> None:
     total = parse_size(args.size)
     nodes = tuple(f"node{r % args.nodes}" for r in range(args.ranks))
     ctx = mp.get_context("spawn")
-    with EmbeddedMaster() as master:
-        per_node_segment = int(total * 1.5 / args.nodes) + (64 << 20)
-        holders = {
-            node: SegmentHolder(
-                master.master_address, master.metadata_url, per_node_segment
-            ).start()
-            for node in sorted(set(nodes))
-        }
-        try:
-            out = ctx.Queue()
-            procs = []
-            for rank, node in enumerate(nodes):
-                settings = Settings(
-                    master=master.master_address,
-                    metadata=master.metadata_url,
-                    node=node,
-                    segment_bytes=0,
-                    local_segment=holders[node].segment,
-                    buffer_bytes=16 << 20,
-                )
-                procs.append(
-                    ctx.Process(
-                        target=_rank, args=(settings, rank, nodes, total, args.tensors, out)
-                    )
-                )
-            for proc in procs:
-                proc.start()
-            rows = sorted(out.get(timeout=1200) for _ in procs)
-            for proc in procs:
-                proc.join()
-        finally:
-            for holder in holders.values():
-                holder.stop()
+    per_node_segment = int(total * 1.5 / args.nodes) + (64 << 20)
+    with node_services(per_node_segment, nodes) as (_, settings):
+        out = ctx.Queue()
+        procs = [
+            ctx.Process(target=_rank, args=(settings[node], rank, nodes, total, args.tensors, out))
+            for rank, node in enumerate(nodes)
+        ]
+        for proc in procs:
+            proc.start()
+        rows = sorted(out.get(timeout=1200) for _ in procs)
+        for proc in procs:
+            proc.join()
     seconds = max(row[1] for row in rows)
     put_bytes = sum(row[2] for row in rows)
     bytes_per_node: dict[str, int] = {}

@@ -7,6 +7,7 @@ generation, ``validate_routing_table`` (prepare), and the declarations ``Worker`
 ``Topology``, ``CompatDemand``, ``DirectDemand``, ``Destinations``, ``PlanParams``.
 """
 
+from mooncake_rl.generations.keys import payload_key as object_key
 from mooncake_rl.plan.cache import PlanCache, PlanKey
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
@@ -19,7 +20,7 @@ from mooncake_rl.plan.demand import (
 )
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.planner import plan_key, plan_routing
-from mooncake_rl.plan.source import object_key, source_digest, source_layout
+from mooncake_rl.plan.source import source_digest, source_layout
 from mooncake_rl.plan.table import (
     DEMAND_DTYPE,
     PUSH_DTYPE,

@@ -35,7 +35,8 @@ from mooncake.reshard.weight import (
 )
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.source import SourceLayout, object_key
+from mooncake_rl.generations.keys import payload_key
+from mooncake_rl.plan.source import SourceLayout
 
 # (slot, global_offset, local_shape, nbytes, pipeline_stage_id) of one target fragment
 TargetGeometry = tuple[int, tuple[int, ...], tuple[int, ...], int, int | None]
@@ -163,7 +164,7 @@ def _plan_representatives(manifest, layout, group, keys, classes):
                 tensor_id=name,
                 global_offset=offset,
                 local_shape=local,
-                object_key=object_key(manifest.group_id, f"{name}/{i}"),
+                object_key=payload_key(manifest.group_id, f"{name}/{i}"),
                 object_offset=0,
                 nbytes=nbytes,
             )

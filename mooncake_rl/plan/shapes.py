@@ -8,6 +8,7 @@ owned whole by one rank: EP over the instance's TP ranks, experts in contiguous 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -17,18 +18,17 @@ from mooncake.reshard.weight import (
     PlacementFragment,
     ReplicatedAxis,
     SplitAxis,
-    StoredFragment,
     TensorDescriptor,
     WeightManifest,
     WeightPlacementPart,
 )
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations import catalog
 from mooncake_rl.plan.demand import DirectDemand
-from mooncake_rl.plan.source import object_key
 from mooncake_rl.plan.topology import Topology, Worker
 
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+ITEMSIZE = {name: dtype.itemsize for name, dtype in catalog.ROLLOUT_DTYPES.items()}
 KINDS = ("column", "row", "replicated", "expert")
 
 
@@ -179,37 +179,13 @@ MODELS = {
 }
 
 
-def group_id(model: ModelShape, generation: int) -> str:
-    return f"mooncake-rl/{model.name}/g{generation:012d}"
-
-
 def weight_manifest(model: ModelShape, generation: int) -> WeightManifest:
-    """The manifest issue 3 publishes: one contiguous Store object per tensor."""
-    group = group_id(model, generation)
-    tensors, fragments = [], []
-    for spec in model.tensors:
-        tensors.append(_descriptor(spec, (), ()))
-        fragments.append(
-            StoredFragment(
-                fragment_id=f"{spec.name}#0",
-                tensor_id=spec.name,
-                global_offset=(0,) * len(spec.shape),
-                local_shape=spec.shape,
-                object_key=object_key(group, spec.name),
-                object_offset=0,
-                nbytes=spec.nbytes,
-            )
-        )
-    return WeightManifest(
-        namespace="mooncake-rl",
-        resource_id=model.name,
-        revision="r0",
-        weight_generation=generation,
-        group_id=group,
-        manifest_key=f"{group}/manifest",
-        tensors=tuple(tensors),
-        fragments=tuple(fragments),
-        created_at="1970-01-01T00:00:00Z",
+    """The manifest issue 3 publishes (``catalog.build_manifest``: one contiguous Store object
+    per tensor), its descriptors carrying the layer and expert ids the placements declare."""
+    specs = [catalog.TensorSpec(spec.name, spec.shape, spec.dtype) for spec in model.tensors]
+    manifest = catalog.build_manifest(model.name, generation, specs, "1970-01-01T00:00:00Z")
+    return dataclasses.replace(
+        manifest, tensors=tuple(_descriptor(spec, (), ()) for spec in model.tensors)
     )
 
 
@@ -220,7 +196,7 @@ def _descriptor(spec: TensorSpec, shard_dims, axes) -> TensorDescriptor:
         dtype=spec.dtype,
         itemsize=ITEMSIZE[spec.dtype],
         shard_dims=shard_dims,
-        layout_fingerprint="row-major",
+        layout_fingerprint=catalog.LAYOUT,
         parallel_axes=axes,
         layer_id=spec.layer_id,
         expert_id=spec.expert_id,

@@ -19,17 +19,7 @@ import numpy as np
 from mooncake.reshard.weight import TensorDescriptor, WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
-
-
-def payload_prefix(group_id: str) -> str:
-    """Prefix every payload key of a generation group starts with."""
-    return f"{group_id}/payload/"
-
-
-def object_key(group_id: str, name: str) -> str:
-    """Concrete Store key of object ``name`` in generation group ``group_id``."""
-    return f"{payload_prefix(group_id)}{name}"
-
+from mooncake_rl.generations.keys import payload_prefix
 
 # Plain-data fields (str, int, None, int tuples) serialized with marshal format 2: a pure
 # function of content (no object references, no interning flags), and fast because it is
