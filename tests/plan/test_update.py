@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
@@ -215,3 +217,15 @@ def test_experts_owned_by_one_rank_are_read_once_by_their_owner() -> None:
     )
     assert reads == sorted((f"e/tp{i % 2}", f"experts.{i}.w") for i in range(4))
     assert plan.pushed_bytes == 0 and plan.store_read_bytes == 4 * 32
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=InvariantViolation,
+    reason="known planner bug (found by hypothesis): two engines splitting the same tensor "
+    "along different dims (TP2 on dim 1, TP4 on dim 2) make the validator refuse the plan",
+)
+def test_engines_splitting_one_tensor_along_different_dims() -> None:
+    specs = [TensorSpec("t0", (3, 6, 4), "bfloat16")]
+    engines = simulated_engines(specs, [("n0", 2), ("n0", 4)], "direct")
+    plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 16, RoutingCache())
