@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-sglang = pytest.importorskip("sglang")
+pytest.importorskip("sglang")
 
-from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput  # noqa: E402
-from engine_ext.sglang.loader import MooncakeModelLoader  # noqa: E402
-from engine_ext.sglang.plugins import TARGETS  # noqa: E402
-from mooncake_rl.errors import ConfigurationError  # noqa: E402
+from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
+from engine_ext.sglang.loader import MooncakeModelLoader
+from engine_ext.sglang.plugins import TARGETS
+from mooncake_rl.errors import ConfigurationError
 
 SGLANG_VERSION = "0.5.23"
 
