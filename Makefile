@@ -58,9 +58,8 @@ sglang-venv: sysdeps $(SGLANG_STAMP)
 sglang-test: sglang-venv
 	$(SGLANG_PY) -m pytest -q tests/sglang
 
-test: venv verl-deps sglang-venv
+test: venv verl-deps
 	$(PY) -m pytest -q
-	$(SGLANG_PY) -m pytest -q tests/sglang
 
 demo: venv
 	$(VENV)/bin/mooncake-rl demo
