@@ -62,6 +62,7 @@ class ApplyWorker:
         )
         self.regions: dict[str, Region] = {}
         self.arena: Region | None = None
+        self._retired_engines: list[TransferEngineClient] = []
 
     def describe(self) -> dict[str, Any]:
         """What peers need to write here: TE endpoint, node and region addresses."""
@@ -96,6 +97,9 @@ class ApplyWorker:
         ):
             self.registrations.release([self.arena.base])
             self.engine.close()
+            # Keep the retired engine alive: its port stays taken, so no later endpoint in
+            # this process reuses a name that peers may have cached with the old buffers.
+            self._retired_engines.append(self.engine)
             self.engine = TransferEngineClient(self.settings)
             self.registrations.reconnect({Domain.STORE: self.store, Domain.ENGINE: self.engine})
         self.registrations.provision([arena])
