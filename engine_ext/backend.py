@@ -1,0 +1,75 @@
+"""The engine-neutral half of an :class:`~engine_ext.receiver.EngineBackend`.
+
+Every engine reaches its workers through one call path (vLLM's ``collective_rpc``, SGLang's
+scheduler control channel) that returns one reply per rank; this class checks each reply
+and sequences the worker protocol. Subclasses supply the transport and the engine's own
+drain, resume and cache reset.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from engine_ext.receiver import ApplyRequest, DrainRequest, PrepareRequest, ReceiverError
+
+
+class WorkerBackend(ABC):
+    engine_id: str
+
+    # -- engine glue --------------------------------------------------------------------
+    @abstractmethod
+    async def call_workers(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        """Run :meth:`engine_ext.worker.UpdateWorker.call` on every rank; one reply each."""
+
+    @abstractmethod
+    async def drain(self, request: DrainRequest) -> None: ...
+
+    @abstractmethod
+    async def resume(self) -> None: ...
+
+    @abstractmethod
+    async def reset_cache(self) -> None:
+        """Drop every cached prefix/KV entry computed with the previous weights."""
+
+    # -- shared -------------------------------------------------------------------------
+    async def _rpc(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        replies = await self.call_workers(method, *args)
+        failed = [r for r in replies if not r.get("ok")]
+        if failed:
+            raise RuntimeError("; ".join(f"rank {r['rank']}: {r['error']}" for r in failed))
+        return replies
+
+    async def served(self) -> tuple[int, str | None]:
+        """The generation (and model name) every rank serves; they must agree."""
+        replies = await self._rpc("status")
+        generations = {r.get("generation") for r in replies}
+        if len(generations) != 1:
+            raise RuntimeError(f"workers disagree on the served generation: {sorted(generations)}")
+        return int(generations.pop() or 0), replies[0].get("model_name")
+
+    async def placement(self) -> dict[str, Any]:
+        return {"workers": await self._rpc("describe")}
+
+    async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
+        try:
+            described = await self._rpc(
+                "prepare", request.mode, request.generation, request.workers
+            )
+            await self._rpc("promote")
+        except RuntimeError as error:
+            raise ReceiverError(409, "prepare_failed", str(error)) from error
+        return {"workers": described}
+
+    async def apply(self, request: ApplyRequest) -> dict[str, Any]:
+        peers = list(request.peers.values())
+        return {"workers": await self._rpc("apply", request.generation, request.stage, peers)}
+
+    async def commit(self, generation: int) -> dict[str, Any]:
+        committed = await self._rpc("commit", generation)
+        await self.reset_cache()
+        await self.resume()
+        return {"workers": committed}
+
+    async def abort(self) -> None:
+        await self._rpc("abort")

@@ -1,0 +1,126 @@
+"""Describe a worker's tensor-parallel shards from the engine's own layer attributes.
+
+vLLM and SGLang share the parallel-layer vocabulary, so one describer serves both; the
+engine supplies its parameters and how a layer names its rank. No per-model table: fused
+parameters come from the model's packed-module mapping and the layer's
+``output_sizes``/``output_partition_sizes``; split dimensions from ``input_size`` vs
+``input_size_per_partition`` (row-parallel) and ``output_size`` vs
+``output_size_per_partition`` (column-parallel) with the parameter's ``input_dim`` /
+``output_dim``; vocabulary shards from ``shard_indices``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine_ext.shards import ShardSpec
+
+# (full parameter name, owning layer, parameter name in the layer, tensor or meta tensor)
+ParamRow = tuple[str, torch.nn.Module, str, torch.Tensor]
+# (layer, index of the packed sub-tensor, 0 if unpacked) -> this rank's box index
+RankOf = Callable[[torch.nn.Module, int], int]
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """A model-format parameter this worker stages: its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def describe_shards(
+    params: Iterable[ParamRow],
+    packed_modules_mapping: Mapping[str, Sequence[str]],
+    rank_of: RankOf,
+) -> tuple[list[RegionSpec], list[ShardSpec]]:
+    regions: list[RegionSpec] = []
+    shards: list[ShardSpec] = []
+    for full, layer, param_name, meta in params:
+        shape = tuple(int(d) for d in meta.shape)
+        regions.append(RegionSpec(full, shape, meta.dtype))
+        prefix = full.rpartition(".")[0]  # e.g. model.layers.0.self_attn.qkv_proj
+        module_prefix, _, module_leaf = prefix.rpartition(".")
+        row_bytes = math.prod(shape[1:]) * meta.dtype.itemsize if shape else 0
+        subs = packed_modules_mapping.get(module_leaf)
+        if subs and hasattr(layer, "output_partition_sizes") and len(shape) >= 1:
+            # Fused along dim 0: one box per checkpoint tensor, stacked in the region.
+            row = 0
+            for index, (sub, local_rows) in enumerate(
+                zip(subs, layer.output_partition_sizes, strict=True)
+            ):
+                total_rows = (
+                    int(layer.output_sizes[index]) if hasattr(layer, "output_sizes") else local_rows
+                )
+                start = rank_of(layer, index) * local_rows
+                name = (
+                    f"{module_prefix}.{sub}.{param_name}"
+                    if module_prefix
+                    else f"{sub}.{param_name}"
+                )
+                shards.append(
+                    ShardSpec(
+                        name,
+                        (total_rows, *shape[1:]),
+                        (start,) + (0,) * (len(shape) - 1),
+                        (local_rows, *shape[1:]),
+                        full,
+                        row * row_bytes,
+                    )
+                )
+                row += local_rows
+            continue
+        shard_indices = getattr(layer, "shard_indices", None)
+        if shard_indices is not None and param_name == "weight":
+            start, end = (
+                int(shard_indices.org_vocab_start_index),
+                int(shard_indices.org_vocab_end_index),
+            )
+            total = int(layer.org_vocab_size)
+            if end > start:
+                shards.append(
+                    ShardSpec(
+                        full,
+                        (total, *shape[1:]),
+                        (start,) + (0,) * (len(shape) - 1),
+                        (end - start, *shape[1:]),
+                        full,
+                        0,
+                    )
+                )
+            continue
+        split = _split_dim(layer, meta)
+        if split is None:
+            shards.append(ShardSpec(full, shape, (0,) * len(shape), shape, full, 0))
+            continue
+        dim, total = split
+        offset = [0] * len(shape)
+        offset[dim] = rank_of(layer, 0) * shape[dim]
+        global_shape = list(shape)
+        global_shape[dim] = total
+        shards.append(ShardSpec(full, tuple(global_shape), tuple(offset), shape, full, 0))
+    return regions, shards
+
+
+def _split_dim(layer: torch.nn.Module, meta: torch.Tensor) -> tuple[int, int] | None:
+    """(dim, global extent) if this parameter is split across TP ranks, else None."""
+    input_size = getattr(layer, "input_size", None)
+    per_input = getattr(layer, "input_size_per_partition", None)
+    input_dim = getattr(meta, "input_dim", None)
+    if input_dim is not None and input_size and per_input and per_input != input_size:
+        return int(input_dim), int(input_size)
+    output_size = getattr(layer, "output_size", None)
+    per_output = getattr(layer, "output_size_per_partition", None)
+    output_dim = getattr(meta, "output_dim", None)
+    if output_dim is not None and output_size and per_output and per_output != output_size:
+        return int(output_dim), int(output_size)
+    return None

@@ -1,0 +1,113 @@
+"""The ``sglang.srt.plugins`` entry point: everything the adapter adds to SGLang.
+
+SGLang runs :func:`register` in every process (API server, schedulers, detokenizer) before
+it starts; ``SGLANG_PLUGINS``, when set, must name ``mooncake``. What it plugs, all without
+patching SGLang 0.5.23:
+
+- ``--load-format mooncake``: the CLI choice through ``add_load_format_choices``; an
+  AROUND hook on ``LoadConfig._verify_load_format`` turns the value into the loader class,
+  which SGLang's ``get_model_loader`` instantiates as it does any loader class.
+- the worker channel: one control message type registered with SGLang's IPC codec
+  (``hook_custom_types``), answered by every scheduler (an AFTER hook on
+  ``Scheduler.init_request_dispatcher``) and awaited through a ``TokenizerManager``
+  communicator declared in ``_COMMUNICATOR_SPECS``.
+- ``/mooncake/*`` on SGLang's own FastAPI app: a BEFORE hook on ``launch_server`` includes
+  the shared router (:func:`engine_ext.routes.build_router`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+
+from engine_ext.loading import LOAD_FORMAT, model_name_from
+from engine_ext.receiver import Receiver
+from engine_ext.routes import build_router
+from engine_ext.sglang.backend import COMMUNICATOR, SglangBackend
+from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
+from mooncake_rl.settings import Settings
+
+TARGETS = {
+    "load_format": "sglang.srt.configs.load_config.LoadConfig._verify_load_format",
+    "dispatch": "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
+    "routes": "sglang.srt.entrypoints.http_server.launch_server",
+}
+
+
+def register() -> None:
+    """Entry point; SGLang's ``load_plugins`` runs it once per process."""
+    from sglang.srt.managers.io_struct import hook_custom_types
+    from sglang.srt.managers.tokenizer_control_mixin import _COMMUNICATOR_SPECS
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import add_load_format_choices
+
+    add_load_format_choices([LOAD_FORMAT])
+    hook_custom_types(MooncakeRLReqInput, MooncakeRLReqOutput)
+    _COMMUNICATOR_SPECS.append((COMMUNICATOR, MooncakeRLReqOutput))
+    HookRegistry.register(TARGETS["load_format"], _verify_load_format, HookType.AROUND)
+    HookRegistry.register(TARGETS["dispatch"], _add_dispatch, HookType.AFTER)
+    HookRegistry.register(TARGETS["routes"], _attach_routes, HookType.BEFORE)
+
+
+def _verify_load_format(original: Callable[[Any], None], load_config: Any) -> None:
+    if isinstance(load_config.load_format, str) and load_config.load_format == LOAD_FORMAT:
+        from engine_ext.sglang.loader import MooncakeModelLoader
+
+        load_config.load_format = MooncakeModelLoader
+        return
+    original(load_config)
+
+
+def _add_dispatch(result: None, scheduler: Any) -> None:
+    from sglang.utils import TypeBasedDispatcher
+
+    from engine_ext.sglang.worker import handle_request
+
+    scheduler._request_dispatcher += TypeBasedDispatcher(
+        [(MooncakeRLReqInput, functools.partial(handle_request, scheduler))]
+    )
+
+
+def _attach_routes(*args: Any, **kwargs: Any) -> None:
+    from sglang.srt.entrypoints.http_server import app, get_global_state
+
+    server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
+    routes = EngineRoutes(
+        f"{server_args.host}:{server_args.port}",
+        configured_model(server_args),
+        lambda: get_global_state().tokenizer_manager,
+    )
+    token = Settings().auth_token
+    app.include_router(build_router(routes.receiver, token.get_secret_value() if token else None))
+
+
+def configured_model(server_args: Any) -> str:
+    """The Store model name (mooncake load format), else the served name or path."""
+    if server_args.load_format == LOAD_FORMAT:
+        extra = server_args.model_loader_extra_config
+        return model_name_from(json.loads(extra) if isinstance(extra, str) else extra)
+    return str(server_args.served_model_name or server_args.model_path)
+
+
+class EngineRoutes:
+    """Builds the engine's receiver on first use, once SGLang's schedulers are up."""
+
+    def __init__(self, engine_id: str, model: str, tokenizer_manager: Callable[[], Any]) -> None:
+        self.engine_id = engine_id
+        self.model = model
+        self._tokenizer_manager = tokenizer_manager
+        self._receiver: Receiver | None = None
+        self._lock = asyncio.Lock()
+
+    async def receiver(self, request: Request) -> Receiver:
+        async with self._lock:
+            if self._receiver is None:
+                backend = SglangBackend(self._tokenizer_manager(), self.engine_id)
+                generation, loaded_name = await backend.served()
+                self._receiver = Receiver(backend, loaded_name or self.model, generation)
+        return self._receiver

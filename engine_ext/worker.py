@@ -1,0 +1,230 @@
+"""One engine worker's side of the update protocol, shared by the vLLM and SGLang adapters.
+
+A worker describes its shards, stages the bytes its routing slice assigns it in a
+worker-owned arena (registered once, reused across generations), and touches live
+parameters only at commit, through the engine's own loading paths (the subclass's
+:meth:`UpdateWorker.land_compat` / :meth:`UpdateWorker.land_direct`). Every call returns a
+JSON-able reply with ``ok`` instead of raising: at TP >= 2 a rank that raises leaves the
+other ranks' replies (and collectives) hanging, so the API side checks every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from engine_ext.loading import mark_served, served_by
+from engine_ext.placement import RegionSpec
+from engine_ext.shards import ShardSpec
+from mooncake_rl.apply.wire import WorkerSlice, decode_slice
+from mooncake_rl.apply.worker import (
+    ApplyWorker,
+    allocate_arena,
+    arena_views,
+    peers_from,
+    region_of,
+)
+from mooncake_rl.counters import COUNTERS
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan.demand import STAGING_REGION
+from mooncake_rl.settings import Settings
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+METHODS = ("status", "describe", "prepare", "promote", "apply", "commit", "abort")
+
+
+class _UpdateState:
+    """One worker's pending update: its data-plane endpoint and staged regions."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.apply = ApplyWorker(Settings().with_overrides(segment_bytes=0), worker_id)
+        self.arena: torch.Tensor | None = None
+        self.sizes: dict[str, int] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.slice: WorkerSlice | None = None
+        self.mode: str | None = None
+        self.layout: list[dict[str, Any]] = []
+        self.generation: int | None = None
+
+
+class UpdateWorker(ABC):
+    """Engine-neutral worker logic; subclasses supply the model, ranks and landing paths."""
+
+    _update: _UpdateState | None = None
+
+    # -- engine glue ------------------------------------------------------------------
+    @abstractmethod
+    def model(self) -> torch.nn.Module: ...
+
+    @abstractmethod
+    def tp(self) -> tuple[int, int]:
+        """(tensor-parallel rank, tensor-parallel size) of this worker."""
+
+    @abstractmethod
+    def regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]: ...
+
+    @abstractmethod
+    def land_compat(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load full checkpoint tensors into the live model (the engine's ``load_weights``)."""
+
+    @abstractmethod
+    def land_direct(self, staged: Mapping[str, torch.Tensor]) -> None:
+        """Load this worker's staged parameters (model format, by parameter name)."""
+
+    # -- the one entry point ----------------------------------------------------------
+    def call(self, engine_id: str, method: str, *args: Any) -> dict[str, Any]:
+        """Run ``method`` and wrap its result (or error) in a reply; never raises."""
+        rank = self.tp()[0]
+        try:
+            if method not in METHODS:
+                raise InvariantViolation(f"unknown worker method {method!r}")
+            action: Callable[..., dict[str, Any]] = getattr(self, f"_{method}")
+            return {"ok": True, "rank": rank, **action(engine_id, *args)}
+        except Exception as error:  # reported to the API server, which checks every rank
+            return {
+                "ok": False,
+                "rank": rank,
+                "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
+
+    def _state(self, engine_id: str) -> _UpdateState:
+        if self._update is None:
+            self._update = _UpdateState(f"{engine_id}/tp{self.tp()[0]}")
+        return self._update
+
+    # -- protocol -----------------------------------------------------------------------
+    def _status(self, engine_id: str) -> dict[str, Any]:
+        generation, name = served_by(self.model())
+        return {"generation": generation, "model_name": name}
+
+    def _describe(self, engine_id: str) -> dict[str, Any]:
+        """Placement: who this worker is and which checkpoint boxes land where."""
+        state = self._state(engine_id)
+        regions, shards = self.regions()
+        tp_rank, tp_size = self.tp()
+        return {
+            "worker_id": state.apply.worker_id,
+            "node": state.apply.settings.node,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "regions": {
+                r.name: {"bytes": r.nbytes, "dtype": str(r.dtype).removeprefix("torch.")}
+                for r in regions
+            },
+            "shards": [s.to_json() for s in shards],
+        }
+
+    def _prepare(
+        self, engine_id: str, mode: str, generation: int, workers: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Allocate and register staging, validate the slice; live weights untouched."""
+        state = self._state(engine_id)
+        raw = workers.get(state.apply.worker_id)
+        if raw is None:
+            raise ValueError(f"no routing slice for worker {state.apply.worker_id}")
+        worker_slice = decode_slice(raw["slice"])
+        if mode == "direct":
+            specs = {r.name: r for r in self.regions()[0]}
+            # A reader that consumes none of a chunk holds it in the planner's staging region.
+            unknown = sorted(set(worker_slice.regions) - set(specs) - {STAGING_REGION})
+            if unknown:
+                raise ValueError(f"slice names regions this worker does not have: {unknown[:3]}")
+            for name, nbytes in worker_slice.regions.items():
+                if name != STAGING_REGION and specs[name].nbytes != nbytes:
+                    raise ValueError(
+                        f"region {name} is {specs[name].nbytes} bytes, slice says {nbytes}"
+                    )
+            for name, stored in raw["region_dtypes"].items():
+                if specs[name].dtype != DTYPES[stored]:
+                    raise ValueError(
+                        f"direct mode needs stored dtype {stored} to equal parameter dtype; "
+                        f"{name} is {str(specs[name].dtype).removeprefix('torch.')}"
+                    )
+        sizes = dict(worker_slice.regions)
+        if state.arena is None or state.sizes != sizes:
+            arena, regions = allocate_arena(sizes)  # kept across generations while unchanged
+        else:
+            arena, regions = state.arena, state.apply.regions
+        state.apply.prepare(region_of("arena", arena), regions, worker_slice.stages)
+        state.arena, state.sizes = arena, sizes
+        state.buffers = arena_views(arena, regions)
+        state.slice, state.mode = worker_slice, mode
+        state.layout = raw.get("layout", [])
+        state.generation = generation
+        return state.apply.describe()
+
+    def _promote(self, engine_id: str) -> dict[str, Any]:
+        self._state(engine_id).apply.promote()
+        return {}
+
+    def _apply(
+        self, engine_id: str, generation: int, stage: int, peers: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        state = self._state(engine_id)
+        if state.slice is None or state.generation != generation:
+            raise RuntimeError(f"apply of generation {generation}, prepared {state.generation}")
+        before = COUNTERS.snapshot()
+        started = time.perf_counter()
+        batches = state.slice.stages[stage] if stage < len(state.slice.stages) else ()
+        result = state.apply.run_stage(batches, peers_from(peers))
+        delta = COUNTERS.snapshot() - before
+        return {
+            "worker_id": state.apply.worker_id,
+            "seconds": time.perf_counter() - started,
+            "store_read_bytes": delta.store_read_bytes,
+            "pushed_bytes": delta.te_pushed_bytes,
+            "peak_staging_bytes": result.peak_staging_bytes,
+        }
+
+    def _commit(self, engine_id: str, generation: int) -> dict[str, Any]:
+        """Swap the staged generation into the live model through the engine's own paths."""
+        state = self._state(engine_id)
+        if state.generation != generation or state.slice is None:
+            raise RuntimeError(f"commit of generation {generation}, prepared {state.generation}")
+        started = time.perf_counter()
+        if state.mode == "compat":
+            self.land_compat(staged_tensors(state.layout, state.buffers))
+        else:
+            self.land_direct(self.staged_parameters())
+        mark_served(self.model(), generation)
+        state.slice, state.generation = None, None
+        return {"seconds": time.perf_counter() - started}
+
+    def _abort(self, engine_id: str) -> dict[str, Any]:
+        state = self._state(engine_id)
+        state.apply.rollback()
+        state.slice, state.generation = None, None
+        return {}
+
+    # -- staged views ---------------------------------------------------------------------
+    def staged_parameters(self) -> dict[str, torch.Tensor]:
+        """Direct mode: every parameter's staged bytes viewed as its dtype and shape.
+
+        Raises before anything is landed if a parameter was not staged.
+        """
+        assert self._update is not None
+        buffers = self._update.buffers
+        specs = {r.name: r for r in self.regions()[0]}
+        missing = sorted(set(specs) - set(buffers))
+        if missing:
+            raise ValueError(f"direct commit lacks staged parameters: {missing[:3]}")
+        return {n: buffers[n].view(s.dtype).view(s.shape) for n, s in specs.items()}
+
+
+def staged_tensors(
+    layout: list[dict[str, Any]], buffers: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Compat mode: full checkpoint tensors as views into the staging region."""
+    for entry in layout:
+        buffer = buffers[entry["region"]]
+        dtype = DTYPES[entry["dtype"]]
+        nbytes = math.prod(entry["shape"]) * dtype.itemsize
+        raw = buffer[entry["offset"] : entry["offset"] + nbytes]
+        yield entry["name"], raw.view(dtype).view(entry["shape"])

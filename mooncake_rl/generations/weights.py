@@ -1,0 +1,39 @@
+"""Read a model's active generation as ``(checkpoint name, tensor)`` pairs.
+
+This is what ``--load-format mooncake`` feeds an engine's own ``load_weights`` (vLLM and
+SGLang alike): a restarted or newly added engine starts from the Store, never from disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.generations.catalog import rollout_dtype
+from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.store import StoreClient
+
+
+def active_weights(
+    store: StoreClient, model: str
+) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """The active generation number and its tensors, read one object at a time."""
+    registry = GenerationRegistry(store, model)
+    record = registry.active()
+    if record is None:
+        raise ConfigurationError(f"model {model!r} has no active generation in the Store")
+    manifest = registry.load_manifest(record.generation, record.manifest_digest)
+    specs = {t.tensor_id: t for t in manifest.tensors}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for fragment in manifest.fragments:
+            spec = specs[fragment.tensor_id]
+            data = bytearray(store.get_bytes(fragment.object_key))
+            yield (
+                spec.tensor_id,
+                torch.frombuffer(data, dtype=rollout_dtype(spec.dtype)).view(spec.global_shape),
+            )
+
+    return record.generation, tensors()

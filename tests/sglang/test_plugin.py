@@ -1,0 +1,118 @@
+"""The plugin against the installed SGLang: loaded by SGLang's own plugin machinery.
+
+SGLang 0.5.23 needs no patch: every plug point the adapter relies on is checked here
+against the installed package (see ``patches/README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
+from engine_ext.sglang.loader import MooncakeModelLoader
+from engine_ext.sglang.plugins import TARGETS
+from mooncake_rl.errors import ConfigurationError
+
+SGLANG_VERSION = "0.5.23"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins() -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # discovers engine_ext.sglang.plugins:register via the entry point
+
+
+def test_pinned_sglang_is_installed() -> None:
+    from importlib.metadata import version
+
+    assert version("sglang") == SGLANG_VERSION
+
+
+def test_every_hook_is_applied_to_the_installed_sglang() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    assert set(TARGETS.values()) <= HookRegistry._patched
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert Scheduler.init_request_dispatcher.__wrapped__.__name__ == "init_request_dispatcher"
+
+
+def test_cli_accepts_the_load_format() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            "--model-path",
+            "/models/tiny",
+            "--load-format",
+            "mooncake",
+            "--model-loader-extra-config",
+            '{"name": "tiny"}',
+        ]
+    )
+    assert args.load_format == "mooncake"
+
+
+def test_sglang_picks_the_mooncake_loader() -> None:
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
+
+    loader = get_model_loader(
+        LoadConfig(load_format="mooncake", model_loader_extra_config='{"name": "tiny"}')
+    )
+    assert type(loader) is MooncakeModelLoader and loader.model_name == "tiny"
+    assert type(get_model_loader(LoadConfig(load_format="auto"))) is DefaultModelLoader
+    with pytest.raises(ConfigurationError, match="model-loader-extra-config"):
+        get_model_loader(LoadConfig(load_format="mooncake"))
+    with pytest.raises(ValueError):
+        LoadConfig(load_format="not-a-format")  # SGLang's own check still runs for others
+
+
+def test_control_messages_round_trip_through_sglang_ipc() -> None:
+    from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
+    from sglang.srt.managers.tokenizer_control_mixin import _COMMUNICATOR_SPECS
+
+    request = MooncakeRLReqInput(engine_id="e", method="apply", args="[2, 0, []]")
+    output = MooncakeRLReqOutput(replies='[{"ok": true, "rank": 0}]')
+    assert msgpack_decode(msgpack_encode(request)) == request
+    assert msgpack_decode(msgpack_encode(output)) == output
+    assert ("mooncake_rl", MooncakeRLReqOutput) in _COMMUNICATOR_SPECS
+
+
+def test_scheduler_dispatch_answers_with_every_rank_reply() -> None:
+    """The AFTER hook's dispatch entry on SGLang's TypeBasedDispatcher, at TP=1; the
+    scheduler is a namespace with the three attributes the glue reads."""
+    import json
+
+    import torch
+    from sglang.utils import TypeBasedDispatcher
+
+    from engine_ext.loading import mark_served
+    from engine_ext.sglang.plugins import _add_dispatch
+    from tests.sglang.harness import publish_topology
+
+    publish_topology(1, 0)
+    model = torch.nn.Linear(2, 2)
+    mark_served(model, 7, "tiny")
+    scheduler = SimpleNamespace(
+        _request_dispatcher=TypeBasedDispatcher([]),
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)),
+        tp_cpu_group=None,
+    )
+    _add_dispatch(None, scheduler)
+    output = scheduler._request_dispatcher(MooncakeRLReqInput(engine_id="e", method="status"))
+    assert isinstance(output, MooncakeRLReqOutput)
+    [reply] = json.loads(output.replies)
+    assert reply == {"ok": True, "rank": 0, "generation": 7, "model_name": "tiny"}
+    [refused] = json.loads(
+        scheduler._request_dispatcher(MooncakeRLReqInput(engine_id="e", method="__init__")).replies
+    )
+    assert not refused["ok"] and "unknown worker method" in refused["error"]

@@ -1,0 +1,154 @@
+"""Every shared ``/mooncake/*`` scenario again, through the SGLang glue.
+
+The receiver is built by :class:`engine_ext.sglang.plugins.EngineRoutes` over
+:class:`engine_ext.sglang.backend.SglangBackend`, as on SGLang's server. SGLang's real
+``TokenizerManager`` needs running schedulers (a GPU), so a recording stand-in takes its
+place: it uses SGLang's own request/response types and its ``RWLock``, and names each call
+by the logical step the shared scenarios expect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang.srt.managers.io_struct import (
+    ContinueGenerationReqInput,
+    FlushCacheReqOutput,
+    PauseGenerationReqInput,
+)
+from sglang.srt.utils.aio_rwlock import RWLock
+
+from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
+from engine_ext.sglang.plugins import EngineRoutes
+from tests.engine.test_receiver_routes import *  # noqa: F403 (the shared scenarios)
+from tests.engine.test_receiver_routes import Engine
+
+
+class _RecordingLock(RWLock):
+    def __init__(self, manager: RecordingTokenizerManager) -> None:
+        super().__init__()
+        self._manager = manager
+
+    @property
+    def writer_lock(self) -> Any:
+        self._manager.step("drain:wait")
+        return super().writer_lock
+
+
+class RecordingTokenizerManager:
+    """The slice of SGLang's TokenizerManager the backend uses, recording logical steps."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail_on: set[str] = set()
+        self.is_pause = False
+        self.is_pause_cond = asyncio.Condition()
+        self.model_update_lock = _RecordingLock(self)
+        self.mooncake_rl_communicator = self._communicate
+        self._committing = False
+
+    def step(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail_on:
+            raise RuntimeError(f"{name} exploded")
+
+    def auto_create_handle_loop(self) -> None:
+        """The stand-in answers inline; nothing to start."""
+
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
+        self.step(f"drain:{obj.mode}")
+        self.is_pause = True
+
+    async def continue_generation(self, obj: ContinueGenerationReqInput) -> None:
+        self.is_pause = False
+        if self._committing:  # the resume that ends a commit is part of the commit step
+            self._committing = False
+        else:
+            self.step("resume")
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return FlushCacheReqOutput(success=True)
+
+    async def _communicate(self, request: MooncakeRLReqInput) -> list[MooncakeRLReqOutput]:
+        args = json.loads(request.args)
+        steps = {
+            "prepare": lambda: f"prepare:{args[1]}",
+            "apply": lambda: f"apply:{args[0]}:{args[1]}",
+            "commit": lambda: f"commit:{args[0]}",
+            "abort": lambda: "abort",
+        }
+        reply: dict[str, Any] = {"ok": True, "rank": 0}
+        if request.method == "status":
+            reply |= {"generation": 1, "model_name": None}
+        if request.method in steps:
+            try:
+                self.step(steps[request.method]())
+            except RuntimeError as error:
+                reply = {"ok": False, "rank": 0, "error": str(error)}
+        self._committing = request.method == "commit" and reply["ok"]
+        return [MooncakeRLReqOutput(replies=json.dumps([reply]))]
+
+
+@pytest.fixture
+def make_engine() -> Callable[[], Awaitable[Engine]]:
+    async def make() -> Engine:
+        manager = RecordingTokenizerManager()
+        routes = EngineRoutes("engine-under-test", "m", lambda: manager)
+        return routes.receiver, manager, await routes.receiver(None)
+
+    return make
+
+
+async def test_wait_drain_times_out_and_reopens_admission(make_client) -> None:
+    client, manager, receiver = await make_client()
+    await manager.model_update_lock.acquire_reader()  # a request still generating
+    async with client:
+        response = await client.post("/mooncake/drain", json={"mode": "wait", "timeout_s": 0.2})
+    assert response.status_code == 409 and response.json()["error"] == "drain_timeout"
+    assert receiver.state.value == "serving" and manager.is_pause is False
+    assert manager.calls == ["drain:wait", "resume"]
+    await manager.model_update_lock.release_reader()
+
+
+async def test_routes_mount_on_sglangs_own_app() -> None:
+    """The ``launch_server`` BEFORE hook's body against SGLang's real FastAPI app (its
+    middleware included); the receiver finds the TokenizerManager in SGLang's global state."""
+    from types import SimpleNamespace
+
+    import httpx
+    from sglang.srt.entrypoints.http_server import _GlobalState, app, set_global_state
+
+    from engine_ext.sglang.plugins import _attach_routes
+
+    manager = RecordingTokenizerManager()
+    set_global_state(
+        _GlobalState(tokenizer_manager=manager, template_manager=None, scheduler_info={})
+    )
+    server_args = SimpleNamespace(
+        host="127.0.0.1",
+        port=30000,
+        load_format="mooncake",
+        model_loader_extra_config='{"name": "tiny"}',
+        served_model_name=None,
+        model_path="/models/tiny",
+    )
+    _attach_routes(server_args=server_args)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+        status = (await client.get("/mooncake/status")).json()
+        drained = await client.post("/mooncake/drain", json={"mode": "abort"})
+        malformed = await client.post("/mooncake/drain", json={"mode": "sideways"})
+    assert (status["engine_id"], status["model"], status["generation"]) == (
+        "127.0.0.1:30000",
+        "tiny",
+        1,
+    )
+    assert drained.json()["state"] == "drained" and manager.calls == ["drain:abort"]
+    assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_request"
