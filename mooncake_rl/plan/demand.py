@@ -23,7 +23,7 @@ import numpy as np
 from mooncake.reshard.weight import WeightPlacementPart
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.source import SourceLayout
+from mooncake_rl.plan.source import TENSOR_AXES, TENSOR_FIELDS, SourceLayout
 
 STAGING_REGION = "staging"
 COMPAT_REGION = "compat"
@@ -126,17 +126,8 @@ class Destinations:
         return hashlib.sha256(repr((self.regions, self.fragments)).encode()).hexdigest()
 
 
-_PART_TENSOR = attrgetter(
-    "tensor_id",
-    "global_shape",
-    "dtype",
-    "itemsize",
-    "shard_dims",
-    "layout_fingerprint",
-    "layer_id",
-    "expert_id",
-)
-_PART_AXES = attrgetter("parallel_axes")
+# Tensor descriptors are digested with the same field lists as the source layout.
+_PART_TENSOR, _PART_AXES = TENSOR_FIELDS, TENSOR_AXES
 _PART_FRAGMENT = attrgetter(
     "placement_fragment_id",
     "tensor_id",

@@ -24,7 +24,7 @@ from mooncake_rl.generations.keys import payload_prefix
 # Plain-data fields (str, int, None, int tuples) serialized with marshal format 2: a pure
 # function of content (no object references, no interning flags), and fast because it is
 # C code; parallel axes are dataclasses and go through repr.
-_TENSOR_FIELDS = attrgetter(
+TENSOR_FIELDS = attrgetter(
     "tensor_id",
     "global_shape",
     "dtype",
@@ -34,7 +34,7 @@ _TENSOR_FIELDS = attrgetter(
     "layer_id",
     "expert_id",
 )
-_TENSOR_AXES = attrgetter("parallel_axes")
+TENSOR_AXES = attrgetter("parallel_axes")
 _FRAGMENT_FIELDS = attrgetter(
     "tensor_id", "global_offset", "local_shape", "object_offset", "nbytes", "aliases"
 )
@@ -50,8 +50,8 @@ def source_digest(manifest: WeightManifest) -> str:
     """
     prefix = payload_prefix(manifest.group_id)
     h = hashlib.sha256(b"mooncake-rl/source-layout/v1")
-    h.update(marshal.dumps(list(map(_TENSOR_FIELDS, manifest.tensors)), 2))
-    h.update("\x00".join(map(repr, map(_TENSOR_AXES, manifest.tensors))).encode())
+    h.update(marshal.dumps(list(map(TENSOR_FIELDS, manifest.tensors)), 2))
+    h.update("\x00".join(map(repr, map(TENSOR_AXES, manifest.tensors))).encode())
     h.update(marshal.dumps(list(map(_FRAGMENT_FIELDS, manifest.fragments)), 2))
     names = map(itemgetter(slice(len(prefix), None)), map(_FRAGMENT_KEY, manifest.fragments))
     h.update("\x00".join(names).encode())  # every key starts with the prefix (validated)
