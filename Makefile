@@ -58,8 +58,10 @@ sglang-venv: sysdeps $(SGLANG_STAMP)
 sglang-test: sglang-venv
 	$(SGLANG_PY) -m pytest -q tests/sglang
 
-test: venv verl-deps
+# tests/sglang skip in .venv (no sglang there) and run in SGLang's own environment.
+test: venv verl-deps sglang-venv
 	$(PY) -m pytest -q
+	$(SGLANG_PY) -m pytest -q tests/sglang
 
 demo: venv
 	$(VENV)/bin/mooncake-rl demo

@@ -7,6 +7,7 @@ key; successful reads and puts add to :data:`mooncake_rl.counters.COUNTERS`.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections import defaultdict
@@ -280,6 +281,11 @@ class StoreClient:
             return {}
         codes = self._store.batch_remove(list(keys), force)
         return {k: c for k, c in zip(keys, codes, strict=True) if c < 0 and c != -704}
+
+    def remove_prefix(self, prefix: str, *, force: bool = False) -> int:
+        """Remove every key starting with ``prefix``, including ones nobody listed."""
+        pattern = "^" + re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", prefix)
+        return _check(self._store.remove_by_regex(pattern, force), "remove_by_regex", pattern)
 
     def close(self) -> None:
         if self._closed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from mooncake_rl.generations import (
     load_manifest,
 )
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
-from mooncake_rl.generations.keys import group_id, payload_key
+from mooncake_rl.generations.keys import group_id, payload_key, report_key
 from mooncake_rl.generations.publisher import PublishFailed, publish_local
 from mooncake_rl.generations.registry import FenceError
 from mooncake_rl.services import EmbeddedMaster
@@ -47,6 +48,14 @@ def expected_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
     return tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+@dataclass(frozen=True)
+class RankBehaviour:
+    """How one test publisher misbehaves: dies mid-iteration, or starts late."""
+
+    die_after: int | None = None
+    delay_s: float = 0.0
+
+
 def publish_rank(
     settings: Settings,
     model: str,
@@ -54,11 +63,13 @@ def publish_rank(
     rank: int,
     nodes: tuple[str, ...],
     seed: int,
-    die_after: int | None = None,
+    behaviour: RankBehaviour,
+    finalize_timeout_s: float,
 ) -> dict:
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        time.sleep(behaviour.delay_s)
         for index, item in enumerate(model_tensors(seed)):
-            if die_after is not None and index == die_after:
+            if index == behaviour.die_after:
                 os._exit(17)  # a publisher killed mid-generation
             yield item
 
@@ -70,7 +81,9 @@ def publish_rank(
         result = {"segment": store.local_segment, "report": report}
         if rank == 0:
             try:
-                result["active"] = finalize_generation(publisher, report, timeout_s=8)
+                result["active"] = finalize_generation(
+                    publisher, report, timeout_s=finalize_timeout_s
+                )
             except PublishFailed as error:
                 result["error"] = str(error)
         return result
@@ -82,17 +95,27 @@ def publish_two_nodes(
     model: str,
     generation: int,
     seed: int,
-    **kw: object,
+    rank1: RankBehaviour = RankBehaviour(),
+    finalize_timeout_s: float = 60.0,
 ) -> list[dict]:
+    """Rank 0 on node-a, rank 1 on node-b; rank 0 finalizes. A killed rank 1 returns nothing."""
     nodes = ("node-a", "node-b")
     with ProcessGroup() as group:
         for rank, node in enumerate(nodes):
-            extra = kw if rank == 1 else {}
             settings = trainer_settings(master, holders(node), node)
+            behaviour = rank1 if rank == 1 else RankBehaviour()
             group.start(
-                publish_rank, settings, model, generation, rank, nodes, seed, *extra.values()
+                publish_rank,
+                settings,
+                model,
+                generation,
+                rank,
+                nodes,
+                seed,
+                behaviour,
+                finalize_timeout_s,
             )
-        if kw.get("die_after") is not None:
+        if rank1.die_after is not None:
             return [group.results_of(0)]
         return group.results()
 
@@ -144,7 +167,9 @@ def test_two_publishers_on_two_nodes(master: EmbeddedMaster, holders) -> None:
 def test_killed_publisher_keeps_previous_generation(master: EmbeddedMaster, holders) -> None:
     model = "killed"
     assert publish_two_nodes(master, holders, model, 1, seed=3)[0]["active"].generation == 1
-    [rank0] = publish_two_nodes(master, holders, model, 2, seed=4, die_after=20)
+    [rank0] = publish_two_nodes(
+        master, holders, model, 2, seed=4, rank1=RankBehaviour(die_after=20), finalize_timeout_s=8
+    )
     assert "rank 1 did not report" in rank0["error"]
     with StoreClient(settings_for(master, "inspector")) as store:
         assert active_generation(store, model).generation == 1
@@ -153,6 +178,24 @@ def test_killed_publisher_keeps_previous_generation(master: EmbeddedMaster, hold
     got = read_generation(settings_for(master, "reader"), model)
     got.pop("__generation__")
     assert got == {name: expected_bytes(t, torch.bfloat16) for name, t in model_tensors(3)}
+
+
+def test_late_publisher_removes_what_it_put_after_the_abort(
+    master: EmbeddedMaster, holders
+) -> None:
+    model = "late"
+    rank0, rank1 = publish_two_nodes(
+        master, holders, model, 1, seed=7, rank1=RankBehaviour(delay_s=4.0), finalize_timeout_s=1
+    )
+    assert "rank 1 did not report within 1s" in rank0["error"]
+    assert rank1["report"].put_tensors > 0
+    assert rank1["report"].failures[-1] == ("", "generation aborted")
+    group = group_id(model, 1)
+    with StoreClient(settings_for(master, "inspector")) as store:
+        assert active_generation(store, model) is None
+        leftovers = [payload_key(group, n) for n, _ in model_tensors(7)]
+        leftovers += [report_key(group, rank) for rank in (0, 1)]
+        assert store.exists(leftovers) == [False] * len(leftovers)
 
 
 def test_store_out_of_space_aborts_and_names_the_tensor(settings: Settings) -> None:
@@ -193,7 +236,7 @@ def test_ranks_with_different_tensor_sets_are_refused(master: EmbeddedMaster, ho
     with ProcessGroup() as group:
         for rank, (node, seed) in enumerate(zip(nodes, (5, 6), strict=True)):
             settings = trainer_settings(master, holders(node), node)
-            group.start(publish_rank, settings, model, 1, rank, nodes, seed)
+            group.start(publish_rank, settings, model, 1, rank, nodes, seed, RankBehaviour(), 60.0)
         rank0, _ = group.results()
     assert "rank 1 iterated a different tensor set than rank 0" in rank0["error"]
     with StoreClient(settings_for(master)) as store:

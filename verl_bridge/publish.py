@@ -239,13 +239,7 @@ class TrainerSync:
         generation = self.publisher.generation
         errors = [message for messages, _ in statuses for message in messages]
         if errors or self.report is None:
-            abort_generation(
-                self.store,
-                self.model,
-                generation,
-                (s.name for s in self.publisher.specs),
-                self.collective.world_size,
-            )
+            abort_generation(self.store, self.model, generation)
             problem = "; ".join(errors) or "rank 0 wrote no report"
         else:
             try:

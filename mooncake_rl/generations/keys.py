@@ -53,6 +53,15 @@ def report_key(group: str, rank: int) -> str:
     return f"{group}/report/{rank}"
 
 
+def report_prefix(group: str) -> str:
+    return f"{group}/report/"
+
+
+def aborted_key(group: str) -> str:
+    """Written before an abort sweeps the group: a late publisher sees it and cleans up."""
+    return f"{group}/aborted"
+
+
 def active_key(model: str) -> str:
     return f"{model_prefix(model)}/active"
 

@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 
 import torch
@@ -26,7 +26,14 @@ from mooncake_rl.generations.catalog import (
     rollout_dtype,
     specs_digest,
 )
-from mooncake_rl.generations.keys import group_id, payload_key, report_key
+from mooncake_rl.generations.keys import (
+    aborted_key,
+    group_id,
+    payload_key,
+    payload_prefix,
+    report_key,
+    report_prefix,
+)
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
 from mooncake_rl.store import StoreClient
 
@@ -75,6 +82,7 @@ class GenerationPublisher:
     replica_num: int = 1
     check_locality: bool = False
     _specs: list[TensorSpec] = field(default_factory=list, init=False)
+    _put_names: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         rollout_dtype(self.dtype)
@@ -109,14 +117,14 @@ class GenerationPublisher:
                 continue  # not ours, or this generation is already lost: keep iterating only
             try:
                 self._put(name, tensor, dtype)
-            except MooncakeError as error:
+                self._put_names.append(name)
+                put_tensors += 1
+                put_bytes += spec.nbytes
+                if self.check_locality:
+                    where = self.store.replica_segments(payload_key(self.group, name))
+                    nonlocal_bytes += 0 if where == (self.store.local_segment,) else spec.nbytes
+            except MooncakeError as error:  # a failed put, or rank 0 already swept the group
                 failures.append((name, str(error)))
-                continue
-            put_tensors += 1
-            put_bytes += spec.nbytes
-            if self.check_locality:
-                where = self.store.replica_segments(payload_key(self.group, name))
-                nonlocal_bytes += 0 if where == (self.store.local_segment,) else spec.nbytes
         if not self._specs and not failures:
             failures.append(("", "a generation needs at least one tensor (empty model)"))
         report = PublishReport(
@@ -130,6 +138,11 @@ class GenerationPublisher:
             nonlocal_put_bytes=nonlocal_bytes,
         )
         self.store.put_bytes(report_key(self.group, self.rank), report.encode())
+        if self.store.exists([aborted_key(self.group)])[0]:
+            # Rank 0 gave up on this rank before these puts finished: nobody else removes them.
+            mine = [payload_key(self.group, n) for n in self._put_names]
+            self.store.remove([*mine, report_key(self.group, self.rank)], force=True)
+            report = replace(report, failures=(*report.failures, ("", "generation aborted")))
         return report
 
     def _put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -163,15 +176,16 @@ def _wait_reports(
         time.sleep(0.05)
 
 
-def abort_generation(
-    store: StoreClient, model: str, generation: int, names: Iterable[str], world_size: int
-) -> None:
-    """Remove every object a failed generation may have written (forced: nobody reads it)."""
+def abort_generation(store: StoreClient, model: str, generation: int) -> None:
+    """Remove every object a failed generation wrote (forced: nobody reads it).
+
+    The marker goes first: a publisher still putting when the sweep runs either finished its
+    puts before the marker (the sweep removes them) or sees the marker and removes its own.
+    """
     group = group_id(model, generation)
-    keys = [payload_key(group, n) for n in names] + [
-        report_key(group, r) for r in range(world_size)
-    ]
-    store.remove(keys, force=True)
+    store.upsert_bytes(aborted_key(group), b"aborted")
+    store.remove_prefix(payload_prefix(group), force=True)
+    store.remove_prefix(report_prefix(group), force=True)
 
 
 def finalize_generation(
@@ -205,7 +219,7 @@ def finalize_generation(
             return record
         except InvariantViolation as error:
             problems.append(str(error))
-    abort_generation(store, model, generation, (s.name for s in publisher.specs), world)
+    abort_generation(store, model, generation)
     raise PublishFailed(f"generation {generation} of {model} not announced: " + "; ".join(problems))
 
 
