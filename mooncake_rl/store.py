@@ -48,6 +48,7 @@ class RangeRead:
 
 
 RECORD_READ_ATTEMPTS = 5
+DESCRIPTOR_BATCH = 4096  # keys per batch_get_replica_desc RPC
 
 
 def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
@@ -262,6 +263,23 @@ class StoreClient:
         for key, code in zip(keys, results, strict=True):
             _check(code, "batch_is_exist", f"key={key}")
         return [code == 1 for code in results]
+
+    def complete_sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's size from a complete memory replica, or None; few RPCs for many keys."""
+        from mooncake.store import ReplicaStatus
+
+        sizes: list[int | None] = []
+        for start in range(0, len(keys), DESCRIPTOR_BATCH):
+            chunk = list(keys[start : start + DESCRIPTOR_BATCH])
+            found = self._store.batch_get_replica_desc(chunk)
+            for key in chunk:
+                complete = [
+                    r.get_memory_descriptor().buffer_descriptor.size
+                    for r in found.get(key, ())
+                    if r.is_memory_replica() and r.status == ReplicaStatus.COMPLETE
+                ]
+                sizes.append(complete[0] if complete else None)
+        return sizes
 
     def replica_segments(self, key: str) -> tuple[str, ...]:
         """Transport endpoints (segment names) holding ``key``'s memory replicas."""

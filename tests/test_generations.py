@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mooncake_rl.errors import StoreFull
+from mooncake_rl.errors import InvariantViolation, StoreFull
 from mooncake_rl.generations import (
     GenerationPublisher,
     GenerationRegistry,
@@ -19,6 +20,7 @@ from mooncake_rl.generations import (
     finalize_generation,
     load_manifest,
 )
+from mooncake_rl.generations.catalog import build_manifest
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
 from mooncake_rl.generations.keys import group_id, payload_key, report_key
 from mooncake_rl.generations.publisher import PublishFailed, publish_local
@@ -288,6 +290,32 @@ def watch_active(settings: Settings, model: str, last: int, timeout_s: float) ->
             if not seen or seen[-1] != record.generation:
                 seen.append(record.generation)
     return {"seen": seen, "checks": checks}
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        ("remove", "cannot announce: 1 payload problem(s), first: missing mooncake-rl/torn/"),
+        ("resize", "payload/b holds 6 bytes, expected 8"),
+    ],
+)
+def test_announce_refuses_missing_or_resized_payloads(
+    settings: Settings, tamper: str, message: str
+) -> None:
+    model = "torn"
+    with StoreClient(settings) as store:
+        publisher = GenerationPublisher(store, model, 1, 0, TrainerTopology.single())
+        publisher.publish([("a", torch.ones(4)), ("b", torch.ones(4))])
+        key = payload_key(group_id(model, 1), "b")
+        store.remove([key], force=True)
+        if tamper == "resize":
+            store.put_bytes(key, b"\x00" * 6)
+        manifest = build_manifest(model, 1, publisher.specs, "2026-11-30T00:00:00+00:00")
+        registry = GenerationRegistry(store, model)
+        with pytest.raises(InvariantViolation, match=re.escape(message)):
+            registry.announce(manifest)
+        assert registry.active() is None
+        store.remove_prefix(group_id(model, 1) + "/", force=True)
 
 
 def test_concurrent_reader_never_sees_a_partial_generation(master: EmbeddedMaster) -> None:

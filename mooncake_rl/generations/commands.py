@@ -13,7 +13,7 @@ from safetensors import safe_open
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations.gc import collect_garbage
 from mooncake_rl.generations.publisher import publish_local
-from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
+from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, payload_problems
 from mooncake_rl.store import StoreClient
 
 
@@ -77,14 +77,7 @@ def verify_generation(
         generation = active.generation
     digest = active.manifest_digest if active and active.generation == generation else None
     manifest = registry.load_manifest(generation, digest)
-    keys = [f.object_key for f in manifest.fragments]
-    problems = [f"missing {k}" for k, ok in zip(keys, store.exists(keys), strict=True) if not ok]
-    for fragment in manifest.fragments:
-        if (
-            f"missing {fragment.object_key}" not in problems
-            and store.size(fragment.object_key) != fragment.nbytes
-        ):
-            problems.append(f"{fragment.object_key} has the wrong size")
+    problems = payload_problems(store, manifest)
     return {
         "model": model,
         "generation": generation,

@@ -77,6 +77,18 @@ class GenerationInfo:
     created_at: str
 
 
+def payload_problems(store: StoreClient, manifest: WeightManifest) -> list[str]:
+    """Fragments not held whole: absent, not yet complete, or of another size than declared."""
+    keys = [f.object_key for f in manifest.fragments]
+    return [
+        f"missing {f.object_key}"
+        if size is None
+        else f"{f.object_key} holds {size} bytes, expected {f.nbytes}"
+        for f, size in zip(manifest.fragments, store.complete_sizes(keys), strict=True)
+        if size != f.nbytes
+    ]
+
+
 class GenerationRegistry:
     """Reads and writes one model's generation records in the Store."""
 
@@ -142,21 +154,11 @@ class GenerationRegistry:
                 f"stale announce: generation {generation} is not newer than active "
                 f"generation {current.generation}"
             )
-        keys = [f.object_key for f in manifest.fragments]
-        missing = [
-            k for k, present in zip(keys, self.store.exists(keys), strict=True) if not present
-        ]
-        if missing:
+        problems = payload_problems(self.store, manifest)
+        if problems:
             raise InvariantViolation(
-                f"cannot announce: {len(missing)} payloads missing, e.g. {missing[0]}"
+                f"cannot announce: {len(problems)} payload problem(s), first: {problems[0]}"
             )
-        for fragment in manifest.fragments:
-            size = self.store.size(fragment.object_key)
-            if size != fragment.nbytes:
-                raise InvariantViolation(
-                    f"cannot announce: {fragment.object_key} holds {size} bytes, "
-                    f"expected {fragment.nbytes}"
-                )
         self.store.put_bytes(manifest.manifest_key, manifest.to_json().encode())
         try:
             self.store.create_exclusive(
