@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from mooncake_rl.counters import COUNTERS
-from mooncake_rl.errors import ConfigurationError, InvariantViolation, mooncake_error
+from mooncake_rl.errors import (
+    ConfigurationError,
+    InvariantViolation,
+    MooncakeError,
+    ObjectNotFound,
+    mooncake_error,
+)
 from mooncake_rl.services import check_system_libraries
 from mooncake_rl.settings import Settings
 
@@ -208,27 +214,35 @@ class StoreClient:
     def get_bytes(self, key: str) -> bytes:
         """Whole small object (records, manifests), read into a registered buffer.
 
-        A record replaced by ``upsert`` moments ago can briefly answer with a transfer error
-        while its new replica settles; such reads are retried a few times.
+        A record replaced by ``upsert`` moments ago can briefly answer ``REPLICA_IS_NOT_READY``
+        or a transfer error while its new replica settles; such reads are retried a few times.
+        A missing key is not retried.
         """
         for attempt in range(RECORD_READ_ATTEMPTS):
-            size = self.size(key)
-            buffer = torch.empty(max(size, 1), dtype=torch.uint8)
-            self.register(buffer.data_ptr(), buffer.numel())
             try:
-                code = self._store.get_into(key, buffer.data_ptr(), buffer.numel())
-            finally:
-                self.unregister(buffer.data_ptr())
-            if code == size:
-                COUNTERS.add(read=size)
-                return buffer[:size].numpy().tobytes()
-            error = mooncake_error(
+                return self._get_bytes_once(key)
+            except ObjectNotFound:
+                raise
+            except MooncakeError:
+                if attempt + 1 == RECORD_READ_ATTEMPTS:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _get_bytes_once(self, key: str) -> bytes:
+        size = self.size(key)
+        buffer = torch.empty(max(size, 1), dtype=torch.uint8)
+        self.register(buffer.data_ptr(), buffer.numel())
+        try:
+            code = self._store.get_into(key, buffer.data_ptr(), buffer.numel())
+        finally:
+            self.unregister(buffer.data_ptr())
+        if code != size:
+            raise mooncake_error(
                 code if code < 0 else -800, "get_into", f"key={key} size={size} got={code}"
             )
-            if code == -704 or attempt + 1 == RECORD_READ_ATTEMPTS:
-                raise error
-            time.sleep(0.05 * (attempt + 1))
-        raise AssertionError("unreachable")
+        COUNTERS.add(read=size)
+        return buffer[:size].numpy().tobytes()
 
     def read_ranges(self, buffer_ptr: int, reads: Sequence[RangeRead]) -> int:
         """Ranged reads into one registered buffer; every byte count is verified."""
