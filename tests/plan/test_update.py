@@ -10,10 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
@@ -136,6 +139,21 @@ def test_cache_hit_replans_nothing_and_binds_the_new_generation() -> None:
         op.key for stage in second.worker_slice("e0/tp0").stages for b in stage for op in b.reads
     }
     assert keys and all(k.startswith("mooncake-rl/m/g000000000002/payload/") for k in keys)
+
+
+def test_recorded_layout_digest_flows_through_the_update_adapter() -> None:
+    """The coordinator passes ``ActiveRecord.layout_digest``: it keys the cache (a hit for
+    the next generation of the same layout) and a miss refuses one that does not match."""
+    specs = [TensorSpec("a", (4, 4), "float32")]
+    engines = simulated_engines(specs, [("n0", 2)], "direct")
+    one, two = build_manifest("m", 1, specs, "now"), build_manifest("m", 2, specs, "later")
+    cache = RoutingCache()
+    first = plan_update(one, engines, "direct", 64, cache, layout_digest(one))
+    second = plan_update(two, engines, "direct", 64, cache, layout_digest(two))
+    assert second.routing.table is first.routing.table and (cache.hits, cache.misses) == (1, 1)
+    other = build_manifest("m", 3, [TensorSpec("a", (2, 8), "float32")], "x")
+    with pytest.raises(InvariantViolation, match="does not match its manifest"):
+        plan_update(one, engines, "direct", 64, RoutingCache(), layout_digest(other))
 
 
 def _worker(rank: int, tp: int, regions: dict[str, int], shards: list[tuple]) -> dict[str, Any]:
