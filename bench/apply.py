@@ -132,7 +132,14 @@ def main() -> None:
             cluster_shape(args.workers, args.nodes, args.mode),
             args.mode,
         )
-        plan = plan_update(manifest, engines, args.mode, parse_size(args.batch), RoutingCache())
+        plan = plan_update(
+            manifest,
+            engines,
+            args.mode,
+            parse_size(args.batch),
+            RoutingCache(),
+            record.layout_digest,
+        )
         nodes = {w["worker_id"]: w["node"] for ws in engines.values() for w in ws}
         batch_bytes = parse_size(args.batch)
         worker_settings = {

@@ -165,7 +165,9 @@ class Coordinator:
             return result
 
         engines = {u: placements[u]["workers"] for u in targets}
-        plan: UpdatePlan = plan_update(manifest, engines, mode, batch_bytes, self.cache)
+        plan: UpdatePlan = plan_update(
+            manifest, engines, mode, batch_bytes, self.cache, record.layout_digest
+        )
         result.planned_read_bytes = plan.store_read_bytes
         result.planned_pushed_bytes = plan.pushed_bytes
         result.unique_demand_bytes = plan.unique_demand_bytes

@@ -23,6 +23,7 @@ from mooncake_rl.generations import (
 from mooncake_rl.generations.catalog import build_manifest
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
 from mooncake_rl.generations.keys import group_id, payload_key, report_key
+from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.generations.publisher import PublishFailed, publish_local
 from mooncake_rl.generations.registry import FenceError
 from mooncake_rl.services import EmbeddedMaster
@@ -148,6 +149,8 @@ def test_two_publishers_on_two_nodes(master: EmbeddedMaster, holders) -> None:
     with StoreClient(settings_for(master, "inspector")) as store:
         manifest = load_manifest(store, model, 1)
         assert len(manifest.fragments) == len(tensors) >= 50
+        # Announce seals the layout digest into the record: consumers' plan-cache key.
+        assert active_generation(store, model).layout_digest == layout_digest(manifest)
         placed_on = {}
         for fragment in manifest.fragments:
             (segment,) = store.replica_segments(fragment.object_key)

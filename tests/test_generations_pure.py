@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,6 +11,8 @@ from hypothesis import strategies as st
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import TensorSpec, TrainerTopology, assign_publishers, build_manifest
 from mooncake_rl.generations.gc import plan_gc
+from mooncake_rl.generations.layout import layout_digest
+from mooncake_rl.generations.registry import ActiveRecord, FenceError, _sealed
 
 sizes_strategy = st.lists(st.integers(1, 10_000), min_size=1, max_size=80)
 topology_strategy = st.lists(st.sampled_from(["n0", "n1", "n2"]), min_size=1, max_size=8).map(
@@ -93,3 +97,24 @@ def test_plan_gc_keeps_newest_active_and_leased() -> None:
     assert plan_gc([], active=None, leased=[], keep=2) == []
     with pytest.raises(InvariantViolation):
         plan_gc([1], active=None, leased=[], keep=0)
+
+
+def test_active_record_carries_the_layout_digest() -> None:
+    """Announce seals the layout digest into the record; records written before it was
+    recorded still decode (``None``: consumers hash the manifest themselves)."""
+    specs = [TensorSpec("a", (4, 8), "bfloat16")]
+    one, two = build_manifest("m", 1, specs, "now"), build_manifest("m", 2, specs, "later")
+    assert layout_digest(one) == layout_digest(two)
+    assert layout_digest(build_manifest("m", 1, [TensorSpec("a", (8, 4), "bfloat16")], "x")) != (
+        layout_digest(one)
+    )
+    record = ActiveRecord("m", 1, one.manifest_key, one.manifest_digest, layout_digest(one))
+    assert ActiveRecord.decode(record.encode()) == record
+    old = _sealed({"model": "m", "generation": 1, "manifest_key": one.manifest_key,
+                   "manifest_digest": one.manifest_digest})  # fmt: skip
+    assert ActiveRecord.decode(old).layout_digest is None
+    with pytest.raises(FenceError, match="layout digest"):
+        ActiveRecord("m", 1, one.manifest_key, one.manifest_digest, "abc")
+    forged = _sealed({**asdict(record), "layout_digest": "Z" * 64})
+    with pytest.raises(FenceError, match="layout digest"):
+        ActiveRecord.decode(forged)

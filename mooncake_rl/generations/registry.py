@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import InvariantViolation, ObjectAlreadyExists, ObjectNotFound
+from mooncake_rl.generations import layout
 from mooncake_rl.generations.keys import (
     active_key,
     announced_key,
@@ -23,6 +24,7 @@ from mooncake_rl.generations.keys import (
     index_key,
     manifest_key,
 )
+from mooncake_rl.generations.layout import is_digest
 from mooncake_rl.store import StoreClient
 
 
@@ -51,10 +53,25 @@ def _unsealed(data: bytes, what: str) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class ActiveRecord:
+    """The model's active generation: where its manifest is and what it must hash to.
+
+    ``layout_digest`` is the generation's layout digest (``generations.layout``), computed
+    once by :meth:`GenerationRegistry.announce` so that every consumer's plan-cache lookup
+    reads it instead of re-hashing the whole manifest; ``None`` in records written before
+    it was recorded (consumers then compute it).
+    """
+
     model: str
     generation: int
     manifest_key: str
     manifest_digest: str
+    layout_digest: str | None = None
+
+    def __post_init__(self) -> None:
+        if not is_digest(self.manifest_digest):
+            raise FenceError(f"active record manifest digest {self.manifest_digest!r} is malformed")
+        if self.layout_digest is not None and not is_digest(self.layout_digest):
+            raise FenceError(f"active record layout digest {self.layout_digest!r} is malformed")
 
     def encode(self) -> bytes:
         return _sealed(asdict(self))
@@ -167,7 +184,11 @@ class GenerationRegistry:
         except ObjectAlreadyExists:
             raise FenceError(f"duplicate announce of generation {generation}") from None
         record = ActiveRecord(
-            self.model, generation, manifest.manifest_key, manifest.manifest_digest
+            self.model,
+            generation,
+            manifest.manifest_key,
+            manifest.manifest_digest,
+            layout.layout_digest(manifest),
         )
         self.store.upsert_bytes(active_key(self.model), record.encode())
         info = GenerationInfo(

@@ -23,7 +23,8 @@ import numpy as np
 from mooncake.reshard.weight import WeightPlacementPart
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.source import TENSOR_AXES, TENSOR_FIELDS, SourceLayout
+from mooncake_rl.generations.layout import TENSOR_AXES, TENSOR_FIELDS
+from mooncake_rl.plan.source import SourceLayout
 
 STAGING_REGION = "staging"
 COMPAT_REGION = "compat"

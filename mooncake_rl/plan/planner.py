@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from mooncake.reshard.weight import WeightManifest
 
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.layout import is_digest
 from mooncake_rl.plan.assign import assign_readers
 from mooncake_rl.plan.cache import PlanCache, PlanKey
 from mooncake_rl.plan.demand import CompatDemand, DirectDemand
@@ -23,9 +25,16 @@ def plan_key(
     topology: Topology,
     demand: CompatDemand | DirectDemand,
     params: PlanParams,
+    layout_digest: str | None = None,
 ) -> PlanKey:
-    """The cache key; only the source digest is computed per generation."""
-    return PlanKey(source_digest(manifest), demand.digest, topology.digest, params)
+    """The cache key. Demand and topology digests are cached on their objects; the source
+    digest is ``layout_digest`` when the generation's record carries one, else it is
+    computed from the manifest (the only per-generation work of a hit)."""
+    if layout_digest is None:
+        layout_digest = source_digest(manifest)
+    elif not is_digest(layout_digest):
+        raise InvariantViolation(f"layout digest {layout_digest!r} is not a SHA-256 hex digest")
+    return PlanKey(layout_digest, demand.digest, topology.digest, params)
 
 
 def plan_routing(
@@ -35,18 +44,26 @@ def plan_routing(
     *,
     params: PlanParams | None = None,
     cache: PlanCache | None = None,
+    layout_digest: str | None = None,
 ) -> RoutingTable:
     """The routing table for this layout, demand and topology; validated before it is cached.
 
-    The table names objects, not keys: bind it to a generation with
-    :func:`mooncake_rl.plan.bind`.
+    ``layout_digest``: the manifest's layout digest as sealed into its active-generation
+    record at announce (``ActiveRecord.layout_digest``). A hit then touches nothing of the
+    manifest; a miss recomputes the digest and refuses a record that does not match, so no
+    table is ever cached under another layout's key. The table names objects, not keys:
+    bind it to a generation with :func:`mooncake_rl.plan.bind`.
     """
     params = params or PlanParams()
-    key = plan_key(manifest, topology, demand, params)
+    key = plan_key(manifest, topology, demand, params, layout_digest)
     if cache is not None:
         cached = cache.get(key)
         if cached is not None:
             return cached
+    if layout_digest is not None and source_digest(manifest) != layout_digest:
+        raise InvariantViolation(
+            f"the recorded layout digest of {manifest.group_id} does not match its manifest"
+        )
     table = build_routing_table(manifest, topology, demand, params, key)
     validate_routing_table(table)
     if cache is not None:

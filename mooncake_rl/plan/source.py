@@ -3,13 +3,12 @@
 Keys change every generation (``{group_id}/payload/<name>``) but the layout does not, so
 plans are made in terms of object *names* (the part after the payload prefix) and keyed by
 a digest of the layout (tensors, shapes, dtypes, fragment geometry, object offsets and
-sizes), never by the generation, group or keys. Concrete keys are bound at lowering time.
+sizes; ``mooncake_rl.generations.layout``), never by the generation, group or keys.
+Concrete keys are bound at lowering time.
 """
 
 from __future__ import annotations
 
-import hashlib
-import marshal
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
@@ -20,42 +19,11 @@ from mooncake.reshard.weight import TensorDescriptor, WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.keys import payload_prefix
+from mooncake_rl.generations.layout import FRAGMENT_KEY, layout_digest
 
-# Plain-data fields (str, int, None, int tuples) serialized with marshal format 2: a pure
-# function of content (no object references, no interning flags), and fast because it is
-# C code; parallel axes are dataclasses and go through repr.
-TENSOR_FIELDS = attrgetter(
-    "tensor_id",
-    "global_shape",
-    "dtype",
-    "itemsize",
-    "shard_dims",
-    "layout_fingerprint",
-    "layer_id",
-    "expert_id",
-)
-TENSOR_AXES = attrgetter("parallel_axes")
-_FRAGMENT_FIELDS = attrgetter(
-    "tensor_id", "global_offset", "local_shape", "object_offset", "nbytes", "aliases"
-)
-_FRAGMENT_KEY = attrgetter("object_key")
-
-
-def source_digest(manifest: WeightManifest) -> str:
-    """SHA-256 of the layout of ``manifest``: equal for two generations of the same layout.
-
-    Covers every tensor field and every fragment's geometry, object name, offset and size;
-    excludes generation, revision, group, the keys' group prefix, fragment ids and timestamps.
-    It runs on the cached path, so it only uses C-level iteration.
-    """
-    prefix = payload_prefix(manifest.group_id)
-    h = hashlib.sha256(b"mooncake-rl/source-layout/v1")
-    h.update(marshal.dumps(list(map(TENSOR_FIELDS, manifest.tensors)), 2))
-    h.update("\x00".join(map(repr, map(TENSOR_AXES, manifest.tensors))).encode())
-    h.update(marshal.dumps(list(map(_FRAGMENT_FIELDS, manifest.fragments)), 2))
-    names = map(itemgetter(slice(len(prefix), None)), map(_FRAGMENT_KEY, manifest.fragments))
-    h.update("\x00".join(names).encode())  # every key starts with the prefix (validated)
-    return h.hexdigest()
+# The layout digest is computed once per generation by the announcer (it is sealed into
+# the active-generation record); the planner recomputes it only when none is recorded.
+source_digest = layout_digest
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,7 +65,7 @@ def source_layout(manifest: WeightManifest, digest: str | None = None) -> Source
             "not supported by the planner (publish each tensor as its own object)"
         )
     cut = itemgetter(slice(len(payload_prefix(manifest.group_id)), None))
-    names = list(map(cut, map(_FRAGMENT_KEY, fragments)))
+    names = list(map(cut, map(FRAGMENT_KEY, fragments)))
     objects = sorted(set(names))
     obj = np.fromiter(
         map(dict(zip(objects, range(len(objects)), strict=True)).__getitem__, names), np.int64

@@ -27,7 +27,7 @@ import numpy as np
 
 from mooncake_rl.apply.executor import PushOp, ReadOp
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.keys import payload_key
+from mooncake_rl.generations.keys import payload_prefix
 from mooncake_rl.plan import grid
 from mooncake_rl.plan.demand import STAGING_REGION, CompatLayout
 from mooncake_rl.plan.params import PlanParams
@@ -300,5 +300,5 @@ class BoundRoutingTable:
 def bind(table: RoutingTable, group_id: str) -> BoundRoutingTable:
     """Lower a cached table to one generation's concrete keys (cheap: one string per object)."""
     return BoundRoutingTable(
-        table, group_id, tuple(payload_key(group_id, n) for n in table.objects)
+        table, group_id, tuple(map(payload_prefix(group_id).__add__, table.objects))
     )

@@ -140,8 +140,9 @@ class RoutingCache:
         engines: Mapping[str, Sequence[Mapping[str, Any]]],
         mode: str,
         batch_bytes: int,
+        layout_digest: str | None = None,
     ) -> RoutingPlan:
-        return plan_routing(manifest, engines, mode, batch_bytes, self.tables)
+        return plan_routing(manifest, engines, mode, batch_bytes, self.tables, layout_digest)
 
 
 def topology_of(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> Topology:
@@ -159,6 +160,7 @@ def plan_routing(
     mode: str,
     batch_bytes: int,
     tables: PlanCache | None = None,
+    layout_digest: str | None = None,
 ) -> RoutingPlan:
     if mode not in ("compat", "direct"):
         raise InvariantViolation(f"unknown mode {mode!r}")
@@ -184,7 +186,9 @@ def plan_routing(
                 name: int(spec["bytes"]) for name, spec in worker["regions"].items()
             }
             region_dtypes[worker["worker_id"]] = _region_dtypes(worker, stored)
-    table = plan_table(manifest, topology, demand, params=params, cache=tables)
+    table = plan_table(
+        manifest, topology, demand, params=params, cache=tables, layout_digest=layout_digest
+    )
     for row in table.region_sizes.tolist():
         worker, region, size = table.workers[row[0]], table.regions[row[1]], row[2]
         if regions[worker].setdefault(region, size) != size:
@@ -341,7 +345,13 @@ def plan_update(
     mode: str,
     batch_bytes: int,
     cache: RoutingCache,
+    layout_digest: str | None = None,
 ) -> UpdatePlan:
-    routing = cache.get_or_plan(manifest, engines, mode, batch_bytes)
+    """Plan (or reuse) the update of ``engines`` to ``manifest``'s generation.
+
+    ``layout_digest``: the generation record's ``ActiveRecord.layout_digest``, so that a
+    cache hit does not re-hash the manifest (see :func:`mooncake_rl.plan.plan_routing`).
+    """
+    routing = cache.get_or_plan(manifest, engines, mode, batch_bytes, layout_digest)
     by_engine = {url: tuple(w["worker_id"] for w in ws) for url, ws in engines.items()}
     return UpdatePlan(routing, manifest.group_id, by_engine)

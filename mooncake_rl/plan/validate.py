@@ -11,7 +11,9 @@ table's own coverage contract (``demands``):
 4. every push moves exactly the bytes some earlier write landed at the sender (a read in the
    same or an earlier batch, or a push of an earlier stage), so its source bytes are known;
 5. every write outside staging lands inside one demand and carries exactly the object bytes
-   that demand maps to that place; per demand, the written bytes equal the demanded bytes.
+   that demand maps to that place (a write either stays inside one demand row, both sides
+   advancing by one stride, or steps through demand rows with the demand's own strides);
+   per demand, the written bytes equal the demanded bytes.
 
 With 3 and 5, every demanded byte is written exactly once with the right content.
 """
@@ -272,23 +274,28 @@ class _V:
             self.l_src_stride[outside],
         )
         extent = (l_cnt - 1) * np.where(l_cnt > 1, l_dst_stride, 0) + l_len
-        single = dd["count"] == 1
-        row = np.where(single, 0, rel // np.maximum(dd["dst_stride"], 1))
-        col = np.where(single, rel, rel % np.maximum(dd["dst_stride"], 1))
+        # The demand maps byte ``col`` of its row ``row`` to object byte
+        # ``src_offset + row * src_stride + col``. A write is right when its first byte
+        # carries that object byte and its later rows follow the same map: either it stays
+        # inside that one demand row and both sides advance by the same stride (a pitch
+        # smaller than the demand's row, as when another consumer splits the row finer),
+        # or it steps through demand rows exactly as the demand does.
+        stride = np.maximum(dd["dst_stride"], 1)
+        row, col = rel // stride, rel % stride
         ok &= l_obj == dd["object"]
-        ok &= np.where(
-            single,
-            (l_src - dd["src_offset"] == rel)
+        ok &= l_src == dd["src_offset"] + row * dd["src_stride"] + col
+        in_row = (
+            (row < dd["count"])
+            & (col + extent <= dd["length"])
             & ((l_cnt == 1) | (l_dst_stride == l_src_stride))
-            & (rel + extent <= dd["length"]),
+        )
+        row_aligned = (
             (col + l_len <= dd["length"])
             & (row + l_cnt <= dd["count"])
-            & (
-                (l_cnt == 1)
-                | ((l_dst_stride == dd["dst_stride"]) & (l_src_stride == dd["src_stride"]))
-            )
-            & (l_src == dd["src_offset"] + row * dd["src_stride"] + col),
+            & (l_dst_stride == dd["dst_stride"])
+            & (l_src_stride == dd["src_stride"])
         )
+        ok &= in_row | row_aligned
         wrong = np.flatnonzero(~ok)
         if len(wrong):
             i = int(outside[wrong[0]])

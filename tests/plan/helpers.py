@@ -112,36 +112,44 @@ def _descriptor(s: Spec, shard_dims, axes) -> TensorDescriptor:
     )
 
 
-def fragment_box(s: Spec, tp: int, r: int):
-    """(global_offset, local_shape) rank ``r`` of TP ``tp`` holds, or None."""
+def fragment_box(s: Spec, tp: int, r: int, dim: int | None = None):
+    """(global_offset, local_shape) rank ``r`` of TP ``tp`` holds, or None; a split tensor
+    is split along ``dim`` (default ``s.dim``)."""
     if s.kind == "replicated" or tp == 1:
         return (0,) * len(s.shape), s.shape
     if s.kind == "owned":
         owner = sum(map(ord, s.name)) % tp
         return ((0,) * len(s.shape), s.shape) if owner == r else None
-    size = s.shape[s.dim] // tp
-    offset = tuple(r * size if d == s.dim else 0 for d in range(len(s.shape)))
-    local = tuple(size if d == s.dim else n for d, n in enumerate(s.shape))
+    dim = s.dim if dim is None else dim
+    size = s.shape[dim] // tp
+    offset = tuple(r * size if d == dim else 0 for d in range(len(s.shape)))
+    local = tuple(size if d == dim else n for d, n in enumerate(s.shape))
     return offset, local
 
 
-def parts(specs: list[Spec], tp: int, pieces: bool = False) -> list[WeightPlacementPart]:
-    """One instance of TP ``tp``: one part per rank; ``pieces`` cuts each box in two rows."""
+def parts(
+    specs: list[Spec], tp: int, pieces: bool = False, dims: dict[str, int] | None = None
+) -> list[WeightPlacementPart]:
+    """One instance of TP ``tp``: one part per rank; ``pieces`` cuts each box in two rows;
+    ``dims`` overrides the split dim of split tensors for this instance (engines of one
+    cluster may split the same tensor along different dims)."""
+    dims = dims or {}
     out = []
     for r in range(tp):
         rank = ParallelRank(tp=r)
         tensors, fragments = [], []
         for s in specs:
-            box = fragment_box(s, tp, r)
+            dim = dims.get(s.name, s.dim)
+            box = fragment_box(s, tp, r, dim)
             if box is None:
                 continue
             if tp == 1 or s.kind == "replicated":
-                axes, dims = (ReplicatedAxis("tp"),), ()
+                axes, shard_dims = (ReplicatedAxis("tp"),), ()
             elif s.kind == "owned":
-                axes, dims = (OwnershipAxis("tp"),), ()
+                axes, shard_dims = (OwnershipAxis("tp"),), ()
             else:
-                axes, dims = (SplitAxis("tp", s.dim),), (s.dim,)
-            tensors.append(_descriptor(s, dims, axes))
+                axes, shard_dims = (SplitAxis("tp", dim),), (dim,)
+            tensors.append(_descriptor(s, shard_dims, axes))
             for offset, local in _cut(*box) if pieces else [box]:
                 nbytes = math.prod(local) * ITEMSIZE[s.dtype]
                 fragments.append(PlacementFragment(s.name, offset, local, nbytes, rank))

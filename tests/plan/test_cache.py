@@ -50,6 +50,52 @@ def test_hit_across_generations_recomputes_nothing(counted):
     assert bind(second, "g2").keys == ("g2/payload/a", "g2/payload/b")
 
 
+class Untouchable:
+    """A manifest stand-in that fails the test if the planner reads anything from it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a cache hit read manifest.{name}")
+
+
+def test_recorded_layout_digest_hit_reads_nothing_and_another_layout_misses(counted, monkeypatch):
+    """With the digest the announcer sealed into the active record, a hit hashes nothing
+    and touches no manifest field; a generation of another layout (same demand, topology
+    and params) misses and is planned."""
+    hashed = []
+    real = planner_module.source_digest
+    monkeypatch.setattr(planner_module, "source_digest", lambda m: hashed.append(m) or real(m))
+    topology, demand, cache = Topology.of(WORKERS), CompatDemand(), PlanCache()
+    one, two = manifest(SPECS, generation=1), manifest(SPECS, generation=2)
+    recorded = source_digest(one)
+    assert source_digest(two) == recorded
+    first = plan_routing(one, topology, demand, cache=cache, layout_digest=recorded)
+    assert len(counted) == 1 and len(hashed) == 1  # a miss re-checks the recorded digest
+    second = plan_routing(Untouchable(), topology, demand, cache=cache, layout_digest=recorded)
+    assert second is first and len(counted) == 1 and len(hashed) == 1
+    assert bind(second, two.group_id).keys[0].startswith(two.group_id + "/payload/")
+    for changed in (
+        [Spec("a", (4, 8), kind="split", dim=0), Spec("b", (4,))],  # reshaped
+        [Spec("a", (8, 4), "float32", kind="split", dim=0), Spec("b", (4,))],  # retyped
+    ):
+        three = manifest(changed, generation=3)
+        third = plan_routing(three, topology, demand, cache=cache, layout_digest=real(three))
+        assert third is not first and third.source_digest != first.source_digest
+    assert len(counted) == 3 and (cache.hits, cache.misses) == (1, 3)
+
+
+def test_a_recorded_digest_that_does_not_match_is_refused_before_planning(counted):
+    topology = Topology.of(WORKERS)
+    m = manifest(SPECS)
+    other = manifest(SPECS, packed=True)
+    with pytest.raises(InvariantViolation, match="does not match its manifest"):
+        plan_routing(
+            m, topology, CompatDemand(), cache=PlanCache(), layout_digest=source_digest(other)
+        )
+    with pytest.raises(InvariantViolation, match="not a SHA-256 hex digest"):
+        plan_routing(m, topology, CompatDemand(), layout_digest="g000000000001")
+    assert not counted
+
+
 def test_digest_ignores_generation_but_not_layout():
     one, two = manifest(SPECS, generation=1), manifest(SPECS, generation=2)
     assert one.group_id != two.group_id and source_digest(one) == source_digest(two)

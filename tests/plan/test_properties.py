@@ -34,14 +34,19 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 @st.composite
-def models(draw) -> list[Spec]:
+def models(draw, mixed: bool = False) -> list[Spec]:
+    """Random tensors; ``mixed``: 2-3 dims, each divisible by every TP size, so that each
+    engine can split a tensor along a dim of its own choice."""
     specs = []
-    for i in range(draw(st.integers(1, 40))):
-        ndim = draw(st.integers(1, 3))
-        kind = draw(st.sampled_from(["replicated", "split", "owned"]))
+    for i in range(draw(st.integers(1, 8 if mixed else 40))):
+        ndim = draw(st.integers(2, 3)) if mixed else draw(st.integers(1, 3))
+        kinds = ["replicated", "split", "split"] if mixed else ["replicated", "split", "owned"]
+        kind = draw(st.sampled_from(kinds))
         dim = draw(st.integers(0, ndim - 1))
+        # Other dims are sometimes divisible by every TP size too (always when ``mixed``).
+        other = [4, 8, 12] if mixed else [1, 2, 3, 4, 6, 8]
         shape = tuple(
-            4 * draw(st.integers(1, 3)) if d == dim else draw(st.integers(1, 6))
+            4 * draw(st.integers(1, 3)) if d == dim else draw(st.sampled_from(other))
             for d in range(ndim)
         )
         dtype = draw(st.sampled_from(sorted(ITEMSIZE)))
@@ -50,19 +55,30 @@ def models(draw) -> list[Spec]:
 
 
 @st.composite
-def scenarios(draw, mode: str):
-    specs = draw(models())
-    n_nodes, per_node = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+def scenarios(draw, mode: str, mixed: bool = False):
+    """Random clusters; ``mixed`` (direct only): at least two TP>1 engines where possible,
+    each splitting every split tensor along a dim it draws (engines disagree on dims)."""
+    specs = draw(models(mixed))
+    n_nodes = draw(st.integers(1, 3 if mixed else 4))
+    per_node = draw(st.integers(4 if mixed and n_nodes == 1 else 1, 4))
     n = n_nodes * per_node
     tps, left = [], n
     while left:
-        tp = draw(st.sampled_from([t for t in (1, 2, 4) if t <= left])) if mode == "direct" else 1
+        sizes = [t for t in (1, 2, 4) if t <= left]
+        if mixed:
+            sizes = [t for t in sizes if 1 < t < n] or [1]
+        tp = draw(st.sampled_from(sizes)) if mode == "direct" else 1
         tps.append(tp)
         left -= tp
     workers, part_of, g = [], {}, 0
     pieces = mode == "direct" and draw(st.booleans())  # several fragments per tensor and rank
     for i, tp in enumerate(tps):
-        instance = parts(specs, tp, pieces)
+        dims = {}
+        if mixed:
+            for s in specs:
+                if s.kind == "split":
+                    dims[s.name] = draw(st.integers(0, len(s.shape) - 1))
+        instance = parts(specs, tp, pieces, dims)
         for r in range(tp):
             worker_id = f"w{g:02d}"
             workers.append(Worker(worker_id, f"n{g // per_node}", f"i{i}", r))
@@ -191,6 +207,14 @@ def check(scenario) -> None:
 @SETTINGS
 @given(scenarios("direct"))
 def test_direct_mode_properties(scenario):
+    check(scenario)
+
+
+@SETTINGS
+@given(scenarios("direct", mixed=True))
+def test_direct_mode_properties_engines_splitting_along_different_dims(scenario):
+    """Engines splitting one tensor along different dims demand strided runs of different
+    pitches in one object (a regression: such correct plans were refused)."""
     check(scenario)
 
 

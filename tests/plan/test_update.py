@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
@@ -140,6 +141,21 @@ def test_cache_hit_replans_nothing_and_binds_the_new_generation() -> None:
     assert keys and all(k.startswith("mooncake-rl/m/g000000000002/payload/") for k in keys)
 
 
+def test_recorded_layout_digest_flows_through_the_update_adapter() -> None:
+    """The coordinator passes ``ActiveRecord.layout_digest``: it keys the cache (a hit for
+    the next generation of the same layout) and a miss refuses one that does not match."""
+    specs = [TensorSpec("a", (4, 4), "float32")]
+    engines = simulated_engines(specs, [("n0", 2)], "direct")
+    one, two = build_manifest("m", 1, specs, "now"), build_manifest("m", 2, specs, "later")
+    cache = RoutingCache()
+    first = plan_update(one, engines, "direct", 64, cache, layout_digest(one))
+    second = plan_update(two, engines, "direct", 64, cache, layout_digest(two))
+    assert second.routing.table is first.routing.table and (cache.hits, cache.misses) == (1, 1)
+    other = build_manifest("m", 3, [TensorSpec("a", (2, 8), "float32")], "x")
+    with pytest.raises(InvariantViolation, match="does not match its manifest"):
+        plan_update(one, engines, "direct", 64, RoutingCache(), layout_digest(other))
+
+
 def _worker(rank: int, tp: int, regions: dict[str, int], shards: list[tuple]) -> dict[str, Any]:
     return {
         "worker_id": f"e/tp{rank}",
@@ -219,13 +235,18 @@ def test_experts_owned_by_one_rank_are_read_once_by_their_owner() -> None:
     assert plan.pushed_bytes == 0 and plan.store_read_bytes == 4 * 32
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InvariantViolation,
-    reason="known planner bug (found by hypothesis): two engines splitting the same tensor "
-    "along different dims (TP2 on dim 1, TP4 on dim 2) make the validator refuse the plan",
-)
 def test_engines_splitting_one_tensor_along_different_dims() -> None:
+    """TP2 splits dim 1 (24-byte rows, 48 apart), TP4 splits dim 2 (2-byte rows, 8 apart):
+    the object's grid pitch is 8, so the TP2 ranks receive 2-byte columns strided by 8
+    inside one of their 24-byte rows; the plan must be accepted and exact."""
     specs = [TensorSpec("t0", (3, 6, 4), "bfloat16")]
     engines = simulated_engines(specs, [("n0", 2), ("n0", 4)], "direct")
-    plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 16, RoutingCache())
+    plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 16, RoutingCache())
+    objects = {"t0": np.random.default_rng(0).integers(0, 256, specs[0].nbytes, dtype=np.uint8)}
+    memory = simulate(plan, objects)
+    for workers in engines.values():
+        for worker in workers:
+            for shard in worker["shards"]:
+                want = expected_shard(specs[0], objects["t0"], shard)
+                assert np.array_equal(memory[(worker["worker_id"], shard["region"])], want)
+    assert plan.store_read_bytes == plan.unique_demand_bytes == specs[0].nbytes

@@ -131,3 +131,29 @@ def test_reader_outside_the_demand_stages_through_staging():
     check_delivery(table, buffers, written, {(0, fragment.placement_fragment_id): [(0, chunk)]})
     nic = table.totals.node_nic_bytes
     assert nic.max() <= nic.mean() + table.max_chunk_cost
+
+
+def test_sub_row_strided_write_with_wrong_source_bytes():
+    """TP2 on dim 1 and TP4 on dim 2 of one tensor: the TP2 ranks receive writes strided by
+    the object's pitch inside one demand row. Such writes are accepted only when they carry
+    the bytes the demand maps there: swapping the sources of two of them is refused."""
+    specs = [Spec("t", (3, 6, 4), kind="split", dim=1)]
+    workers = [Worker(f"a{r}", "n0", "a", r) for r in range(2)]
+    workers += [Worker(f"b{r}", "n0", "b", r) for r in range(4)]
+    demand = DirectDemand.of(
+        {w.worker_id: parts(specs, 2)[w.tp_rank] for w in workers[:2]}
+        | {w.worker_id: parts(specs, 4, dims={"t": 2})[w.tp_rank] for w in workers[2:]}
+    )
+    t = plan_routing(manifest(specs), Topology.of(workers), demand)
+    row = t.demands[t.demands["worker"] == 0][0]  # a0: 24-byte rows, 48 apart
+    sub_row = np.flatnonzero(
+        (t.reads["worker"] == 0)
+        & (t.reads["count"] > 1)
+        & (t.reads["dst_stride"] < row["dst_stride"])
+        & (t.reads["dst_region"] == row["dst_region"])
+    )
+    assert len(sub_row) >= 2
+    i, j = (int(x) for x in sub_row[:2])
+    swapped = corrupt(t, "reads", i, src_offset=int(t.reads[j]["src_offset"]))
+    swapped = corrupt(swapped, "reads", j, src_offset=int(t.reads[i]["src_offset"]))
+    rejects(swapped, "writes bytes no demand maps")
