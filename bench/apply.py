@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -192,6 +193,7 @@ def raw_te_gbps(cluster: WorkerCluster, region_sizes: Mapping[str, Mapping[str, 
 
 
 def main() -> None:
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake logs every connection at INFO
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--tensors", type=int, default=32)

@@ -147,6 +147,8 @@ def run_broadcast(
             results[rank] = value
     finally:
         for process in processes:
+            if process.pid is None:  # never started
+                continue
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
