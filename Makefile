@@ -66,6 +66,12 @@ test: venv verl-deps sglang-venv
 demo: venv
 	$(VENV)/bin/mooncake-rl demo
 
+# Every approach side by side on this machine (JSON on stdout, PNG in out/), then the
+# cluster simulator's default 1T scenario; see docs/performance.md.
+bench: venv
+	$(VENV)/bin/mooncake-rl bench --out out/bench-compare.png
+	$(VENV)/bin/mooncake-rl bench simulate --out out/bench-simulate.png
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -4,31 +4,87 @@ Publishes a synthetic model, plans an update for simulated workers (one process 
 over node labels), runs it with real Store reads and TE pushes, and prints one JSON object:
 this project's figures, the raw TE loopback GB/s measured in the same run, the pipeline
 efficiency, and the same update done naively (every worker reads all it needs itself).
+
+The pieces (publishing, planning, the naive baseline, measuring, raw TE) are shared with
+``python -m bench`` (``bench.compare``), which runs every approach side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from mooncake.reshard.weight import WeightManifest
 
 from bench.common import parse_size, store_services, synthetic_model
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
 from mooncake_rl.apply.process import WorkerCluster, run_planned_update
 from mooncake_rl.apply.wire import WorkerSlice
+from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.table import bind, record_ranges
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
+from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
+
+MODES = ("compat", "direct")
 
 
 def cluster_shape(workers: int, nodes: int, mode: str) -> list[tuple[str, int]]:
     """compat: one TP=1 engine per worker; direct: one TP engine per node (DP replicas)."""
+    if workers % nodes:
+        raise ValueError(f"{workers} workers do not split evenly over {nodes} nodes")
     if mode == "compat":
         return [(f"node{w % nodes}", 1) for w in range(workers)]
     return [(f"node{n}", workers // nodes) for n in range(nodes)]
+
+
+@dataclass(frozen=True)
+class Published:
+    manifest: WeightManifest
+    model_bytes: int
+    shapes: tuple[tuple[int, ...], ...]  # in the model's tensor order
+
+
+def publish_synthetic(settings: Settings, name: str, total_bytes: int, tensors: int) -> Published:
+    """Publish ``synthetic_model(total_bytes, tensors)`` as bf16 from one process."""
+    model = synthetic_model(total_bytes, tensors)
+    with StoreClient(settings) as store:
+        record = publish_local(store, name, model, dtype="bfloat16")
+        manifest = GenerationRegistry(store, name).load_manifest(record.generation)
+    return Published(
+        manifest,
+        sum(t.numel() * t.element_size() for _, t in model),
+        tuple(tuple(t.shape) for _, t in model),
+    )
+
+
+def planned(
+    manifest: WeightManifest, workers: int, nodes: int, mode: str, batch_bytes: int
+) -> tuple[UpdatePlan, dict[str, str]]:
+    """The update plan for simulated engines, and each worker's node label."""
+    engines = simulated_engines(specs_of(manifest), cluster_shape(workers, nodes, mode), mode)
+    plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache())
+    return plan, {w["worker_id"]: w["node"] for ws in engines.values() for w in ws}
+
+
+def worker_settings(
+    settings: Settings, nodes: Mapping[str, str], batch_bytes: int
+) -> dict[str, Settings]:
+    """Each worker on its node label; a watermark admitting four batches."""
+    return {
+        w: settings.with_overrides(
+            node=n, batch_bytes=batch_bytes, staging_watermark_bytes=4 * batch_bytes
+        )
+        for w, n in nodes.items()
+    }
 
 
 def _chunked(reads: list[ReadOp], batch_bytes: int) -> tuple[Batch, ...]:
@@ -54,7 +110,10 @@ class NaivePlan:
 
 
 def naive(plan: UpdatePlan, batch_bytes: int) -> NaivePlan:
-    """One read per demanded row of every worker (the table's coverage contract), no pushes."""
+    """One read per demanded row of every worker (the table's coverage contract), no pushes.
+
+    On a compat plan every worker reads the whole model; on a direct plan, its own shards.
+    """
     table = plan.routing.table
     keys = bind(table, plan.group_id).keys
     reads: dict[str, list[ReadOp]] = {w: [] for w in plan.routing.regions}
@@ -77,21 +136,45 @@ def _by_source(op: ReadOp) -> tuple[str, int]:
     return op.key, op.src_offset
 
 
+def node_nic_bytes(run: Mapping[str, Any], nodes: Mapping[str, str]) -> dict[str, int]:
+    """NIC accounting by node label, from measured counters: Store bytes the node's workers
+    read plus bytes they pushed to workers on other nodes (intra-node pushes cost 0)."""
+    out = dict.fromkeys(sorted(set(nodes.values())), 0)
+    for worker, counts in run["workers"].items():
+        out[nodes[worker]] += counts["read"] + sum(
+            moved
+            for peer, moved in counts["pushed_per_peer"].items()
+            if nodes[peer] != nodes[worker]
+        )
+    return out
+
+
 def measure(
-    cluster: WorkerCluster, plan: UpdatePlan | NaivePlan, delivered: int
-) -> dict[str, object]:
+    cluster: WorkerCluster,
+    plan: UpdatePlan | NaivePlan,
+    nodes: Mapping[str, str],
+    model_bytes: int,
+    delivered: int,
+) -> dict[str, Any]:
+    """Run one update on the cluster; figures from the workers' own byte counters."""
     run = run_planned_update(cluster, plan)
+    seconds = run["seconds"]
+    workers = run["workers"].values()
+    nic = node_nic_bytes(run, nodes)
     return {
-        "update_seconds": round(run["seconds"], 4),
-        "update_gbps": round(delivered / run["seconds"] / 1e9, 3),
+        "seconds": round(seconds, 4),
+        "gbps": round(model_bytes / seconds / 1e9, 3),
         "delivered_bytes": delivered,
-        "store_read_bytes": sum(w["read"] for w in run["workers"].values()),
-        "pushed_bytes": sum(w["pushed"] for w in run["workers"].values()),
-        "peak_staging_bytes": max(w["peak_staging"] for w in run["workers"].values()),
+        "delivered_gbps": round(delivered / seconds / 1e9, 3),
+        "store_read_bytes": sum(w["read"] for w in workers),
+        "pushed_bytes": sum(w["pushed"] for w in workers),
+        "max_node_nic_bytes": max(nic.values()),
+        "node_nic_bytes": nic,
+        "peak_staging_bytes": max(w["peak_staging"] for w in workers),
     }
 
 
-def raw_te_gbps(cluster: WorkerCluster, region_sizes: dict[str, dict[str, int]]) -> float:
+def raw_te_gbps(cluster: WorkerCluster, region_sizes: Mapping[str, Mapping[str, int]]) -> float:
     """One worker writes its largest region into another worker's, in 64 MiB batches."""
     first, second = sorted(region_sizes)[:2]
     region = max(region_sizes[first], key=lambda r: region_sizes[first][r])
@@ -110,49 +193,28 @@ def raw_te_gbps(cluster: WorkerCluster, region_sizes: dict[str, dict[str, int]])
 
 
 def main() -> None:
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake logs every connection at INFO
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--tensors", type=int, default=32)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--mode", choices=["compat", "direct"], default="direct")
+    parser.add_argument("--mode", choices=MODES, default="direct")
     parser.add_argument("--batch", default="64MiB")
     args = parser.parse_args()
-    model = synthetic_model(parse_size(args.size), args.tensors)
-    total = sum(t.numel() * t.element_size() for _, t in model)
-    with store_services(int(total * 1.2) + (64 << 20)) as (_, _, settings):
-        with StoreClient(settings) as store:
-            record = publish_local(store, "bench-apply", model, dtype="bfloat16")
-            from mooncake_rl.generations.registry import GenerationRegistry
-
-            manifest = GenerationRegistry(store, "bench-apply").load_manifest(record.generation)
-        del model
-        engines = simulated_engines(
-            specs_of_manifest(manifest),
-            cluster_shape(args.workers, args.nodes, args.mode),
-            args.mode,
-        )
-        plan = plan_update(
-            manifest,
-            engines,
-            args.mode,
-            parse_size(args.batch),
-            RoutingCache(),
-            record.layout_digest,
-        )
-        nodes = {w["worker_id"]: w["node"] for ws in engines.values() for w in ws}
-        batch_bytes = parse_size(args.batch)
-        worker_settings = {
-            w: settings.with_overrides(
-                node=n, batch_bytes=batch_bytes, staging_watermark_bytes=4 * batch_bytes
-            )
-            for w, n in nodes.items()
-        }
-        with WorkerCluster(worker_settings, plan.routing.regions) as cluster:
-            raw = raw_te_gbps(cluster, {w: dict(r) for w, r in plan.routing.regions.items()})
-            delivered = sum(plan.routing.received_bytes().values())
-            ours = measure(cluster, plan, delivered)
-            baseline = measure(cluster, naive(plan, batch_bytes), delivered)
+    batch_bytes = parse_size(args.batch)
+    size = parse_size(args.size)
+    with store_services(int(size * 1.2) + (64 << 20)) as (_, _, settings):
+        published = publish_synthetic(settings, "bench-apply", size, args.tensors)
+        total = published.model_bytes
+        plan, nodes = planned(published.manifest, args.workers, args.nodes, args.mode, batch_bytes)
+        delivered = sum(plan.routing.received_bytes().values())
+        with WorkerCluster(
+            worker_settings(settings, nodes, batch_bytes), plan.routing.regions
+        ) as cluster:
+            raw = raw_te_gbps(cluster, plan.routing.regions)
+            ours = measure(cluster, plan, nodes, total, delivered)
+            baseline = measure(cluster, naive(plan, batch_bytes), nodes, total, delivered)
     print(
         json.dumps(
             {
@@ -164,7 +226,7 @@ def main() -> None:
                 "unique_demand_bytes": plan.unique_demand_bytes,
                 **ours,
                 "raw_te_gbps": round(raw, 3),
-                "pipeline_efficiency": round(ours["update_gbps"] / raw, 3),
+                "pipeline_efficiency": round(ours["delivered_gbps"] / raw, 3),
                 "naive": baseline,
                 "store_read_ratio_naive_over_ours": round(
                     baseline["store_read_bytes"] / ours["store_read_bytes"], 3
@@ -172,12 +234,6 @@ def main() -> None:
             }
         )
     )
-
-
-def specs_of_manifest(manifest: object) -> list:
-    from mooncake_rl.generations.catalog import specs_of as manifest_specs
-
-    return manifest_specs(manifest)
 
 
 if __name__ == "__main__":

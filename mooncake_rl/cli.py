@@ -199,10 +199,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="the end-to-end demonstration (make demo)")
     demo.set_defaults(func=cmd_demo)
 
+    # Parsed by bench itself (main() forwards before argparse sees its flags); listed for help.
+    commands.add_parser(
+        "bench",
+        help="benchmarks side by side (JSON + PNG); `bench simulate` estimates 1T-scale updates",
+        add_help=False,
+    )
+
     return parser
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    """Forward everything after ``bench`` to the bench package (imported only when used)."""
+    from bench.__main__ import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

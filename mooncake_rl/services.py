@@ -300,7 +300,13 @@ class SegmentHolder(_Service):
             f"--metadata_server={self.metadata_url}",
             "--protocol=tcp",
         ]
-        env = {"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": self.host, "GLOG_minloglevel": "0"}
+        # Readiness is read from INFO lines of its log, whatever level the caller's env asks.
+        env = {
+            "MC_FORCE_TCP": "1",
+            "MC_TCP_BIND_ADDRESS": self.host,
+            "GLOG_minloglevel": "0",
+            "MC_LOG_LEVEL": "INFO",
+        }
         log = _log_dir(self.log_dir) / f"mooncake_client.{port}.log"
         self._process = ManagedProcess(args, log, env)
         try:

@@ -129,7 +129,8 @@ def run_planned_update(
 ) -> dict[str, Any]:
     """Prepare every worker with its slice, then run each stage on all of them (a barrier).
 
-    Returns per-worker counter deltas and stage results plus the apply wall time.
+    Returns per-worker counter deltas (``read``, ``pushed``, ``pushed_per_peer``: bytes
+    each peer received from this worker) and peak staging, plus the apply wall time.
     """
     workers = sorted(cluster.processes)
     prepared = cluster.call_all(
@@ -140,7 +141,9 @@ def run_planned_update(
         raise RuntimeError(f"prepare failed: {failed}")
     descriptions = [value for _, value in prepared.values()]
     started = time.perf_counter()
-    totals: dict[str, Any] = {w: {"read": 0, "pushed": 0, "peak_staging": 0} for w in workers}
+    totals: dict[str, Any] = {
+        w: {"read": 0, "pushed": 0, "peak_staging": 0, "pushed_per_peer": {}} for w in workers
+    }
     for stage in range(plan.stages):
         commands = {w: ("run", plan.worker_slice(w).stages[stage], descriptions) for w in workers}
         for worker, (status, value) in cluster.call_all(commands, timeout_s).items():
@@ -151,4 +154,7 @@ def run_planned_update(
             totals[worker]["peak_staging"] = max(
                 totals[worker]["peak_staging"], value["result"].peak_staging_bytes
             )
+            per_peer = totals[worker]["pushed_per_peer"]
+            for peer, moved in value["result"].pushed_per_peer.items():
+                per_peer[peer] = per_peer.get(peer, 0) + moved
     return {"seconds": time.perf_counter() - started, "workers": totals}

@@ -76,6 +76,16 @@ KIMI_K2 = dict(layers=61, first_dense=1, hidden=7168, intermediate=18432, moe_in
                experts=384, shared=1, q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64,
                v_head=128, heads=64, vocab=163840)  # fmt: skip
 
+# deepseek-ai/DeepSeek-V3 config.json: num_hidden_layers 61, first_k_dense_replace 3,
+# hidden_size 7168, intermediate_size 18432, moe_intermediate_size 2048, n_routed_experts 256,
+# n_shared_experts 1, q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+# qk_rope_head_dim 64, v_head_dim 128, num_attention_heads 128, vocab_size 129280 (671B
+# parameters). The multi-token-prediction module (num_nextn_predict_layers 1, stored as
+# model.layers.61) is left out: engines load it only for speculative decoding.
+DEEPSEEK_V3 = dict(layers=61, first_dense=3, hidden=7168, intermediate=18432,
+                   moe_intermediate=2048, experts=256, shared=1, q_lora=1536, kv_lora=512,
+                   qk_nope=128, qk_rope=64, v_head=128, heads=128, vocab=129280)  # fmt: skip
+
 
 # A small DeepSeek-V3-shaped MoE (same tensor kinds, 69M parameters) for quick runs.
 SMALL_MOE = dict(layers=4, first_dense=1, hidden=1024, intermediate=2816, moe_intermediate=256,
@@ -174,6 +184,7 @@ def _mlp(p: str, hidden: int, intermediate: int, layer: int) -> list[TensorSpec]
 
 MODELS = {
     "llama-70b": lambda: llama("llama-70b", **LLAMA3_70B),
+    "deepseek-v3": lambda: deepseek_v3("deepseek-v3", **DEEPSEEK_V3),
     "kimi-k2": lambda: deepseek_v3("kimi-k2", **KIMI_K2),
     "small": lambda: deepseek_v3("small", **SMALL_MOE),
 }

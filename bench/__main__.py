@@ -1,0 +1,31 @@
+"""``python -m bench`` / ``mooncake-rl bench``: the side-by-side run, or the simulator.
+
+python -m bench [run] [--size 256MiB --workers 4 --nodes 2 --out out/bench-compare.png]
+python -m bench simulate [--model kimi-k2 --trainer-gpus 256 --instances 16 --tp 8 ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+USAGE = __doc__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake logs every connection at INFO
+    if args[:1] == ["simulate"]:
+        from bench.simulate import main as simulate
+
+        return simulate(args[1:])
+    if args[:1] == ["run"]:
+        args = args[1:]
+    from bench.compare import main as compare
+
+    return compare(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

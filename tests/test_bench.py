@@ -1,0 +1,215 @@
+"""``mooncake-rl bench``: the simulator's byte accounting from the real planner, and the
+side-by-side run on real services at a tiny size (exact bytes, never timings)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.broadcast import binomial_tree_sends, broadcast_accounting
+from bench.simulate import Cluster, Scenario, broadcast_traffic, estimate, simulate
+from mooncake_rl.plan.shapes import MODELS, instance_parts
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ASSUMPTION_KEYS = {
+    "state_dtype",
+    "nics_per_node",
+    "nic_line_rate_gbps",
+    "nic_efficiency",
+    "nic_bytes_per_s",
+    "full_duplex",
+    "gpudirect",
+    "nvlink_gbs_per_direction",
+    "nvlink_efficiency",
+    "rollout_nic_pooling",
+    "trainer_store_segments",
+    "publisher_assignment",
+    "rollout_placement",
+    "pipeline",
+    "batch_bytes",
+    "naive_store",
+    "nccl_broadcast",
+    "broadcast_chunk_bytes",
+    "publish",
+    "gpu_memory",
+    "excluded",
+}
+TOY = Scenario(
+    model="llama-70b",
+    cluster=Cluster(trainer_gpus=16, rollout_instances=2, rollout_tp=8),
+)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "MC_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def toy() -> dict:
+    return simulate(TOY)
+
+
+def test_gloo_binomial_tree_is_reproduced() -> None:
+    assert binomial_tree_sends(4) == ((0, 1), (0, 2), (1, 3))
+    assert binomial_tree_sends(8)[-4:] == ((0, 4), (1, 5), (2, 6), (3, 7))
+    for world in range(1, 20):
+        sends = binomial_tree_sends(world, root=world // 2)
+        receivers = [r for _, r in sends]
+        assert sorted(receivers) == sorted(set(range(world)) - {world // 2})
+        holders = {world // 2}
+        for sender, receiver in sends:  # a rank forwards only what it already holds
+            assert sender in holders
+            holders.add(receiver)
+    accounting = broadcast_accounting(["a", "a", "b", "b"], 100)
+    assert accounting["node_nic_bytes"] == {"a": 200, "b": 0}  # 0->2 and 1->3 cross
+    assert accounting["ring_node_nic_bytes"] == {"a": 100, "b": 0}
+    assert accounting["pushed_bytes"] == 300
+
+
+def test_simulated_bytes_come_exactly_from_the_planner(toy: dict) -> None:
+    model = MODELS["llama-70b"]()
+    m = model.nbytes
+    placement = sum(f.nbytes for part in instance_parts(model, 8) for f in part.fragments)
+    replicas, gpus = 2, 16
+    assert toy["scenario"]["model_bytes"] == m
+    a = toy["approaches"]
+    assert list(a) == ["direct", "compat", "naive_store", "naive_store_full", "nccl_broadcast"]
+
+    direct = a["direct"]
+    assert direct["store_read_bytes"] == direct["unique_demand_bytes"] == m  # single pull
+    assert direct["delivered_bytes"] == replicas * placement  # exactly what engines store
+    assert direct["cross_node_pushed_bytes"] == (2 - 1) * m  # every byte crosses once
+    assert (
+        direct["max_trainer_node_nic_out_bytes"] + direct["min_trainer_node_nic_out_bytes"] == m
+    )  # two trainer nodes serve the model once between them
+
+    compat = a["compat"]
+    assert compat["store_read_bytes"] == compat["unique_demand_bytes"] == m
+    assert compat["delivered_bytes"] == gpus * m
+    assert compat["cross_node_pushed_bytes"] == (2 - 1) * m  # nodes - 1 sends per tensor
+
+    naive = a["naive_store"]  # every GPU reads its own shards: replicas x the placement
+    assert naive["store_read_bytes"] == replicas * placement
+    assert naive["pushed_bytes"] == 0
+    assert naive["max_rollout_gpu_nic_in_bytes"] == toy["scenario"]["rollout_weight_bytes_per_gpu"]
+    assert a["naive_store_full"]["store_read_bytes"] == gpus * m
+
+    ring = a["nccl_broadcast"]
+    assert ring["store_read_bytes"] == 0
+    assert ring["pushed_bytes"] == ring["delivered_bytes"] == gpus * m
+    assert ring["cross_node_pushed_bytes"] == 2 * m  # trainer -> node 0 -> node 1
+    assert ring["max_rollout_gpu_nic_in_bytes"] == m
+    assert ring["max_trainer_node_nic_out_bytes"] == m
+
+    c = TOY.cluster
+    gpu_bw = min(c.nic_gbps / 8 * 1e9 * c.nic_efficiency, c.pcie_gbs * 1e9)
+    fill = (gpus - 1) * TOY.broadcast_chunk_bytes / gpu_bw
+    assert ring["update_seconds"] == round(m / gpu_bw + fill, 3)
+    assert ring["bottleneck"] == "trainer_gpu_nic_out"
+    assert toy["ratios"]["naive_store"]["store_read_bytes"] == round(replicas * placement / m, 3)
+
+
+def test_every_assumption_is_in_the_output(toy: dict) -> None:
+    assert set(toy["assumptions"]) == ASSUMPTION_KEYS
+    assert toy["scenario"]["cluster"]["nic_gbps"] == 400.0
+    for figures in toy["approaches"].values():
+        assert {"update_seconds", "stage_seconds", "bottleneck", "fits_gpu_memory"} <= set(figures)
+
+
+def test_simulation_is_deterministic(toy: dict) -> None:
+    again = simulate(TOY)
+    timing = {"plan_seconds"}
+    for name, figures in toy["approaches"].items():
+        assert {k: v for k, v in figures.items() if k not in timing} == {
+            k: v for k, v in again["approaches"][name].items() if k not in timing
+        }
+
+
+def test_estimator_is_pure_and_validates_inputs(toy: dict) -> None:
+    with pytest.raises(ValueError):
+        Cluster(trainer_gpus=12, trainer_gpus_per_node=8)
+    with pytest.raises(ValueError):
+        Cluster(nic_efficiency=1.5)
+    with pytest.raises(ValueError):
+        Scenario(model="gpt-5")
+    with pytest.raises(ValueError):
+        Scenario(modes=("compat",))
+    traffic = broadcast_traffic(10**12, np.repeat(np.arange(2), 8), 2, 4 << 20)
+    first, second = estimate(traffic, TOY.cluster), estimate(traffic, TOY.cluster)
+    assert first == second
+    assert TOY.cluster.nic_pooling == "per_node"  # each node receives the model once
+    assert math.isclose(first.stage_seconds["rollout_nic_in"], 10**12 / (8 * 45e9))
+    per_gpu = estimate(traffic, TOY.cluster, "per_gpu")  # ... through one GPU's NIC
+    assert math.isclose(per_gpu.stage_seconds["rollout_nic_in"], 10**12 / 45e9)
+    assert first.bottleneck == per_gpu.bottleneck == "trainer_gpu_nic_out"  # the root's NIC
+
+
+def test_simulate_cli_writes_json_and_png(tmp_path: Path) -> None:
+    out = tmp_path / "sim.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "mooncake_rl.cli", "bench", "simulate", "--model", "llama-70b",
+         "--trainer-gpus", "16", "--instances", "2", "--modes", "direct", "--out", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    result = json.loads(done.stdout)
+    assert "compat" not in result["approaches"]
+    assert result["approaches"]["direct"]["store_read_bytes"] == MODELS["llama-70b"]().nbytes
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_runs_every_approach_on_real_services(tmp_path: Path) -> None:
+    out = tmp_path / "compare.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "mooncake_rl.cli", "bench", "--size", "8MiB", "--tensors", "16",
+         "--workers", "4", "--nodes", "2", "--out", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    m = result["model_bytes"]
+    a = result["approaches"]
+    assert {"compat", "direct", "naive_store", "broadcast"} <= set(a)
+
+    assert a["direct"]["store_read_bytes"] == a["direct"]["unique_demand_bytes"] == m
+    assert a["direct"]["pushed_bytes"] == m  # 2 x TP2: each shard crosses to the other node
+    assert a["direct"]["delivered_bytes"] == 2 * m
+    assert a["compat"]["store_read_bytes"] == a["compat"]["unique_demand_bytes"] == m
+    assert a["compat"]["pushed_bytes"] == 3 * m  # 4 workers each hold the model
+    for mode in ("direct", "compat"):  # each node: its reads + what it sent across
+        assert sum(a[mode]["node_nic_bytes"].values()) == 2 * m
+    assert a["naive_store"]["store_read_bytes"] == 2 * m  # 2 replicas read their shards
+    assert a["naive_store"]["pushed_bytes"] == 0
+    assert a["naive_store_full"]["store_read_bytes"] == 4 * m  # 4 workers read everything
+    assert a["naive_store_full"]["max_node_nic_bytes"] == 2 * m
+
+    bcast = a["broadcast"]
+    assert bcast["store_read_bytes"] == 0
+    assert bcast["received_bytes"] == bcast["pushed_bytes"] == 3 * m  # workers - 1 receivers
+    assert bcast["max_node_nic_bytes"] == 2 * m  # gloo's tree: 0->2 and 1->3 cross nodes
+    assert bcast["ring_max_node_nic_bytes"] == m
+
+    for name, figures in a.items():
+        assert figures["seconds"] > 0, name
+        assert result["ratios"][name]["vs_direct"]["store_read_bytes"] == round(
+            figures["store_read_bytes"] / m, 3
+        )
+    assert result["ceilings"]["memcpy_gbps"] > 0 and result["ceilings"]["raw_te_gbps"] > 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_deepseek_v3_shape_matches_its_public_config() -> None:
+    model = MODELS["deepseek-v3"]()
+    parameters = sum(math.prod(t.shape) for t in model.tensors)
+    assert round(parameters / 1e9) == 671  # DeepSeek-V3's published count (MTP module excluded)
+    assert model.num_experts == 256
+    experts = [t for t in model.tensors if t.kind == "expert"]
+    assert len(experts) == (61 - 3) * 256 * 3  # first 3 layers dense; gate/up/down per expert
+    assert {t.layer_id for t in experts} == set(range(3, 61))
