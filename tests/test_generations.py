@@ -22,7 +22,7 @@ from mooncake_rl.generations import (
 )
 from mooncake_rl.generations.catalog import build_manifest
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
-from mooncake_rl.generations.keys import group_id, payload_key, report_key
+from mooncake_rl.generations.keys import aborted_key, group_id, payload_key, report_key
 from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.generations.publisher import PublishFailed, publish_local
 from mooncake_rl.generations.registry import FenceError
@@ -53,10 +53,11 @@ def expected_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
 
 @dataclass(frozen=True)
 class RankBehaviour:
-    """How one test publisher misbehaves: dies mid-iteration, or starts late."""
+    """How one test publisher misbehaves: dies mid-iteration, or starts only once rank 0 has
+    aborted the generation (the straggler the abort marker exists for)."""
 
     die_after: int | None = None
-    delay_s: float = 0.0
+    start_after_abort: bool = False
 
 
 def publish_rank(
@@ -70,7 +71,8 @@ def publish_rank(
     finalize_timeout_s: float,
 ) -> dict:
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        time.sleep(behaviour.delay_s)
+        while behaviour.start_after_abort and not store.exists([aborted_key(publisher.group)])[0]:
+            time.sleep(0.05)
         for index, item in enumerate(model_tensors(seed)):
             if index == behaviour.die_after:
                 os._exit(17)  # a publisher killed mid-generation
@@ -190,7 +192,13 @@ def test_late_publisher_removes_what_it_put_after_the_abort(
 ) -> None:
     model = "late"
     rank0, rank1 = publish_two_nodes(
-        master, holders, model, 1, seed=7, rank1=RankBehaviour(delay_s=4.0), finalize_timeout_s=1
+        master,
+        holders,
+        model,
+        1,
+        seed=7,
+        rank1=RankBehaviour(start_after_abort=True),
+        finalize_timeout_s=1,
     )
     assert "rank 1 did not report within 1s" in rank0["error"]
     assert rank1["report"].put_tensors > 0
