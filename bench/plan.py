@@ -126,6 +126,9 @@ def main() -> None:
         "balance_bound (mean + max_chunk_cost) / mean": float(
             (nic.mean() + table.max_chunk_cost) / nic.mean()
         ),
+        "max_worker_nic_bytes / mean_worker_nic_bytes": float(
+            totals.worker_nic_bytes.max() / totals.worker_nic_bytes.mean()
+        ),
     }
     if args.mode == "compat":
         result["cross_node_sends_per_tensor"] = cross_node_sends_per_tensor(table)

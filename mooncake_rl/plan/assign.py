@@ -6,13 +6,16 @@ costs its reader's node ``b * n_c`` if the reader is on a consumer node (one rea
 push per *other* consumer node; relays fan out on their own node for free) and
 ``b * (n_c + 1)`` otherwise.
 
-Greedy longest-processing-time: chunks in decreasing cost order, each to the node that
-minimizes ``load + cost`` (ties: consumer nodes, then the lowest node index), then to the
-least-loaded consumer worker on that node (staging on a non-consumer only if the node has
-no consumer). **Balance bound** (proof): when the chunk that last raised the maximum node
-was placed, its node minimized ``load + cost``, so ``max <= min_load + cost_max <= mean +
-cost_max`` with ``cost_max = max b * (n_c + 1)`` (loads only grow, the minimum never exceeds
-the final mean). Ranges are chunked so ``cost_max <= balance_slack * (estimated mean)``
+Greedy longest-processing-time: chunks in decreasing cost order. A chunk may go to any
+consumer node whose load is at most ``min_load + b`` (``min_load`` over all nodes); among
+those, the consuming worker (GPU) with the least load so far reads it (ties: the less
+loaded node, then the lowest index), so each GPU's NIC balances too, not only each node's
+(without it, equal-sized TP shards alias: node ``n`` reads only rank ``n mod TP``'s shards).
+When no consumer node qualifies, the least-loaded node reads into staging and relays.
+**Balance bound** (proof): the chunk that last raised the maximum node left it at most
+``min_load + b + b * n_c`` either way, so ``max <= min_load + cost_max <= mean + cost_max``
+with ``cost_max = max b * (n_c + 1)`` (loads only grow, the minimum never exceeds the final
+mean). Ranges are chunked so ``cost_max <= balance_slack * (estimated mean)``
 unless that would make chunks smaller than ``min_chunk_bytes``; chunks also never exceed
 ``batch_bytes`` (except a single row wider than it).
 """
@@ -134,18 +137,27 @@ def _greedy(
         r = owner[j]
         b = c_bytes[j]
         gs, ge = range_groups[r], range_groups[r + 1]
-        nodes = g_node[gs:ge]
-        best = min(nodes, key=load.__getitem__)
         cost = b * (ge - gs)
         while heap[0][0] != load[heap[0][1]]:
             heapq.heappop(heap)
         low, low_node = heap[0]
-        if low + cost + b < load[best] + cost:
-            node, candidates, cost = low_node, workers_on[low_node], cost + b
+        # Consumer nodes within one chunk of the least-loaded node keep the balance bound;
+        # among them the least-loaded consuming GPU reads, so GPUs balance as well as nodes.
+        best: tuple[int, int, int] | None = None  # (GPU load, node load, node)
+        reader_of_best = -1
+        for g in range(gs, ge):
+            node = g_node[g]
+            if load[node] > low + b:
+                continue
+            w = min(g_workers[g_bounds[g] : g_bounds[g + 1]], key=wload.__getitem__)
+            key = (wload[w], load[node], node)
+            if best is None or key < best:
+                best, reader_of_best = key, w
+        if best is None:  # every consumer node is busier: a non-consumer node reads and relays
+            node, cost = low_node, cost + b
+            w = min(workers_on[node], key=wload.__getitem__)
         else:
-            g = gs + nodes.index(best)
-            node, candidates = best, g_workers[g_bounds[g] : g_bounds[g + 1]]
-        w = min(candidates, key=wload.__getitem__)
+            w, node = reader_of_best, best[2]
         reader[j] = w
         wload[w] += cost
         load[node] += cost

@@ -99,6 +99,7 @@ class Totals:
     cross_node_push_bytes: int
     intra_node_push_bytes: int
     node_nic_bytes: np.ndarray  # per node: reads + cross-node pushes sent
+    worker_nic_bytes: np.ndarray  # per worker (GPU): the same, for a NIC per GPU
     delivered_bytes: np.ndarray  # per worker: bytes landed outside staging
     demanded_bytes: np.ndarray  # per worker
     unique_demand_bytes: int  # size of the union of demanded source bytes
@@ -200,8 +201,9 @@ class RoutingTable:
         read_bytes = reads["length"] * reads["count"]
         push_bytes = pushes["length"] * pushes["count"]
         cross = node[pushes["worker"]] != node[pushes["peer"]]
-        nic = np.bincount(node[reads["worker"]], read_bytes, len(self.nodes))
-        nic += np.bincount(node[pushes["worker"][cross]], push_bytes[cross], len(self.nodes))
+        per_worker = np.bincount(reads["worker"], read_bytes, len(self.workers))
+        per_worker += np.bincount(pushes["worker"][cross], push_bytes[cross], len(self.workers))
+        nic = np.bincount(node, per_worker, len(self.nodes))
         landed = np.bincount(
             reads["worker"][reads["dst_region"] != 0],
             read_bytes[reads["dst_region"] != 0],
@@ -216,6 +218,7 @@ class RoutingTable:
             cross_node_push_bytes=int(push_bytes[cross].sum()),
             intra_node_push_bytes=int(push_bytes[~cross].sum()),
             node_nic_bytes=nic.astype(np.int64),
+            worker_nic_bytes=per_worker.astype(np.int64),
             delivered_bytes=landed.astype(np.int64),
             demanded_bytes=demanded.astype(np.int64),
             unique_demand_bytes=demanded_union_bytes(demands),

@@ -16,7 +16,14 @@ from mooncake_rl.plan import (
     bind,
     plan_routing,
 )
-from mooncake_rl.plan.shapes import ModelShape, TensorSpec, instance_parts, weight_manifest
+from mooncake_rl.plan.shapes import (
+    MODELS,
+    ModelShape,
+    TensorSpec,
+    cluster,
+    instance_parts,
+    weight_manifest,
+)
 
 from .helpers import Spec, check_delivery, contents, execute, fragment_bytes, manifest, parts
 
@@ -247,3 +254,15 @@ def test_direct_demand_must_match_the_topology(bad):
     workers = {"missing": {}, "unknown": {"w0": ps[0], "ghost": ps[0]}}[bad]
     with pytest.raises(InvariantViolation, match=r"declares no placement part|unknown worker"):
         plan_routing(manifest(specs), one_instance(1), DirectDemand.of(workers))
+
+
+def test_each_gpu_nic_balances_not_only_each_node():
+    """Equal-sized TP shards once aliased onto node index: node n read only rank n mod TP's
+    shards, so one GPU per node carried all its node's NIC bytes (max/mean per GPU 2.25)."""
+    model = MODELS["small"]()
+    topology, demand = cluster(model, 4, 4, workers_per_node=4)
+    table = plan_routing(weight_manifest(model, 1), topology, demand, params=PlanParams())
+    per_gpu, per_node = table.totals.worker_nic_bytes, table.totals.node_nic_bytes
+    assert per_gpu.sum() == per_node.sum()
+    assert per_gpu.max() / per_gpu.mean() < 1.05
+    assert per_node.max() <= per_node.mean() + table.max_chunk_cost
