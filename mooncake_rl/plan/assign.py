@@ -7,15 +7,16 @@ push per *other* consumer node; relays fan out on their own node for free) and
 ``b * (n_c + 1)`` otherwise.
 
 Greedy longest-processing-time: chunks in decreasing cost order. A chunk may go to any
-consumer node whose load is at most ``min_load + b`` (``min_load`` over all nodes); among
+consumer node that it would leave at most ``min_load + cost_max`` (``min_load`` over all
+nodes, ``cost_max = max b * (n_c + 1)`` over all chunks, known before the loop); among
 those, the consuming worker (GPU) with the least load so far reads it (ties: the less
-loaded node, then the lowest index), so each GPU's NIC balances too, not only each node's
-(without it, equal-sized TP shards alias: node ``n`` reads only rank ``n mod TP``'s shards).
-When no consumer node qualifies, the least-loaded node reads into staging and relays.
-**Balance bound** (proof): the chunk that last raised the maximum node left it at most
-``min_load + b + b * n_c`` either way, so ``max <= min_load + cost_max <= mean + cost_max``
-with ``cost_max = max b * (n_c + 1)`` (loads only grow, the minimum never exceeds the final
-mean). Ranges are chunked so ``cost_max <= balance_slack * (estimated mean)``
+loaded node, then the lowest index), so each GPU's NIC balances, not only each node's
+(choosing the node alone aliases equal-sized TP shards: node ``n`` read only rank
+``n mod TP``'s shards). When no consumer node qualifies, the least-loaded node reads into
+staging and relays. **Balance bound** (proof): the chunk that last raised the maximum node
+left it at most ``min_load + cost_max`` either way (a non-consumer adds ``b * (n_c + 1)``
+to ``min_load``), so ``max <= mean + cost_max`` (loads only grow, the minimum never exceeds
+the final mean). Ranges are chunked so ``cost_max <= balance_slack * (estimated mean)``
 unless that would make chunks smaller than ``min_chunk_bytes``; chunks also never exceed
 ``batch_bytes`` (except a single row wider than it).
 """
@@ -94,6 +95,7 @@ def assign_readers(ranges: Ranges, topology: Topology, params: PlanParams) -> Ch
     cost = c_bytes * n_c[owner]
     lpt = np.lexsort((np.arange(len(owner)), -cost))
 
+    max_cost = int((c_bytes * (n_c[owner] + 1)).max()) if len(owner) else 0
     workers_on: list[list[int]] = [[] for _ in range(n_nodes)]
     for w, node in enumerate(topology.worker_node):
         workers_on[node].append(w)
@@ -108,6 +110,7 @@ def assign_readers(ranges: Ranges, topology: Topology, params: PlanParams) -> Ch
         workers_on,
         n_nodes,
         len(topology.workers),
+        max_cost,
     )
     return Chunks(
         range_=owner,
@@ -117,7 +120,7 @@ def assign_readers(ranges: Ranges, topology: Topology, params: PlanParams) -> Ch
         cols=c_cols,
         reader=np.array(reader, I64),
         consumer_nodes=n_c[owner],
-        max_cost=int((c_bytes * (n_c[owner] + 1)).max()) if len(owner) else 0,
+        max_cost=max_cost,
     )
 
 
@@ -126,7 +129,17 @@ def _ceil_div(a, b):
 
 
 def _greedy(
-    lpt, owner, c_bytes, range_groups, g_node, g_bounds, g_workers, workers_on, n_nodes, n_w
+    lpt,
+    owner,
+    c_bytes,
+    range_groups,
+    g_node,
+    g_bounds,
+    g_workers,
+    workers_on,
+    n_nodes,
+    n_w,
+    max_cost,
 ):
     """The LPT loop; plain lists because it runs once per chunk."""
     load = [0] * n_nodes
@@ -141,13 +154,13 @@ def _greedy(
         while heap[0][0] != load[heap[0][1]]:
             heapq.heappop(heap)
         low, low_node = heap[0]
-        # Consumer nodes within one chunk of the least-loaded node keep the balance bound;
-        # among them the least-loaded consuming GPU reads, so GPUs balance as well as nodes.
+        # Consumer nodes this chunk leaves within cost_max of the least-loaded node keep the
+        # balance bound; among them the least-loaded consuming GPU reads.
         best: tuple[int, int, int] | None = None  # (GPU load, node load, node)
         reader_of_best = -1
         for g in range(gs, ge):
             node = g_node[g]
-            if load[node] > low + b:
+            if load[node] + cost > low + max_cost:
                 continue
             w = min(g_workers[g_bounds[g] : g_bounds[g + 1]], key=wload.__getitem__)
             key = (wload[w], load[node], node)

@@ -264,5 +264,5 @@ def test_each_gpu_nic_balances_not_only_each_node():
     table = plan_routing(weight_manifest(model, 1), topology, demand, params=PlanParams())
     per_gpu, per_node = table.totals.worker_nic_bytes, table.totals.node_nic_bytes
     assert per_gpu.sum() == per_node.sum()
-    assert per_gpu.max() / per_gpu.mean() < 1.05
+    assert per_gpu.max() / per_gpu.mean() < 1.02
     assert per_node.max() <= per_node.mean() + table.max_chunk_cost
