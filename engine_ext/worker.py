@@ -179,6 +179,7 @@ class UpdateWorker(ABC):
             "worker_id": state.apply.worker_id,
             "seconds": time.perf_counter() - started,
             "store_read_bytes": delta.store_read_bytes,
+            "store_reread_bytes": delta.store_reread_bytes,
             "pushed_bytes": delta.te_pushed_bytes,
             "peak_staging_bytes": result.peak_staging_bytes,
         }

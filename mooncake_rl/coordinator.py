@@ -40,6 +40,7 @@ class UpdateResult:
     engines: list[str]
     phase_seconds: dict[str, float] = field(default_factory=dict)
     store_read_bytes: int = 0
+    store_reread_bytes: int = 0  # repeated after LEASE_EXPIRED (see StoreClient.read_ranges)
     pushed_bytes: int = 0
     planned_read_bytes: int = 0
     planned_pushed_bytes: int = 0
@@ -208,6 +209,7 @@ class Coordinator:
             for reply in applied.values():
                 for worker in reply["workers"]:
                     result.store_read_bytes += worker["store_read_bytes"]
+                    result.store_reread_bytes += worker.get("store_reread_bytes", 0)
                     result.pushed_bytes += worker["pushed_bytes"]
             if failed:
                 self._all(targets, "POST", "abort")

@@ -7,7 +7,7 @@ read a snapshot before and after an update and compare the difference with the p
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 
 @dataclass(frozen=True)
@@ -15,20 +15,15 @@ class ByteCounts:
     store_read_bytes: int = 0
     store_put_bytes: int = 0
     te_pushed_bytes: int = 0
+    # Ranged reads repeated because the object's read lease expired before they finished:
+    # the bytes crossed the network again, but were delivered once (store_read_bytes).
+    store_reread_bytes: int = 0
 
     def __sub__(self, other: ByteCounts) -> ByteCounts:
-        return ByteCounts(
-            self.store_read_bytes - other.store_read_bytes,
-            self.store_put_bytes - other.store_put_bytes,
-            self.te_pushed_bytes - other.te_pushed_bytes,
-        )
+        return ByteCounts(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __add__(self, other: ByteCounts) -> ByteCounts:
-        return ByteCounts(
-            self.store_read_bytes + other.store_read_bytes,
-            self.store_put_bytes + other.store_put_bytes,
-            self.te_pushed_bytes + other.te_pushed_bytes,
-        )
+        return ByteCounts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 class ByteCounters:
@@ -38,9 +33,9 @@ class ByteCounters:
         self._lock = threading.Lock()
         self._counts = ByteCounts()
 
-    def add(self, *, read: int = 0, put: int = 0, pushed: int = 0) -> None:
+    def add(self, *, read: int = 0, put: int = 0, pushed: int = 0, reread: int = 0) -> None:
         with self._lock:
-            self._counts = self._counts + ByteCounts(read, put, pushed)
+            self._counts = self._counts + ByteCounts(read, put, pushed, reread)
 
     def snapshot(self) -> ByteCounts:
         with self._lock:

@@ -11,7 +11,7 @@ import re
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,8 @@ class RangeRead:
 
 RECORD_READ_ATTEMPTS = 5
 DESCRIPTOR_BATCH = 4096  # keys per batch_get_replica_desc RPC
+READ_ATTEMPTS = 6  # ranged reads repeated after LEASE_EXPIRED
+LEASE_EXPIRED = -707
 
 
 def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
@@ -245,9 +247,35 @@ class StoreClient:
         return buffer[:size].numpy().tobytes()
 
     def read_ranges(self, buffer_ptr: int, reads: Sequence[RangeRead]) -> int:
-        """Ranged reads into one registered buffer; every byte count is verified."""
+        """Ranged reads into one registered buffer; every byte count is verified.
+
+        A read whose object lease expired before it finished (``LEASE_EXPIRED``: a slow read
+        on a loaded host) is repeated a few times; rewriting the same bytes to the same place
+        is harmless, and nothing can have removed a hard-pinned generation meanwhile.
+        """
+        pending, total, reread = list(reads), 0, 0
+        for attempt in range(READ_ATTEMPTS):
+            expired = []
+            for read, count in self._read_once(buffer_ptr, pending):
+                if count == read.length:
+                    total += count
+                elif count == LEASE_EXPIRED and attempt + 1 < READ_ATTEMPTS:
+                    expired.append(read)
+                    reread += read.length
+                else:
+                    context = f"key={read.key} src={read.src_offset} len={read.length} got={count}"
+                    raise mooncake_error(count if count < 0 else -800, "get_into_ranges", context)
+            if not expired:
+                break
+            pending = expired
+        COUNTERS.add(read=total, reread=reread)
+        return total
+
+    def _read_once(
+        self, buffer_ptr: int, reads: Sequence[RangeRead]
+    ) -> Iterator[tuple[RangeRead, int]]:
         if not reads:
-            return 0
+            return
         by_key: dict[str, list[RangeRead]] = defaultdict(list)
         for read in reads:
             by_key[read.key].append(read)
@@ -259,15 +287,8 @@ class StoreClient:
             [[[r.src_offset for r in by_key[k]] for k in keys]],
             [[[r.length for r in by_key[k]] for k in keys]],
         )
-        total = 0
         for key, counts in zip(keys, results[0], strict=True):
-            for read, count in zip(by_key[key], counts, strict=True):
-                if count != read.length:
-                    context = f"key={key} src={read.src_offset} len={read.length} got={count}"
-                    raise mooncake_error(count if count < 0 else -800, "get_into_ranges", context)
-                total += count
-        COUNTERS.add(read=total)
-        return total
+            yield from zip(by_key[key], counts, strict=True)
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
         keys = list(keys)

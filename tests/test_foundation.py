@@ -23,7 +23,7 @@ from mooncake_rl.errors import (
     TransferFailed,
     mooncake_error,
 )
-from mooncake_rl.services import EmbeddedMaster, MasterConfig
+from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import RangeRead, StoreClient
 from tests.conftest import settings_for
@@ -237,3 +237,27 @@ def test_stop_reaps_the_master() -> None:
     master.stop()
     assert not master.is_running()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_ranged_reads_repeat_what_an_expired_lease_cut_short() -> None:
+    """A 1 ms read lease expires during most of these reads (the master answers
+    LEASE_EXPIRED); they are repeated, and every byte still lands exactly once."""
+    size, piece = 48 << 20, 1 << 20
+    with (
+        EmbeddedMaster(MasterConfig(lease_ttl_ms=1)) as master,
+        SegmentHolder(master.master_address, master.metadata_url, 64 << 20) as holder,
+    ):
+        writer = settings_for(master, "w", segment_bytes=0, local_segment=holder.segment)
+        with StoreClient(writer) as store:
+            store.put_tensor("leased", pattern(7, size), preferred_segments=[holder.segment])
+        reader = settings_for(master, "r", segment_bytes=0, buffer_bytes=size)
+        with StoreClient(reader) as store:
+            buffer = torch.zeros(size, dtype=torch.uint8)
+            store.register(buffer.data_ptr(), size)
+            before = COUNTERS.snapshot()
+            reads = [RangeRead("leased", o, o, piece) for o in range(0, size, piece)]
+            assert store.read_ranges(buffer.data_ptr(), reads) == size
+            moved = COUNTERS.snapshot() - before
+            assert torch.equal(buffer, pattern(7, size))
+        assert moved.store_read_bytes == size
+        assert moved.store_reread_bytes % piece == 0
