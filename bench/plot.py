@@ -30,6 +30,32 @@ def _bars(axis: Any, names: list[str], values: list[float], title: str, unit: st
     axis.tick_params(axis="x", labelrotation=30, labelsize=8)
 
 
+def _grouped_bars(
+    axis: Any,
+    names: list[str],
+    approaches: Mapping[str, Mapping[str, float]],
+    metrics: tuple[str, ...],
+    scale: float,
+    title: str,
+) -> None:
+    """One bar per metric for every approach, side by side, each divided by ``scale``."""
+    width = 0.8 / len(metrics)
+    for index, metric in enumerate(metrics):
+        xs = [i + (index - 1) * width for i in range(len(names))]
+        axis.bar(xs, [approaches[n][metric] / scale for n in names], width, label=metric)
+    axis.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+    axis.set_title(title, fontsize=10)
+    axis.legend(fontsize=8)
+
+
+def _save(figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def plot_compare(result: Mapping[str, Any], path: Path) -> Path:
     """Seconds, model GB/s against the machine's ceilings, and bytes per model byte."""
     approaches = result["approaches"]
@@ -44,25 +70,21 @@ def plot_compare(result: Mapping[str, Any], path: Path) -> Path:
             value, color="black", linestyle=style, linewidth=1, label=f"{label} {value}"
         )
     axes[1].legend(fontsize=8)
-    metrics = ("store_read_bytes", "pushed_bytes", "max_node_nic_bytes")
-    width = 0.8 / len(metrics)
-    for index, metric in enumerate(metrics):
-        xs = [i + (index - 1) * width for i in range(len(names))]
-        axes[2].bar(xs, [approaches[n][metric] / model for n in names], width, label=metric)
-    axes[2].set_xticks(range(len(names)), names, rotation=30, fontsize=8)
-    axes[2].set_title("bytes / model bytes", fontsize=10)
-    axes[2].legend(fontsize=8)
+    _grouped_bars(
+        axes[2],
+        names,
+        approaches,
+        ("store_read_bytes", "pushed_bytes", "max_node_nic_bytes"),
+        model,
+        "bytes / model bytes",
+    )
     config = result["config"]
     figure.suptitle(
         f"{model / 2**20:.0f} MiB bf16 model, {config['workers']} workers on "
         f"{config['nodes']} node labels, one host (TCP loopback)",
         fontsize=11,
     )
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
 
 
 def plot_simulation(result: Mapping[str, Any], path: Path) -> Path:
@@ -78,20 +100,15 @@ def plot_simulation(result: Mapping[str, Any], path: Path) -> Path:
         "seconds",
     )
     axes[0].set_yscale("log")
-    tb = 1e12
-    metrics = ("store_read_bytes", "max_trainer_node_nic_out_bytes", "max_rollout_gpu_nic_in_bytes")
-    width = 0.8 / len(metrics)
-    for index, metric in enumerate(metrics):
-        xs = [i + (index - 1) * width for i in range(len(names))]
-        axes[1].bar(xs, [approaches[n][metric] / tb for n in names], width, label=metric)
-    axes[1].set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+    _grouped_bars(
+        axes[1],
+        names,
+        approaches,
+        ("store_read_bytes", "max_trainer_node_nic_out_bytes", "max_rollout_gpu_nic_in_bytes"),
+        1e12,
+        "TB (log scale)",
+    )
     axes[1].set_yscale("log")
-    axes[1].set_title("TB (log scale)", fontsize=10)
-    axes[1].legend(fontsize=8)
     scenario = result["scenario"]
     figure.suptitle(scenario["summary"], fontsize=11)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, path)
