@@ -276,10 +276,11 @@ def test_stale_and_duplicate_announces_are_fenced(settings: Settings) -> None:
         assert registry.active().generation == 2
 
 
-def watch_active(settings: Settings, model: str, last: int, timeout_s: float) -> dict:
+def watch_active(settings: Settings, model: str, last: int, timeout_s: float, ready) -> dict:
     """Reader loop: whenever a generation is active, its manifest and payloads are complete.
 
-    Runs until generation ``last`` has been seen (or the timeout), however slow the writer.
+    Says ``ready`` after its first complete check, so the writer publishes only while it
+    watches; runs until generation ``last`` has been seen (or the timeout).
     """
     seen: list[int] = []
     checks = 0
@@ -300,6 +301,8 @@ def watch_active(settings: Settings, model: str, last: int, timeout_s: float) ->
             checks += 1
             if not seen or seen[-1] != record.generation:
                 seen.append(record.generation)
+            if checks == 1:
+                ready.put("watching")
     return {"seen": seen, "checks": checks}
 
 
@@ -334,13 +337,15 @@ def test_concurrent_reader_never_sees_a_partial_generation(master: EmbeddedMaste
     with StoreClient(settings_for(master, "writer")) as store:
         publish_local(store, model, model_tensors(7, count=20))
         with ProcessGroup() as group:
-            group.start(watch_active, settings_for(master, "reader"), model, 4, 120.0)
+            ready = group.queue()
+            group.start(watch_active, settings_for(master, "reader"), model, 4, 120.0, ready)
+            assert ready.get(timeout=120) == "watching"
             for seed in (8, 9, 10):
                 publish_local(store, model, model_tensors(seed, count=20))
                 time.sleep(1.0)
             watched = group.results()[0]
     assert watched["seen"] == sorted(watched["seen"])
-    assert watched["seen"][-1] == 4 and len(watched["seen"]) >= 2
+    assert watched["seen"][0] == 1 and watched["seen"][-1] == 4
     assert watched["checks"] > 10
 
 
