@@ -25,6 +25,9 @@ class Write:
             raise InvariantViolation(f"invalid write {self}")
 
 
+WRITE_ATTEMPTS = 3
+
+
 class TransferEngineClient:
     """A Transfer Engine endpoint: registers local memory and writes into peers' memory."""
 
@@ -60,21 +63,27 @@ class TransferEngineClient:
             self._engine.unregister_memory(ptr)
 
     def write(self, peer: str, writes: Sequence[Write]) -> int:
-        """Batch one-sided write into ``peer``; all-or-error, byte count returned."""
+        """Batch one-sided write into ``peer``; all-or-error, byte count returned.
+
+        A failed batch is written again (the same bytes to the same place, so a repeat is
+        harmless): on loopback TCP a fresh endpoint's first batch has been seen to time out
+        or fail with INTERNAL_ERROR once, then succeed.
+        """
         if not writes:
             return 0
         total = sum(w.length for w in writes)
-        code = self._engine.batch_transfer_sync_write(
-            peer, [w.src for w in writes], [w.dst for w in writes], [w.length for w in writes]
-        )
-        if code != 0:
-            raise mooncake_error(
-                code if code < 0 else -800,
-                "batch_transfer_sync_write",
-                f"peer={peer} writes={len(writes)} bytes={total}",
+        for _ in range(WRITE_ATTEMPTS):
+            code = self._engine.batch_transfer_sync_write(
+                peer, [w.src for w in writes], [w.dst for w in writes], [w.length for w in writes]
             )
-        COUNTERS.add(pushed=total)
-        return total
+            if code == 0:
+                COUNTERS.add(pushed=total)
+                return total
+        raise mooncake_error(
+            code if code < 0 else -800,
+            "batch_transfer_sync_write",
+            f"peer={peer} writes={len(writes)} bytes={total} attempts={WRITE_ATTEMPTS}",
+        )
 
     def close(self) -> None:
         for ptr in list(self._registered):
