@@ -78,8 +78,12 @@ class Coordinator:
             raise MooncakeRLError("at least one engine URL is needed")
         self.store = store
         self.engines = [url.rstrip("/") for url in engines]
+        # No idle connection is reused: an engine's server closes idle keep-alive connections
+        # on its own clock (uvicorn: 5 s), and a request sent as it closes one is reset.
         self._client = httpx.Client(
-            timeout=timeout_s, headers={"authorization": f"Bearer {token}"} if token else {}
+            timeout=timeout_s,
+            headers={"authorization": f"Bearer {token}"} if token else {},
+            limits=httpx.Limits(max_keepalive_connections=0),
         )
         self._progress = progress or (lambda message: None)
         self.cache = RoutingCache()
