@@ -28,8 +28,9 @@ def _serve_once_per_connection(listener: socket.socket, stop: threading.Event) -
     while not stop.is_set():
         try:
             connection, _ = listener.accept()
-        except OSError:
-            return
+        except TimeoutError:  # the listener's timeout lets the loop see ``stop``
+            continue
+        connection.settimeout(None)
         with connection:
             connection.recv(65536)
             connection.sendall(
@@ -44,6 +45,7 @@ def _serve_once_per_connection(listener: socket.socket, stop: threading.Event) -
 @pytest.fixture
 def resetting_server() -> Iterator[str]:
     listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
     stop = threading.Event()
     thread = threading.Thread(target=_serve_once_per_connection, args=(listener, stop))
     thread.start()
@@ -51,8 +53,9 @@ def resetting_server() -> Iterator[str]:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
     finally:
         stop.set()
-        listener.close()
         thread.join(timeout=10)
+        listener.close()
+        assert not thread.is_alive(), "test server thread did not stop"
 
 
 def test_every_control_call_opens_a_fresh_connection(
