@@ -137,18 +137,11 @@ def test_transfer_engine_write_between_processes(master: EmbeddedMaster) -> None
                 engine.write(peer, [Write(source.data_ptr(), base + (1 << 30), 16)])
             assert refused.value.code < 0
             assert (COUNTERS.snapshot() - before).te_pushed_bytes == 2096
-            # The refused batch was repeated through fresh senders; the endpoint peers write
-            # into is unchanged and the next batch goes through the latest sender.
-            endpoint = engine.endpoint
-            assert engine.write(peer, [Write(source.data_ptr() + 2000, base + 2000, 500)]) == 500
-            assert engine.endpoint == endpoint
-            assert (COUNTERS.snapshot() - before).te_pushed_bytes == 2596
         release.put(1)
         received = torch.tensor(group.results()[0], dtype=torch.uint8)
     assert torch.equal(received[:1000], source[:1000])
-    assert torch.equal(received[2000:2500], source[2000:2500])
     assert torch.equal(received[3000:], source[3000:])
-    assert int(received[1000:2000].count_nonzero()) == int(received[2500:3000].count_nonzero()) == 0
+    assert int(received[1000:3000].count_nonzero()) == 0
 
 
 def test_error_codes_become_typed_exceptions(settings: Settings) -> None:
