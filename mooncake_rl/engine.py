@@ -66,8 +66,9 @@ class TransferEngineClient:
         """Batch one-sided write into ``peer``; all-or-error, byte count returned.
 
         A failed batch is written again (the same bytes to the same place, so a repeat is
-        harmless): on loopback TCP a fresh endpoint's first batch has been seen to time out
-        or fail with INTERNAL_ERROR once, then succeed.
+        harmless): on loopback TCP a peer's listener has been seen to leave a writer's
+        connections unaccepted for 30 s and then recover; when it stays stalled for all
+        attempts, the error stands.
         """
         if not writes:
             return 0
