@@ -30,18 +30,23 @@ def region_of(name: str, tensor: torch.Tensor) -> Region:
     )
 
 
-def allocate_arena(sizes: Mapping[str, int]) -> tuple[torch.Tensor, dict[str, Region]]:
-    """One zeroed buffer holding every region, 64-byte aligned, in name order.
+def allocate_arena(
+    sizes: Mapping[str, int], reuse: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, Region]]:
+    """Every region in one buffer, 64-byte aligned, in name order.
 
-    A worker registers its arena once. Transfer Engine peers cache a segment's buffer list at
-    their first handshake, so registering more memory later would be invisible to them; a
-    new arena therefore comes with a new TE endpoint (see :meth:`ApplyWorker.prepare`).
+    ``reuse`` (the worker's current arena) is kept when the layout fits in it: the bytes
+    are overwritten by every update anyway, and an unchanged arena keeps its registrations
+    (no re-registration, no new memory for peers to learn about). Otherwise a zeroed,
+    larger buffer is allocated.
     """
     offsets, cursor = {}, 0
     for name in sorted(sizes):
         offsets[name] = cursor
         cursor += (sizes[name] + ALIGN - 1) // ALIGN * ALIGN
-    arena = torch.zeros(max(cursor, ALIGN), dtype=torch.uint8)
+    needed = max(cursor, ALIGN)
+    fits = reuse is not None and reuse.numel() >= needed
+    arena = reuse if fits else torch.zeros(needed, dtype=torch.uint8)
     base = arena.data_ptr()
     return arena, {n: Region(n, base + offsets[n], sizes[n]) for n in sorted(sizes)}
 
@@ -62,7 +67,6 @@ class ApplyWorker:
         )
         self.regions: dict[str, Region] = {}
         self.arena: Region | None = None
-        self._retired_engines: list[TransferEngineClient] = []
 
     def describe(self) -> dict[str, Any]:
         """What peers need to write here: TE endpoint, node and region addresses."""
@@ -78,8 +82,12 @@ class ApplyWorker:
     ) -> None:
         """Validate every local range and register the arena; touches no bytes.
 
-        A different arena than last time means new memory: the old one is unregistered and
-        the TE endpoint is replaced (a new epoch), so no peer writes with a stale view.
+        A different arena than last time is registered on the same Transfer Engine and the
+        old one released. Peers need not learn of it in advance: a TCP receiver checks
+        each write against what it has registered when the write arrives (so a write into
+        the released arena is refused), and RDMA reloads a peer's descriptor when an
+        address misses it. One endpoint per worker for its lifetime also means peers'
+        connections are made once and reused by every later update.
         """
         executor = WorkerExecutor(
             self.store, self.engine, regions, self.settings.staging_watermark_bytes
@@ -96,12 +104,6 @@ class ApplyWorker:
             arena.size,
         ):
             self.registrations.release([self.arena.base])
-            self.engine.close()
-            # Keep the retired engine alive: its port stays taken, so no later endpoint in
-            # this process reuses a name that peers may have cached with the old buffers.
-            self._retired_engines.append(self.engine)
-            self.engine = TransferEngineClient(self.settings)
-            self.registrations.reconnect({Domain.STORE: self.store, Domain.ENGINE: self.engine})
         self.registrations.provision([arena])
         self.arena = arena
         self.regions = dict(regions)

@@ -1,0 +1,83 @@
+"""A worker's staging arena: its layout, its reuse, and its one Transfer Engine endpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from mooncake_rl.apply.worker import ALIGN, ApplyWorker, allocate_arena, region_of
+from mooncake_rl.engine import TransferEngineClient, Write
+from mooncake_rl.errors import TransferFailed
+from mooncake_rl.settings import Settings
+
+SIZES = st.dictionaries(
+    st.text(alphabet="abcdefgh.", min_size=1, max_size=6),
+    st.integers(min_value=1, max_value=5000),
+    min_size=1,
+    max_size=6,
+)
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(sizes=SIZES, current=st.one_of(st.none(), st.integers(min_value=1, max_value=40000)))
+def test_layout_is_aligned_disjoint_and_reuses_an_arena_it_fits(
+    sizes: dict[str, int], current: int | None
+) -> None:
+    reuse = None if current is None else torch.zeros(current, dtype=torch.uint8)
+    arena, regions = allocate_arena(sizes, reuse=reuse)
+    base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    assert set(regions) == set(sizes)
+    spans = sorted((r.base, r.base + r.size) for r in regions.values())
+    for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
+        assert stop <= start
+    for name, region in regions.items():
+        assert region.size == sizes[name]
+        assert (region.base - base) % ALIGN == 0
+        assert base <= region.base and region.base + region.size <= end
+    needed = sum((s + ALIGN - 1) // ALIGN * ALIGN for s in sizes.values())
+    assert (arena is reuse) == (reuse is not None and reuse.numel() >= needed)
+    if arena is not reuse:
+        assert arena.numel() == needed and not arena.any()
+
+
+def test_arena_change_keeps_the_endpoint_and_refuses_the_released_arena(
+    settings: Settings,
+) -> None:
+    """A larger arena is registered on the worker's one endpoint: a peer that cached the
+    endpoint's descriptor while only the first arena existed writes into the new arena,
+    and its writes into the released arena are refused by the receiver."""
+    worker = ApplyWorker(settings, "arena-worker")
+    try:
+        with TransferEngineClient(settings) as peer:
+            source = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+            peer.register(source.data_ptr(), source.numel())
+
+            first, first_regions = allocate_arena({"w": 256})
+            worker.prepare(region_of("arena", first), first_regions, [])
+            worker.promote()
+            endpoint = worker.describe()["endpoint"]
+            peer.write(endpoint, [Write(source.data_ptr(), first_regions["w"].base, 256)])
+            assert torch.equal(first[:256], source)
+
+            smaller, _ = allocate_arena({"x": 100}, reuse=first)
+            assert smaller is first
+
+            second, second_regions = allocate_arena({"w": 256, "z": 8192}, reuse=first)
+            assert second is not first
+            worker.prepare(region_of("arena", second), second_regions, [])
+            worker.promote()
+            assert worker.describe()["endpoint"] == endpoint
+
+            target = second_regions["z"].base
+            peer.write(endpoint, [Write(source.data_ptr(), target, 256)])
+            offset = target - second.data_ptr()
+            assert torch.equal(second[offset : offset + 256], source)
+
+            first.zero_()
+            with pytest.raises(TransferFailed):
+                peer.write(endpoint, [Write(source.data_ptr(), first_regions["w"].base, 256)])
+            assert not first.any()
+    finally:
+        worker.close()
