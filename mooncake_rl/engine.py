@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mooncake_rl.affinity import unpinned_native_threads
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import ConfigurationError, InvariantViolation, mooncake_error
 from mooncake_rl.services import check_system_libraries
@@ -40,9 +41,10 @@ class TransferEngineClient:
         self._engine = TransferEngine()
         # The data plane always uses the P2P handshake: peers exchange segment descriptors
         # directly, so newly registered buffers are visible without a metadata round trip.
-        code = self._engine.initialize(
-            settings.hostname, "P2PHANDSHAKE", settings.protocol, settings.rdma_devices
-        )
+        with unpinned_native_threads():
+            code = self._engine.initialize(
+                settings.hostname, "P2PHANDSHAKE", settings.protocol, settings.rdma_devices
+            )
         if code != 0:
             raise ConfigurationError(
                 f"Transfer Engine initialize failed ({code}) for {settings.hostname}"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mooncake_rl.affinity import unpinned_native_threads
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import (
     ConfigurationError,
@@ -88,15 +89,16 @@ class StoreClient:
 
         self.settings = settings
         self._store = MooncakeDistributedStore()
-        code = self._store.setup(
-            settings.hostname,
-            settings.metadata,
-            settings.segment_bytes,
-            settings.buffer_bytes,
-            settings.protocol,
-            settings.rdma_devices,
-            settings.master,
-        )
+        with unpinned_native_threads():
+            code = self._store.setup(
+                settings.hostname,
+                settings.metadata,
+                settings.segment_bytes,
+                settings.buffer_bytes,
+                settings.protocol,
+                settings.rdma_devices,
+                settings.master,
+            )
         if code != 0:
             raise ConfigurationError(
                 f"Store setup failed ({code}): is mooncake_master reachable at {settings.master}"

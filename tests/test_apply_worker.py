@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from hypothesis import given, settings as hypothesis_settings
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from mooncake_rl.apply.worker import ALIGN, ApplyWorker, allocate_arena, region_of
@@ -30,7 +33,7 @@ def test_layout_is_aligned_disjoint_and_reuses_an_arena_it_fits(
     base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
     assert set(regions) == set(sizes)
     spans = sorted((r.base, r.base + r.size) for r in regions.values())
-    for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, stop), (start, _) in itertools.pairwise(spans):
         assert stop <= start
     for name, region in regions.items():
         assert region.size == sizes[name]
