@@ -68,9 +68,10 @@ class TransferEngineClient:
         """Batch one-sided write into ``peer``; all-or-error, byte count returned.
 
         A failed batch is written again (the same bytes to the same place, so a repeat is
-        harmless): on loopback TCP a peer's listener has been seen to leave a writer's
-        connections unaccepted for 30 s and then recover; when it stays stalled for all
-        attempts, the error stands.
+        harmless): a peer whose Transfer Engine threads get no CPU for a while (they were
+        pinned beside busy compute threads before :mod:`mooncake_rl.affinity`) leaves a
+        writer's sessions without a status frame for 30 s and then recovers; when every
+        attempt fails, the error stands.
         """
         if not writes:
             return 0
