@@ -28,16 +28,17 @@ def unpinned_native_threads() -> Iterator[None]:
     the caller's affinity is left alone: those threads then run where the caller may.
     """
     before = os.sched_getaffinity(0)
-    wanted = machine_cpus()
-    if wanted <= before:
-        yield
-        return
-    try:
-        os.sched_setaffinity(0, wanted)
-    except OSError:
-        yield
-        return
+    widened = not machine_cpus() <= before and _allow(machine_cpus())
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        if widened:
+            os.sched_setaffinity(0, before)
+
+
+def _allow(cpus: set[int]) -> bool:
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        return False
+    return True
