@@ -10,7 +10,7 @@ linear weights).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,47 +42,114 @@ class VllmUpdateWorker(UpdateWorker):
         return describe_vllm_shards(self.model())
 
     def land_compat(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.worker.reload_weights(weights_iterator=tensors)
+        """Full checkpoint tensors through the model's own ``load_weights``."""
+        self._reload(lambda model: model.load_weights(tensors))
 
     def land_direct(self, staged: Mapping[str, torch.Tensor]) -> None:
-        """Land model-format staged tensors through vLLM's layerwise reload machinery."""
+        """Model-format staged tensors, one layer at a time, as vLLM's layerwise reload does."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LAYERWISE_INFO,
+            _layerwise_process,
+        )
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        def feed(model: torch.nn.Module) -> None:
+            for module_name, layer in model.named_modules():
+                info = LAYERWISE_INFO.get(layer)
+                tensors = layer_tensors(module_name, layer, staged)
+                if info is None or not info.can_load() or not tensors:
+                    continue
+                materialize_layer(layer, info)
+                for param_name, tensor in tensors.items():
+                    getattr(layer, param_name).data.copy_(tensor)
+                info.loaded_weights.clear()  # nothing buffered: the bytes are in place
+                _layerwise_process(layer, info)
+
+        self._reload(feed)
+
+    def _reload(self, feed: Callable[[torch.nn.Module], object]) -> None:
+        """vLLM's layerwise reload around ``feed``, then tied layers re-derived.
+
+        A layer that loads nothing because its weights are another layer's (a tied
+        ``lm_head``) would otherwise keep kernels derived from the old generation: vLLM
+        restores its tensors untouched, and on CPU its packed GEMM weights go stale.
+        """
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            LAYERWISE_INFO,
-            _copy_and_restore_kernel_tensors,
-        )
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
         model = self.model()
-        by_layer: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
-        for module_name, module in model.named_modules():
-            info = LAYERWISE_INFO.get(module)
-            if info is None:
-                continue
-            for param_name in info.restore_metadata[0]:
-                full = f"{module_name}.{param_name}" if module_name else param_name
-                by_layer.setdefault(module, {})[param_name] = staged[full]
         with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
-            for layer, tensors in by_layer.items():
-                info = LAYERWISE_INFO[layer]
-                materialize_layer(layer, info)
-                for param_name, tensor in tensors.items():
-                    getattr(layer, param_name).data.copy_(tensor)
-                method = getattr(layer, "quant_method", None)
-                if isinstance(method, QuantizeMethodBase):
-                    if hasattr(layer, "_already_called_process_weights_after_loading"):
-                        delattr(layer, "_already_called_process_weights_after_loading")
-                    method.process_weights_after_loading(layer)
-                if info.kernel_tensors is not None:
-                    _copy_and_restore_kernel_tensors(layer, info)
-                info.reset()
+            feed(model)
+            rederive_tied_layers(model)
             finalize_layerwise_reload(model, self.worker.model_config)
+            repack_cpu_experts(model)
+        runner = self.worker.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            getattr(runner, reset, lambda: None)()
+
+
+def layer_tensors(
+    module_name: str, layer: torch.nn.Module, staged: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The staged tensors that belong to ``layer`` (its own parameters only)."""
+    prefix = f"{module_name}." if module_name else ""
+    return {
+        param_name: staged[prefix + param_name]
+        for param_name in layer._parameters
+        if prefix + param_name in staged
+    }
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> None:
+    """Re-run the CPU MoE kernel's prepack, which vLLM 0.32 skips on a weight update.
+
+    ``UnquantizedFusedMoEMethod._setup_kernel`` runs ``fused_experts.
+    process_weights_after_loading`` only on the first load (GPU kernels keep addresses
+    captured by CUDA graphs). On CPU that step prepacks the experts into the grouped-GEMM
+    layout, so without it a reload leaves unpacked new bytes where packed ones belong.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None:
+            experts.process_weights_after_loading(layer)
+
+
+def rederive_tied_layers(model: torch.nn.Module) -> None:
+    """Re-run post-load processing for layers whose weights are a loaded layer's weights."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _place_kernel_tensors,
+    )
+
+    def pending(layer: torch.nn.Module) -> bool:
+        info = LAYERWISE_INFO.get(layer)
+        return info is not None and info.can_load()
+
+    loaded = {
+        id(p) for layer in model.modules() if not pending(layer) for p in layer.parameters(False)
+    }
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if not pending(layer) or info.load_numel > 0 or info.kernel_tensors is None:
+            continue
+        kernel_params = list(info.kernel_tensors[0].values())
+        if not kernel_params or any(id(p) not in loaded for p in kernel_params):
+            continue
+        _place_kernel_tensors(layer, info)
+        info.reset()
+        method = getattr(layer, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase):
+            method.process_weights_after_loading(layer)
 
 
 class MooncakeWorkerExtension:
