@@ -124,3 +124,36 @@ def _split_dim(layer: torch.nn.Module, meta: torch.Tensor) -> tuple[int, int] | 
     if output_dim is not None and output_size and per_output and per_output != output_size:
         return int(output_dim), int(output_size)
     return None
+
+
+def assemble_regions(
+    regions: Sequence[RegionSpec],
+    shards: Sequence[ShardSpec],
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Each region as the generation's full ``tensors`` fill it, and the regions they cannot.
+
+    The inverse of the placement: a region is the concatenation of its boxes at their
+    offsets, each cast to the region's dtype the way a loader's ``copy_`` casts. Regions
+    whose boxes name absent tensors or leave bytes uncovered are returned by name.
+    """
+    boxes: dict[str, list[ShardSpec]] = {}
+    for shard in shards:
+        boxes.setdefault(shard.region, []).append(shard)
+    filled: dict[str, torch.Tensor] = {}
+    uncovered: list[str] = []
+    for region in regions:
+        own = boxes.get(region.name, [])
+        covered = sum(math.prod(s.local_shape) for s in own) * region.dtype.itemsize
+        if covered != region.nbytes or any(s.tensor not in tensors for s in own):
+            uncovered.append(region.name)
+            continue
+        flat = torch.empty(region.nbytes, dtype=torch.uint8)
+        for shard in own:
+            index = tuple(
+                slice(o, o + n) for o, n in zip(shard.global_offset, shard.local_shape, strict=True)
+            )
+            box = tensors[shard.tensor][index].to(region.dtype).contiguous().view(-1)
+            flat[shard.region_offset : shard.region_offset + box.nbytes] = box.view(torch.uint8)
+        filled[region.name] = flat.view(region.dtype).view(region.shape)
+    return filled, uncovered

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine_ext.loading import mark_served, served_by
-from engine_ext.placement import RegionSpec
+from engine_ext.placement import RegionSpec, assemble_regions
 from engine_ext.shards import ShardSpec
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.apply.worker import (
@@ -33,7 +33,7 @@ from mooncake_rl.apply.worker import (
 )
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.demand import STAGING_REGION
+from mooncake_rl.plan.demand import FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.settings import Settings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -51,6 +51,7 @@ class _UpdateState:
         self.slice: WorkerSlice | None = None
         self.mode: str | None = None
         self.layout: list[dict[str, Any]] = []
+        self.fallback: list[dict[str, Any]] = []
         self.generation: int | None = None
 
 
@@ -75,8 +76,26 @@ class UpdateWorker(ABC):
         """Load full checkpoint tensors into the live model (the engine's ``load_weights``)."""
 
     @abstractmethod
-    def land_direct(self, staged: Mapping[str, torch.Tensor]) -> None:
-        """Load this worker's staged parameters (model format, by parameter name)."""
+    def land_direct(
+        self,
+        staged: Mapping[str, torch.Tensor],
+        fallback: Iterator[tuple[str, torch.Tensor]],
+    ) -> None:
+        """Load this worker's staged parameters (model format, by parameter name), and the
+        full checkpoint tensors of parameters discovery could not describe."""
+
+    def mismatched(self, expected: Mapping[str, torch.Tensor]) -> list[str]:
+        """Parameters the live model holds differently from ``expected`` (model format).
+
+        Engines that keep checkpoint layout live (SGLang) compare bytes; engines that
+        repack into kernel layouts override this with a fresh-load comparison.
+        """
+        live = dict(self.model().named_parameters())
+        return [
+            name
+            for name, tensor in expected.items()
+            if name in live and not same_bytes(live[name], tensor)
+        ]
 
     # -- the one entry point ----------------------------------------------------------
     def call(self, engine_id: str, method: str, *args: Any) -> dict[str, Any]:
@@ -133,12 +152,14 @@ class UpdateWorker(ABC):
         worker_slice = decode_slice(raw["slice"])
         if mode == "direct":
             specs = {r.name: r for r in self.regions()[0]}
-            # A reader that consumes none of a chunk holds it in the planner's staging region.
-            unknown = sorted(set(worker_slice.regions) - set(specs) - {STAGING_REGION})
+            # A reader that consumes none of a chunk holds it in the planner's staging region;
+            # full tensors for the per-parameter fallback arrive in the fallback region.
+            planner_regions = {STAGING_REGION, FALLBACK_REGION}
+            unknown = sorted(set(worker_slice.regions) - set(specs) - planner_regions)
             if unknown:
                 raise ValueError(f"slice names regions this worker does not have: {unknown[:3]}")
             for name, nbytes in worker_slice.regions.items():
-                if name != STAGING_REGION and specs[name].nbytes != nbytes:
+                if name not in planner_regions and specs[name].nbytes != nbytes:
                     raise ValueError(
                         f"region {name} is {specs[name].nbytes} bytes, slice says {nbytes}"
                     )
@@ -158,6 +179,7 @@ class UpdateWorker(ABC):
         state.buffers = arena_views(arena, regions)
         state.slice, state.mode = worker_slice, mode
         state.layout = raw.get("layout", [])
+        state.fallback = raw.get("fallback", [])
         state.generation = generation
         return state.apply.describe()
 
@@ -194,10 +216,40 @@ class UpdateWorker(ABC):
         if state.mode == "compat":
             self.land_compat(staged_tensors(state.layout, state.buffers))
         else:
-            self.land_direct(self.staged_parameters())
+            fallback = staged_tensors(state.fallback, state.buffers)
+            self.land_direct(self.staged_parameters(), fallback)
+        landed = time.perf_counter()
+        check = self._verify(state)
+        if check["mismatched"]:
+            raise LandingMismatch(
+                f"generation {generation} did not land intact; the live model differs from a "
+                f"fresh load in {check['mismatched'][:5]}: never served, rebuild from the Store"
+            )
         mark_served(self.model(), generation)
         state.slice, state.generation = None, None
-        return {"seconds": time.perf_counter() - started}
+        return {
+            "seconds": time.perf_counter() - started,
+            "land_seconds": landed - started,
+            "verify": check,
+        }
+
+    def _verify(self, state: _UpdateState) -> dict[str, Any]:
+        """Compare every live parameter with the generation's bytes for it, after landing."""
+        started = time.perf_counter()
+        if state.mode == "direct":
+            expected = self.staged_parameters()
+            uncovered = sorted(r.name for r in self.regions()[0] if r.name not in expected)
+        else:
+            regions, shards = self.regions()
+            full = dict(staged_tensors(state.layout, state.buffers))
+            expected, uncovered = assemble_regions(regions, shards, full)
+        mismatched = self.mismatched(expected)
+        return {
+            "checked": len(expected),
+            "unchecked": uncovered,
+            "mismatched": mismatched,
+            "seconds": time.perf_counter() - started,
+        }
 
     def _abort(self, engine_id: str) -> dict[str, Any]:
         state = self._state(engine_id)
@@ -207,17 +259,27 @@ class UpdateWorker(ABC):
 
     # -- staged views ---------------------------------------------------------------------
     def staged_parameters(self) -> dict[str, torch.Tensor]:
-        """Direct mode: every parameter's staged bytes viewed as its dtype and shape.
+        """Direct mode: every directly received parameter's bytes, as its dtype and shape.
 
-        Raises before anything is landed if a parameter was not staged.
+        Raises before anything is landed if a parameter was neither staged nor left to the
+        fallback (the plan sends full tensors only to workers it leaves parameters to).
         """
         assert self._update is not None
         buffers = self._update.buffers
         specs = {r.name: r for r in self.regions()[0]}
         missing = sorted(set(specs) - set(buffers))
-        if missing:
+        if missing and not self._update.fallback:
             raise ValueError(f"direct commit lacks staged parameters: {missing[:3]}")
-        return {n: buffers[n].view(s.dtype).view(s.shape) for n, s in specs.items()}
+        return {n: buffers[n].view(s.dtype).view(s.shape) for n, s in specs.items() if n in buffers}
+
+
+class LandingMismatch(RuntimeError):
+    """The live model does not hold the generation that commit landed."""
+
+
+def same_bytes(live: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Exact equality in the live tensor's dtype (loaders cast the same way)."""
+    return live.shape == expected.shape and torch.equal(live, expected.to(live.dtype))
 
 
 def staged_tensors(

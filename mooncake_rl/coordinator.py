@@ -48,6 +48,8 @@ class UpdateResult:
     cross_node_pushed_bytes: int = 0
     received_bytes: dict[str, int] = field(default_factory=dict)
     node_nic_bytes: dict[str, int] = field(default_factory=dict)
+    # The post-landing check per worker: {"checked", "unchecked", "mismatched", "seconds"}.
+    verified: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     rebuild: list[str] = field(default_factory=list)
     error: str | None = None
@@ -224,9 +226,12 @@ class Coordinator:
                 raise UpdateFailed(result)
         phase("apply")
 
-        _, failed = self._all(
+        committed, failed = self._all(
             targets, "POST", "commit", {u: {"generation": record.generation} for u in targets}
         )
+        for url, reply in committed.items():
+            for rank, worker in enumerate(reply.get("workers", [])):
+                result.verified[f"{url}/tp{rank}"] = worker.get("verify", {})
         if failed:
             result.rebuild = sorted(failed)
             result.error = "commit failed: " + "; ".join(str(e) for e in failed.values())

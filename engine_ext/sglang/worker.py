@@ -77,9 +77,14 @@ class SglangUpdateWorker(UpdateWorker):
     def land_compat(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.model().load_weights(tensors)
 
-    def land_direct(self, staged: Mapping[str, torch.Tensor]) -> None:
+    def land_direct(
+        self,
+        staged: Mapping[str, torch.Tensor],
+        fallback: Iterator[tuple[str, torch.Tensor]],
+    ) -> None:
         from sglang.srt.model_loader.weight_utils import default_weight_loader
 
+        self.model().load_weights(fallback)
         params = dict(self.model().named_parameters())
         with torch.no_grad():
             for name, tensor in staged.items():

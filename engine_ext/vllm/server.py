@@ -47,7 +47,11 @@ class VllmServer:
         tensor_parallel_size: int = 1,
         log_dir: Path,
         token: str | None = None,
+        plain: bool = False,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
+        """``plain``: vLLM as shipped (no Mooncake plugin or extension) serving ``model_dir``
+        from disk, the reference that updated engines are compared with."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -70,14 +74,17 @@ class VllmServer:
             "4",
             "--tensor-parallel-size",
             str(tensor_parallel_size),
-            "--worker-extension-cls",
-            "mooncake_rl.Ext",
         ]
-        if name is not None:
+        if not plain:
+            args += ["--worker-extension-cls", "mooncake_rl.Ext"]
+        if name is not None and not plain:
             args += ["--model-loader-extra-config", json.dumps({"name": name})]
-        if load_from_store:
+        if load_from_store and not plain:
             args += ["--load-format", "mooncake"]
         extra = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tensor_parallel_size == 2 else {}
+        if plain:
+            extra["VLLM_PLUGINS"] = "none"  # a name no plugin has: vLLM loads none
+        extra.update(extra_env or {})
         if token:
             extra["MOONCAKE_RL_AUTH_TOKEN"] = token
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import torch
 from engine_ext.placement import RegionSpec
 from engine_ext.shards import ShardSpec
 from engine_ext.vllm.placement import describe_vllm_shards
-from engine_ext.worker import UpdateWorker
+from engine_ext.worker import LandingMismatch, UpdateWorker, same_bytes
 
 
 class VllmUpdateWorker(UpdateWorker):
@@ -45,8 +45,17 @@ class VllmUpdateWorker(UpdateWorker):
         """Full checkpoint tensors through the model's own ``load_weights``."""
         self._reload(lambda model: model.load_weights(tensors))
 
-    def land_direct(self, staged: Mapping[str, torch.Tensor]) -> None:
-        """Model-format staged tensors, one layer at a time, as vLLM's layerwise reload does."""
+    def land_direct(
+        self,
+        staged: Mapping[str, torch.Tensor],
+        fallback: Iterator[tuple[str, torch.Tensor]],
+    ) -> None:
+        """Model-format staged tensors, one layer at a time, as vLLM's layerwise reload does.
+
+        Fallback tensors go first, through ``load_weights``: a layer they complete is
+        processed at once, and one they feed only in part (a bias beside a directly received
+        weight) keeps them buffered until its staged tensors join them below.
+        """
         from vllm.model_executor.model_loader.reload.layerwise import (
             LAYERWISE_INFO,
             _layerwise_process,
@@ -54,6 +63,7 @@ class VllmUpdateWorker(UpdateWorker):
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
         def feed(model: torch.nn.Module) -> None:
+            model.load_weights(fallback)
             for module_name, layer in model.named_modules():
                 info = LAYERWISE_INFO.get(layer)
                 tensors = layer_tensors(module_name, layer, staged)
@@ -62,10 +72,58 @@ class VllmUpdateWorker(UpdateWorker):
                 materialize_layer(layer, info)
                 for param_name, tensor in tensors.items():
                     getattr(layer, param_name).data.copy_(tensor)
-                info.loaded_weights.clear()  # nothing buffered: the bytes are in place
                 _layerwise_process(layer, info)
 
         self._reload(feed)
+
+    def mismatched(self, expected: Mapping[str, torch.Tensor]) -> list[str]:
+        """Each layer as served against the same layer freshly loaded with ``expected``.
+
+        vLLM keeps derived state a byte comparison cannot see (CPU GEMMs hold packed weights
+        in closures; CPU experts are prepacked), so a layer with a kernel is compared through
+        it: a shadow of the layer gets the expected model-format tensors and the layer's own
+        ``process_weights_after_loading``, then both run one probe input and must agree
+        bit for bit. Tensors without a kernel are compared as bytes.
+        """
+        from vllm.platforms import current_platform
+
+        model = self.model()
+        named = {id(p): n for n, p in model.named_parameters() if n in expected}
+        differ: list[str] = []
+        for module_name, layer in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            own = {
+                n: expected.get(prefix + n, expected.get(named.get(id(p), ""), None))
+                for n, p in layer._parameters.items()
+                if p is not None
+            }
+            own = {n: t for n, t in own.items() if t is not None}
+            if not own:
+                continue
+            method = getattr(layer, "quant_method", None)
+            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            kernel: set[str] = set()
+            if experts is not None and current_platform.is_cpu():
+                shadow = shadow_layer(layer, own)
+                experts.process_weights_after_loading(shadow)
+                kernel = set(own)
+                differ += [
+                    prefix + n
+                    for n in own
+                    if not same_bytes(getattr(layer, n), shadow._parameters[n])
+                ]
+            elif experts is None and hasattr(method, "apply") and "weight" in own:
+                kernel = {"weight"}
+                if not same_kernel(layer, method, own["weight"]):
+                    differ.append(prefix + "weight")
+                if layer.weight.shape == own["weight"].shape:
+                    kernel = set()  # the weight itself is kept too (embeddings): compare it
+            differ += [
+                prefix + n
+                for n, tensor in own.items()
+                if n not in kernel and not same_bytes(getattr(layer, n), tensor)
+            ]
+        return differ
 
     def _reload(self, feed: Callable[[torch.nn.Module], object]) -> None:
         """vLLM's layerwise reload around ``feed``, then tied layers re-derived.
@@ -85,11 +143,42 @@ class VllmUpdateWorker(UpdateWorker):
             initialize_layerwise_reload(model)
             feed(model)
             rederive_tied_layers(model)
+            stale = unloaded_layers(model)
             finalize_layerwise_reload(model, self.worker.model_config)
             repack_cpu_experts(model)
+        if stale:
+            raise LandingMismatch(
+                f"the generation loaded nothing into {stale[:5]}: they would serve the previous "
+                "weights; never served, rebuild from the Store"
+            )
         runner = self.worker.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             getattr(runner, reset, lambda: None)()
+
+
+def shadow_layer(layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of ``layer`` holding only ``tensors`` (fresh Parameters); the live layer's
+    parameters, buffers and submodules are not shared, so processing it changes nothing live."""
+    shadow = object.__new__(type(layer))
+    shadow.__dict__.update(layer.__dict__)
+    shadow._parameters = {n: None for n in layer._parameters}
+    shadow._buffers, shadow._modules = {}, {}
+    for name, tensor in tensors.items():
+        live = layer._parameters[name]
+        fresh = torch.nn.Parameter(tensor.to(live.device).clone(), requires_grad=False)
+        fresh.__dict__.update(live.__dict__)
+        shadow._parameters[name] = fresh
+    return shadow
+
+
+def same_kernel(layer: torch.nn.Module, method: Any, weight: torch.Tensor) -> bool:
+    """Whether the layer's GEMM equals a fresh one built from ``weight``, on a probe input."""
+    shadow = shadow_layer(layer, {"weight": weight})
+    method.process_weights_after_loading(shadow)
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(2, weight.shape[-1], generator=generator).to(weight.dtype)
+    probe = probe.to(layer.weight.device)
+    return torch.equal(method.apply(layer, probe), method.apply(shadow, probe))
 
 
 def layer_tensors(
@@ -121,6 +210,21 @@ def repack_cpu_experts(model: torch.nn.Module) -> None:
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None:
             experts.process_weights_after_loading(layer)
+
+
+def unloaded_layers(model: torch.nn.Module) -> list[str]:
+    """Layers with parameters that the reload has not written (vLLM would warn "Failed to
+    load weights" and put the old tensors back): a mixed model if served."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return [
+        name
+        for name, layer in model.named_modules()
+        if (info := LAYERWISE_INFO.get(layer)) is not None
+        and info.can_load()
+        and info.restore_metadata[0]
+        and info.load_numel == 0
+    ]
 
 
 def rederive_tied_layers(model: torch.nn.Module) -> None:

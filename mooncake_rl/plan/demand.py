@@ -28,6 +28,8 @@ from mooncake_rl.plan.source import SourceLayout
 
 STAGING_REGION = "staging"
 COMPAT_REGION = "compat"
+# Direct mode's per-parameter fallback: full tensors a worker lands through ``load_weights``.
+FALLBACK_REGION = "fallback"
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,13 @@ from mooncake_rl.apply.executor import Batch
 from mooncake_rl.apply.wire import WorkerSlice, encode_slice
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan.cache import PlanCache
-from mooncake_rl.plan.demand import COMPAT_REGION, CompatDemand, Destinations, DirectDemand
+from mooncake_rl.plan.demand import (
+    COMPAT_REGION,
+    FALLBACK_REGION,
+    CompatDemand,
+    Destinations,
+    DirectDemand,
+)
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.table import RoutingTable, bind
@@ -51,6 +57,8 @@ class RoutingPlan:
     region_dtypes: Mapping[str, Mapping[str, str]]  # direct mode: stored dtype per region
     unique_demand_bytes: int
     node_nic_bytes: Mapping[str, int]
+    # direct mode: per worker, the full tensors it lands through ``load_weights``
+    fallback: Mapping[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
     @property
     def cross_node_pushed_bytes(self) -> int:
@@ -65,6 +73,14 @@ class RoutingPlan:
         """Bytes landing in each worker's destination regions (staging excluded)."""
         delivered = self.table.totals.delivered_bytes
         return {w: int(delivered[i]) for i, w in enumerate(self.table.workers)}
+
+    def fallback_bytes(self) -> dict[str, int]:
+        """Of :meth:`received_bytes`, what each worker lands through ``load_weights``."""
+        return {
+            worker: sum(row["nbytes"] for row in rows)
+            for worker, rows in self.fallback.items()
+            if rows
+        }
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +127,7 @@ class UpdatePlan:
                 "slice": encode_slice(self.worker_slice(worker)),
                 "layout": list(self.routing.layout),
                 "region_dtypes": dict(self.routing.region_dtypes.get(worker, {})),
+                "fallback": list(self.routing.fallback.get(worker, ())),
             }
             for worker in self.engines[url]
         }
@@ -169,23 +186,21 @@ def plan_routing(
     params = PlanParams(batch_bytes=batch_bytes)
     regions: dict[str, dict[str, int]] = {w["worker_id"]: {} for w in workers}
     region_dtypes: dict[str, dict[str, str]] = {}
+    fallback: dict[str, tuple[dict[str, Any], ...]] = {}
     demand: CompatDemand | DirectDemand
     if mode == "compat":
         demand = CompatDemand()
     else:
-        stored = {t.tensor_id: t.dtype for t in manifest.tensors}
         parts: dict[str, WeightPlacementPart] = {}
         destinations: dict[str, Destinations] = {}
         for engine_workers in engines.values():
-            for worker_id, (part, dest) in _engine_parts(manifest, engine_workers).items():
-                parts[worker_id] = part
-                destinations[worker_id] = dest
+            for worker_id, wanted in _engine_parts(manifest, engine_workers).items():
+                parts[worker_id] = wanted.part
+                destinations[worker_id] = wanted.destinations
+                regions[worker_id] = dict(wanted.destinations.regions)
+                region_dtypes[worker_id] = wanted.region_dtypes
+                fallback[worker_id] = wanted.fallback
         demand = DirectDemand.of(parts, destinations)
-        for worker in workers:
-            regions[worker["worker_id"]] = {
-                name: int(spec["bytes"]) for name, spec in worker["regions"].items()
-            }
-            region_dtypes[worker["worker_id"]] = _region_dtypes(worker, stored)
     table = plan_table(
         manifest, topology, demand, params=params, cache=tables, layout_digest=layout_digest
     )
@@ -205,6 +220,7 @@ def plan_routing(
         region_dtypes,
         totals.unique_demand_bytes,
         {n: int(b) for n, b in zip(table.nodes, totals.node_nic_bytes.tolist(), strict=True)},
+        fallback,
     )
 
 
@@ -226,22 +242,39 @@ def _compat_rows(manifest: WeightManifest, table: RoutingTable) -> tuple[dict[st
     )
 
 
-def _region_dtypes(worker: Mapping[str, Any], stored: Mapping[str, str]) -> dict[str, str]:
+def _region_dtypes(
+    shards: Sequence[Mapping[str, Any]], stored: Mapping[str, str]
+) -> dict[str, str]:
     """The stored dtype landing in each region; one region never mixes dtypes."""
     dtypes: dict[str, str] = {}
-    for shard in worker["shards"]:
-        dtype = stored.get(shard["tensor"])
-        if dtype is None:
-            continue  # reported by the placement check
+    for shard in shards:
+        dtype = stored[shard["tensor"]]
         if dtypes.setdefault(shard["region"], dtype) != dtype:
             raise InvariantViolation(f"region {shard['region']} would receive mixed dtypes")
     return dtypes
 
 
+@dataclass(frozen=True)
+class WorkerDemand:
+    """One worker's direct-mode demand: boxes landing in its parameters, plus the full
+    tensors it lands through the engine's ``load_weights`` (the per-parameter fallback)."""
+
+    part: WeightPlacementPart
+    destinations: Destinations
+    region_dtypes: dict[str, str]
+    fallback: tuple[dict[str, Any], ...]
+
+
 def _engine_parts(
     manifest: WeightManifest, workers: Sequence[Mapping[str, Any]]
-) -> dict[str, tuple[WeightPlacementPart, Destinations]]:
-    """One engine's TP ranks as placement parts, and where each fragment lands."""
+) -> dict[str, WorkerDemand]:
+    """One engine's TP ranks as placement parts, and where each fragment lands.
+
+    A parameter with a box the generation cannot fill (a tensor name it lacks, or another
+    global shape: the engine's discovery could not describe it) is not received directly.
+    Instead every generation tensor no described box holds is received whole by each worker
+    with such a parameter, which lands it through the engine's own loader.
+    """
     tp_sizes = {int(w["tp_size"]) for w in workers}
     if len(tp_sizes) != 1 or len(workers) != next(iter(tp_sizes)):
         raise InvariantViolation("an engine must describe every TP rank exactly once")
@@ -249,27 +282,58 @@ def _engine_parts(
         raise InvariantViolation("an engine must describe every TP rank exactly once")
     tp_size = tp_sizes.pop()
     source = {t.tensor_id: t for t in manifest.tensors}
+
+    def fillable(shard: Mapping[str, Any]) -> bool:
+        tensor = source.get(shard["tensor"])
+        shape = shard.get("global_shape")  # optional: the box alone also places it
+        return tensor is not None and (shape is None or tuple(shape) == tensor.global_shape)
+
+    undescribed = {
+        w["worker_id"]: {s["region"] for s in w["shards"] if not fillable(s)} for w in workers
+    }
+    direct = {
+        w["worker_id"]: [s for s in w["shards"] if s["region"] not in undescribed[w["worker_id"]]]
+        for w in workers
+    }
+    held = {s["tensor"] for shards in direct.values() for s in shards}
+    orphans = sorted(set(source) - held)
+    needing = [w for w in workers if undescribed[w["worker_id"]]]
+    if orphans and not needing:
+        raise InvariantViolation(
+            f"engine placement lacks tensors the generation has: {orphans[:3]}"
+        )
+    if needing and not orphans:
+        names = sorted(set().union(*undescribed.values()))
+        raise InvariantViolation(
+            f"no generation tensor can land in engine parameters {names[:3]}: neither a "
+            "direct box nor a full tensor for load_weights describes them"
+        )
+    fallback = _fallback_rows(orphans, source)
+    for w in needing:
+        direct[w["worker_id"]] = direct[w["worker_id"]] + [
+            {
+                "tensor": row["name"],
+                "global_shape": row["shape"],
+                "global_offset": [0] * len(row["shape"]),
+                "local_shape": row["shape"],
+                "region": FALLBACK_REGION,
+                "region_offset": row["offset"],
+            }
+            for row in fallback
+        ]
     holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
     for w in workers:
-        for shard in w["shards"]:
-            if shard["tensor"] not in source:
-                raise InvariantViolation(
-                    f"engine holds {shard['tensor']!r}, which the generation lacks"
-                )
+        for shard in direct[w["worker_id"]]:
             holders.setdefault(shard["tensor"], []).append((int(w["tp_rank"]), shard))
-    missing = sorted(set(source) - set(holders))
-    if missing:
-        raise InvariantViolation(
-            f"engine placement lacks tensors the generation has: {missing[:3]}"
-        )
     descriptors = {
         name: _target_descriptor(source[name], shards, tp_size) for name, shards in holders.items()
     }
+    stored = {t.tensor_id: t.dtype for t in manifest.tensors}
     out = {}
     for w in workers:
         rank = ParallelRank(tp=int(w["tp_rank"]))
         fragments, destination = [], {}
-        for shard in w["shards"]:
+        for shard in direct[w["worker_id"]]:
             descriptor = source[shard["tensor"]]
             fragment = PlacementFragment(
                 tensor_id=shard["tensor"],
@@ -299,9 +363,45 @@ def _engine_parts(
             tensors=tuple(descriptors[n] for n in names),
             fragments=tuple(fragments),
         )
-        regions = {name: int(spec["bytes"]) for name, spec in w["regions"].items()}
-        out[w["worker_id"]] = (part, Destinations.of(regions, destination))
+        worker_id = w["worker_id"]
+        regions = {
+            name: int(spec["bytes"])
+            for name, spec in w["regions"].items()
+            if name not in undescribed[worker_id]
+        }
+        lands_fallback = bool(undescribed[worker_id])
+        if lands_fallback and fallback:
+            regions[FALLBACK_REGION] = fallback[-1]["offset"] + fallback[-1]["nbytes"]
+        shards = [s for s in direct[worker_id] if s["region"] != FALLBACK_REGION]
+        out[worker_id] = WorkerDemand(
+            part,
+            Destinations.of(regions, destination),
+            _region_dtypes(shards, stored),
+            fallback if lands_fallback else (),
+        )
     return out
+
+
+def _fallback_rows(
+    names: Sequence[str], source: Mapping[str, TensorDescriptor], align: int = 64
+) -> tuple[dict[str, Any], ...]:
+    """Where each full fallback tensor sits in the fallback region (aligned, name order)."""
+    rows, offset = [], 0
+    for name in names:
+        tensor = source[name]
+        nbytes = math.prod(tensor.global_shape) * tensor.itemsize
+        rows.append(
+            {
+                "name": name,
+                "region": FALLBACK_REGION,
+                "offset": offset,
+                "shape": list(tensor.global_shape),
+                "dtype": tensor.dtype,
+                "nbytes": nbytes,
+            }
+        )
+        offset += -(-nbytes // align) * align
+    return tuple(rows)
 
 
 def _target_descriptor(

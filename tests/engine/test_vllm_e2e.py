@@ -172,6 +172,16 @@ def test_compat_update_under_load_reads_each_byte_once(world: World) -> None:
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[1]
         assert engine.mooncake("GET", "status").json()["generation"] == 2
+    assert_every_parameter_checked(world, result)
+
+
+def assert_every_parameter_checked(world: World, result) -> None:
+    """The post-landing check compared every parameter of every rank, and all matched."""
+    for engine in world.engines.values():
+        for worker in engine.mooncake("GET", "placement").json()["workers"]:
+            check = result.verified[f"{engine.url}/tp{worker['tp_rank']}"]
+            assert check["checked"] == len(worker["regions"])
+            assert check["unchecked"] == [] and check["mismatched"] == []
 
 
 def test_direct_update_tp2_ranks_receive_only_their_shards(world: World) -> None:
@@ -186,6 +196,7 @@ def test_direct_update_tp2_ranks_receive_only_their_shards(world: World) -> None
     assert result.store_read_bytes == result.unique_demand_bytes
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[2]
+    assert_every_parameter_checked(world, result)
 
 
 def test_prepare_failure_keeps_every_engine_on_its_generation(world: World) -> None:

@@ -200,6 +200,14 @@ def test_tp2_ranks_start_from_the_store(world: World) -> None:
     assert (status["state"], status["generation"], status["model"]) == ("serving", 1, MODEL)
 
 
+def assert_every_parameter_checked(world: World, result: Any) -> None:
+    """The post-landing check compared every parameter of every rank, and all matched."""
+    placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
+    checks = [result.verified[f"{world.url}/tp{w['tp_rank']}"] for w in placement]
+    assert [c["checked"] for c in checks] == [len(w["regions"]) for w in placement]
+    assert all(c["unchecked"] == [] and c["mismatched"] == [] for c in checks)
+
+
 def test_compat_update_reads_each_byte_once(world: World) -> None:
     assert world.publish(1) == 2
     with Coordinator(world.store, [world.url]) as coordinator:
@@ -212,6 +220,7 @@ def test_compat_update_reads_each_byte_once(world: World) -> None:
     assert result.pushed_bytes == result.planned_pushed_bytes == result.store_read_bytes
     assert world.backend.events[-3:] == ["drain:abort", "reset_cache", "resume"]
     assert world.status()["generation"] == 2
+    assert_every_parameter_checked(world, result)
 
 
 def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
@@ -226,6 +235,7 @@ def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
         assert result.received_bytes[worker["worker_id"]] == parameter_bytes
     assert result.store_read_bytes == result.unique_demand_bytes
     assert world.status()["generation"] == 3
+    assert_every_parameter_checked(world, result)
 
 
 def test_prepare_failure_keeps_the_served_generation(world: World) -> None:

@@ -1,0 +1,198 @@
+"""The model-family coverage matrix (``make models``): every family, both update modes.
+
+For each tiny random family (``mooncake_rl.tiny_model.FAMILIES``), tied and untied where its
+config allows, at TP 1 (and TP 2 where asked): publish generation 1, start a real vLLM
+engine from the Store, update it in compat mode to generation 2 and in direct mode to
+generation 3, and compare greedy outputs with plain vLLM serving each generation's weights
+from a local directory. Prints one JSON row per run, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine_ext.vllm.server import VllmServer
+from mooncake_rl.coordinator import Coordinator, UpdateFailed
+from mooncake_rl.generations.commands import publish_checkpoint
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
+from mooncake_rl.tiny_model import FAMILIES, PROMPT, make_tiny, perturbed_copy
+
+
+@dataclass
+class ModeRun:
+    ok: bool = False
+    outputs: list[int] = field(default_factory=list)
+    reference: list[int] = field(default_factory=list)
+    store_read_bytes: int = 0
+    received_bytes: int = 0
+    seconds: float = 0.0
+    verify_seconds: float = 0.0
+    checked: int = 0
+    unchecked: int = 0
+    error: str | None = None
+
+
+@dataclass
+class FamilyRun:
+    family: str
+    tied: bool
+    tp: int
+    compat: ModeRun = field(default_factory=ModeRun)
+    direct: ModeRun = field(default_factory=ModeRun)
+    error: str | None = None  # plain vLLM cannot serve the family: the cause
+
+
+def last_error(log: Path) -> str:
+    """The most telling line of a failed server's log."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no log"])[-1].strip()[:300]
+
+
+def plain_outputs(model_dir: Path, settings: Settings, tp: int, log_dir: Path) -> list[int]:
+    server = VllmServer(model_dir, settings, plain=True, tensor_parallel_size=tp, log_dir=log_dir)
+    try:
+        server.start()
+    except Exception as error:
+        raise RuntimeError(f"plain vLLM cannot serve it: {last_error(server.log_path)}") from error
+    try:
+        return server.complete(PROMPT)
+    finally:
+        server.stop()
+
+
+def update_once(
+    store: StoreClient, engine: VllmServer, name: str, model_dir: Path, mode: str
+) -> ModeRun:
+    run = ModeRun()
+    publish_checkpoint(store, name, model_dir, "float32")
+    started = time.perf_counter()
+    try:
+        with Coordinator(store, [engine.url], token=engine.token) as coordinator:
+            result = coordinator.update(name, mode=mode, batch_bytes=64 << 10)
+    except UpdateFailed as failed:
+        run.error = str(failed)[:300]
+        return run
+    run.seconds = time.perf_counter() - started
+    run.store_read_bytes = result.store_read_bytes
+    run.received_bytes = sum(result.received_bytes.values())
+    checks = list(result.verified.values())
+    run.verify_seconds = max((c.get("seconds", 0.0) for c in checks), default=0.0)
+    run.checked = sum(c.get("checked", 0) for c in checks)
+    run.unchecked = sum(len(c.get("unchecked", [])) for c in checks)
+    run.outputs = engine.complete(PROMPT)
+    return run
+
+
+def run_family(
+    family: str, tied: bool, tp: int, root: Path, settings: Settings, store: StoreClient
+) -> FamilyRun:
+    """One matrix row; every server it starts is stopped before it returns."""
+    run = FamilyRun(family, tied, tp)
+    name = f"{family}-{'tied' if tied else 'untied'}-tp{tp}"
+    work = root / name
+    dirs = [make_tiny(family, work / "g1", tied=tied)]
+    dirs += [perturbed_copy(dirs[0], work / f"g{seed + 1}", seed) for seed in (1, 2)]
+    logs = work / "logs"
+    try:
+        references = [plain_outputs(d, settings, tp, logs) for d in dirs[1:]]
+    except RuntimeError as error:
+        run.error = str(error)
+        return run
+    publish_checkpoint(store, name, dirs[0], "float32")
+    engine = VllmServer(
+        dirs[0], settings, name=name, tensor_parallel_size=tp, log_dir=logs, token="matrix"
+    )
+    try:
+        engine.start()
+    except Exception as error:
+        engine.stop()
+        cause = f"start from the Store failed: {last_error(engine.log_path)} ({error})"
+        run.compat.error = run.direct.error = cause
+        return run
+    try:
+        for mode, model_dir, reference in (
+            ("compat", dirs[1], references[0]),
+            ("direct", dirs[2], references[1]),
+        ):
+            result = update_once(store, engine, name, model_dir, mode)
+            result.reference = reference
+            result.ok = result.error is None and result.outputs == reference
+            setattr(run, mode, result)
+    finally:
+        engine.stop()
+    return run
+
+
+def table(runs: list[FamilyRun]) -> str:
+    """The README table: family, direct OK, compat OK, bytes by landing kind, seconds."""
+    rows = [
+        "| family | tied | TP | direct | compat | direct bytes received | compat bytes read "
+        "| direct s | compat s | check s (max) | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        note = run.error or run.direct.error or run.compat.error or ""
+        check = max(run.direct.verify_seconds, run.compat.verify_seconds)
+        rows.append(
+            f"| {run.family} | {'yes' if run.tied else 'no'} | {run.tp} "
+            f"| {'OK' if run.direct.ok else 'FAIL'} | {'OK' if run.compat.ok else 'FAIL'} "
+            f"| {run.direct.received_bytes:,} | {run.compat.store_read_bytes:,} "
+            f"| {run.direct.seconds:.2f} | {run.compat.seconds:.2f} | {check:.3f} "
+            f"| {note[:120]} |"
+        )
+    return "\n".join(rows)
+
+
+def matrix_cases(tp2: tuple[str, ...]) -> list[tuple[str, bool, int]]:
+    cases = []
+    for key, family in FAMILIES.items():
+        for tied in sorted({family.tied_by_default, family.can_tie}, reverse=True):
+            cases.append((key, tied, 1))
+        if key in tp2:
+            cases.append((key, family.tied_by_default, 2))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", type=Path, default=Path("out/models"))
+    parser.add_argument("--family", action="append", help="only these families")
+    parser.add_argument("--tp2", default="qwen2,qwen3_moe", help="families also run at TP 2")
+    args = parser.parse_args(argv)
+    cases = matrix_cases(tuple(args.tp2.split(",")))
+    if args.family:
+        cases = [c for c in cases if c[0] in args.family]
+    args.root.mkdir(parents=True, exist_ok=True)
+    runs: list[FamilyRun] = []
+    with EmbeddedMaster(MasterConfig(log_dir=args.root / "master")) as master:
+        holder = SegmentHolder(
+            master.master_address, master.metadata_url, 512 << 20, log_dir=args.root
+        ).start()
+        try:
+            settings = Settings(
+                master=master.master_address,
+                metadata=master.metadata_url,
+                segment_bytes=0,
+                local_segment=holder.segment,
+            )
+            with StoreClient(settings) as store:
+                for family, tied, tp in cases:
+                    run = run_family(family, tied, tp, args.root, settings, store)
+                    runs.append(run)
+                    print(json.dumps(asdict(run)), flush=True)
+        finally:
+            holder.stop()
+    print(table(runs))
+    return 0 if all(r.error or (r.direct.ok and r.compat.ok) for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
