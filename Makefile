@@ -13,7 +13,7 @@ SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench clean
+.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -71,6 +71,11 @@ demo: venv
 bench: venv
 	$(VENV)/bin/mooncake-rl bench --out out/bench-compare.png
 	$(VENV)/bin/mooncake-rl bench simulate --out out/bench-simulate.png
+
+# The model-family coverage matrix: every tiny family, tied and untied, direct and compat,
+# against plain vLLM (about 40 vLLM server starts; see docs/models.md).
+models: venv
+	$(PY) -m bench.models --root out/models
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -10,13 +10,15 @@ from a local directory. Prints one JSON row per run, then a table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine_ext.vllm.server import VllmServer
-from mooncake_rl.coordinator import Coordinator, UpdateFailed
+from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -30,11 +32,13 @@ class ModeRun:
     reference: list[int] = field(default_factory=list)
     store_read_bytes: int = 0
     received_bytes: int = 0
+    fallback_bytes: int = 0  # of received_bytes, landed through load_weights
     seconds: float = 0.0
     verify_seconds: float = 0.0
     checked: int = 0
     unchecked: int = 0
     error: str | None = None
+    result: UpdateResult | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -55,6 +59,17 @@ def last_error(log: Path) -> str:
 
 
 def plain_outputs(model_dir: Path, settings: Settings, tp: int, log_dir: Path) -> list[int]:
+    """Plain vLLM's greedy output for these weights (one server per weights and TP)."""
+    weights = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
+    if (weights, tp) not in _PLAIN:
+        _PLAIN[weights, tp] = _serve_plain(model_dir, settings, tp, log_dir)
+    return _PLAIN[weights, tp]
+
+
+_PLAIN: dict[tuple[str, int], list[int]] = {}
+
+
+def _serve_plain(model_dir: Path, settings: Settings, tp: int, log_dir: Path) -> list[int]:
     server = VllmServer(model_dir, settings, plain=True, tensor_parallel_size=tp, log_dir=log_dir)
     try:
         server.start()
@@ -67,20 +82,30 @@ def plain_outputs(model_dir: Path, settings: Settings, tp: int, log_dir: Path) -
 
 
 def update_once(
-    store: StoreClient, engine: VllmServer, name: str, model_dir: Path, mode: str
+    store: StoreClient,
+    engine: VllmServer,
+    name: str,
+    model_dir: Path,
+    mode: str,
+    direct_fallback: str | None = None,
 ) -> ModeRun:
+    """Publish ``model_dir`` as the next generation and update ``engine`` to it."""
     run = ModeRun()
     publish_checkpoint(store, name, model_dir, "float32")
     started = time.perf_counter()
     try:
         with Coordinator(store, [engine.url], token=engine.token) as coordinator:
-            result = coordinator.update(name, mode=mode, batch_bytes=64 << 10)
+            result = coordinator.update(
+                name, mode=mode, batch_bytes=64 << 10, direct_fallback=direct_fallback
+            )
     except UpdateFailed as failed:
         run.error = str(failed)[:300]
         return run
     run.seconds = time.perf_counter() - started
     run.store_read_bytes = result.store_read_bytes
     run.received_bytes = sum(result.received_bytes.values())
+    run.fallback_bytes = sum(result.fallback_bytes.values())
+    run.result = result
     checks = list(result.verified.values())
     run.verify_seconds = max((c.get("seconds", 0.0) for c in checks), default=0.0)
     run.checked = sum(c.get("checked", 0) for c in checks)
@@ -90,9 +115,21 @@ def update_once(
 
 
 def run_family(
-    family: str, tied: bool, tp: int, root: Path, settings: Settings, store: StoreClient
+    family: str,
+    tied: bool,
+    tp: int,
+    root: Path,
+    settings: Settings,
+    store: StoreClient,
+    *,
+    engine_env: dict[str, str] | None = None,
+    after: Callable[[VllmServer, FamilyRun, list[Path]], None] | None = None,
 ) -> FamilyRun:
-    """One matrix row; every server it starts is stopped before it returns."""
+    """One matrix row; every server it starts is stopped before it returns.
+
+    ``after(engine, run, model_dirs)`` runs on the updated engine before it stops (tests
+    add steps there without starting another engine).
+    """
     run = FamilyRun(family, tied, tp)
     name = f"{family}-{'tied' if tied else 'untied'}-tp{tp}"
     work = root / name
@@ -106,7 +143,13 @@ def run_family(
         return run
     publish_checkpoint(store, name, dirs[0], "float32")
     engine = VllmServer(
-        dirs[0], settings, name=name, tensor_parallel_size=tp, log_dir=logs, token="matrix"
+        dirs[0],
+        settings,
+        name=name,
+        tensor_parallel_size=tp,
+        log_dir=logs,
+        token="matrix",
+        extra_env=engine_env,
     )
     try:
         engine.start()
@@ -124,6 +167,8 @@ def run_family(
             result.reference = reference
             result.ok = result.error is None and result.outputs == reference
             setattr(run, mode, result)
+        if after is not None:
+            after(engine, run, dirs)
     finally:
         engine.stop()
     return run
@@ -187,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                 for family, tied, tp in cases:
                     run = run_family(family, tied, tp, args.root, settings, store)
                     runs.append(run)
-                    print(json.dumps(asdict(run)), flush=True)
+                    row = asdict(run)
+                    for mode in ("compat", "direct"):
+                        row[mode].pop("result")
+                    print(json.dumps(row), flush=True)
         finally:
             holder.stop()
     print(table(runs))

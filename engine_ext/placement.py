@@ -53,15 +53,17 @@ def describe_shards(
         row_bytes = math.prod(shape[1:]) * meta.dtype.itemsize if shape else 0
         subs = packed_modules_mapping.get(module_leaf)
         if subs and hasattr(layer, "output_partition_sizes") and len(shape) >= 1:
-            # Fused along dim 0: one box per checkpoint tensor, stacked in the region.
+            parts = [int(rows) for rows in layer.output_partition_sizes]
+            totals = [int(n) for n in getattr(layer, "output_sizes", parts)]
+            if len(subs) not in (1, len(parts)) or len(totals) != len(parts):
+                continue  # undescribed: direct mode lands it through the fallback
+            # One checkpoint tensor per part, or (Phi-3) one tensor holding every part.
+            stacked = len(subs) < len(parts)
             row = 0
-            for index, (sub, local_rows) in enumerate(
-                zip(subs, layer.output_partition_sizes, strict=True)
-            ):
-                total_rows = (
-                    int(layer.output_sizes[index]) if hasattr(layer, "output_sizes") else local_rows
-                )
-                start = rank_of(layer, index) * local_rows
+            for index, local_rows in enumerate(parts):
+                sub = subs[0] if stacked else subs[index]
+                base = sum(totals[:index]) if stacked else 0
+                global_rows = sum(totals) if stacked else totals[index]
                 name = (
                     f"{module_prefix}.{sub}.{param_name}"
                     if module_prefix
@@ -70,8 +72,8 @@ def describe_shards(
                 shards.append(
                     ShardSpec(
                         name,
-                        (total_rows, *shape[1:]),
-                        (start,) + (0,) * (len(shape) - 1),
+                        (global_rows, *shape[1:]),
+                        (base + rank_of(layer, index) * local_rows,) + (0,) * (len(shape) - 1),
                         (local_rows, *shape[1:]),
                         full,
                         row * row_bytes,

@@ -33,7 +33,7 @@ from mooncake_rl.apply.worker import (
 )
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.demand import FALLBACK_REGION, STAGING_REGION
+from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.settings import Settings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -181,7 +181,15 @@ class UpdateWorker(ABC):
         state.layout = raw.get("layout", [])
         state.fallback = raw.get("fallback", [])
         state.generation = generation
-        return state.apply.describe()
+        fallback_bytes = sum(row["nbytes"] for row in state.fallback)
+        direct_bytes = sum(
+            n for r, n in sizes.items() if r not in (STAGING_REGION, FALLBACK_REGION, COMPAT_REGION)
+        )
+        return {
+            **state.apply.describe(),
+            "direct_bytes": direct_bytes,
+            "fallback_bytes": fallback_bytes,
+        }
 
     def _promote(self, engine_id: str) -> dict[str, Any]:
         self._state(engine_id).apply.promote()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -127,12 +128,25 @@ def cmd_update(args: argparse.Namespace) -> int:
         console.status("updating engines"),
     ):
         try:
-            result = coordinator.update(args.name, mode=args.mode, drain_mode=args.drain)
+            result = coordinator.update(
+                args.name,
+                mode=args.mode,
+                drain_mode=args.drain,
+                direct_fallback=args.direct_fallback,
+            )
         except UpdateFailed as failed:
             print(json.dumps(failed.result.to_json(), indent=2))
             return 1
     print(json.dumps(result.to_json(), indent=2))
     return 0
+
+
+def _regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {error}") from None
+    return value
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -193,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--engine", action="append", required=True, help="engine base URL")
     update.add_argument("--mode", choices=["compat", "direct"], default="compat")
     update.add_argument("--drain", choices=["abort", "wait"], default="abort")
+    update.add_argument(
+        "--direct-fallback",
+        type=_regex,
+        metavar="REGEX",
+        help="direct mode: parameters whose names match land through the engine's "
+        "load_weights (full tensors) instead of its shard discovery",
+    )
     _client_flags(update)
     update.set_defaults(func=cmd_update)
 

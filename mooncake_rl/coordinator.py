@@ -47,6 +47,8 @@ class UpdateResult:
     unique_demand_bytes: int = 0
     cross_node_pushed_bytes: int = 0
     received_bytes: dict[str, int] = field(default_factory=dict)
+    # Of received_bytes, what each worker lands through load_weights (direct mode's fallback)
+    fallback_bytes: dict[str, int] = field(default_factory=dict)
     node_nic_bytes: dict[str, int] = field(default_factory=dict)
     # The post-landing check per worker: {"checked", "unchecked", "mismatched", "seconds"}.
     verified: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -141,7 +143,10 @@ class Coordinator:
         mode: str = "compat",
         drain_mode: str = "abort",
         batch_bytes: int = 64 << 20,
+        direct_fallback: str | None = None,
     ) -> UpdateResult:
+        """``direct_fallback``: regex of parameter names direct mode lands through each
+        engine's ``load_weights`` (full tensors) instead of its shard discovery."""
         registry = GenerationRegistry(self.store, model)
         record = registry.active()
         if record is None:
@@ -173,13 +178,14 @@ class Coordinator:
 
         engines = {u: placements[u]["workers"] for u in targets}
         plan: UpdatePlan = plan_update(
-            manifest, engines, mode, batch_bytes, self.cache, record.layout_digest
+            manifest, engines, mode, batch_bytes, self.cache, record.layout_digest, direct_fallback
         )
         result.planned_read_bytes = plan.store_read_bytes
         result.planned_pushed_bytes = plan.pushed_bytes
         result.unique_demand_bytes = plan.unique_demand_bytes
         result.cross_node_pushed_bytes = plan.routing.cross_node_pushed_bytes
         result.received_bytes = plan.routing.received_bytes()
+        result.fallback_bytes = plan.routing.fallback_bytes()
         result.node_nic_bytes = dict(plan.routing.node_nic_bytes)
         phase("plan")
 

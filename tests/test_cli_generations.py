@@ -117,5 +117,20 @@ def test_cli_bad_input_is_refused_with_a_clear_error(
     assert bad_dtype.returncode == 2 and "unknown rollout dtype 'int3'" in bad_dtype.stderr
     bad_name = run_cli(master, holder.segment, "publish", str(tmp_path / "ok"), "--name", "a/b")
     assert bad_name.returncode == 2 and "model name" in bad_name.stderr
+    bad_regex = run_cli(
+        master,
+        holder.segment,
+        "update",
+        "--name",
+        "x",
+        "--engine",
+        "http://127.0.0.1:9",
+        "--mode",
+        "direct",
+        "--direct-fallback",
+        "(",
+    )
+    assert bad_regex.returncode == 2
+    assert "--direct-fallback: not a regular expression" in bad_regex.stderr
     status = json.loads(run_cli(master, holder.segment, "status", "--name", "x", "--json").stdout)
     assert status == {"model": "x", "active": None, "generations": []}

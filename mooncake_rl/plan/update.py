@@ -12,6 +12,7 @@ and only the group prefix of the new generation is bound when slices are encoded
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,8 +159,11 @@ class RoutingCache:
         mode: str,
         batch_bytes: int,
         layout_digest: str | None = None,
+        direct_fallback: str | None = None,
     ) -> RoutingPlan:
-        return plan_routing(manifest, engines, mode, batch_bytes, self.tables, layout_digest)
+        return plan_routing(
+            manifest, engines, mode, batch_bytes, self.tables, layout_digest, direct_fallback
+        )
 
 
 def topology_of(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> Topology:
@@ -178,7 +182,11 @@ def plan_routing(
     batch_bytes: int,
     tables: PlanCache | None = None,
     layout_digest: str | None = None,
+    direct_fallback: str | None = None,
 ) -> RoutingPlan:
+    """``direct_fallback``: a regex of parameter (region) names direct mode lands through
+    the engines' ``load_weights`` whatever their discovery says (the operator's way around
+    a discovery that is wrong for a model)."""
     if mode not in ("compat", "direct"):
         raise InvariantViolation(f"unknown mode {mode!r}")
     workers = [w for ws in engines.values() for w in ws]
@@ -194,7 +202,8 @@ def plan_routing(
         parts: dict[str, WeightPlacementPart] = {}
         destinations: dict[str, Destinations] = {}
         for engine_workers in engines.values():
-            for worker_id, wanted in _engine_parts(manifest, engine_workers).items():
+            described = _without(engine_workers, direct_fallback)
+            for worker_id, wanted in _engine_parts(manifest, described).items():
                 parts[worker_id] = wanted.part
                 destinations[worker_id] = wanted.destinations
                 regions[worker_id] = dict(wanted.destinations.regions)
@@ -254,6 +263,19 @@ def _region_dtypes(
     return dtypes
 
 
+def _without(
+    workers: Sequence[Mapping[str, Any]], pattern: str | None
+) -> Sequence[Mapping[str, Any]]:
+    """Worker descriptions with no boxes landing in regions ``pattern`` matches."""
+    if pattern is None:
+        return workers
+    try:
+        matches = re.compile(pattern).search
+    except re.error as error:
+        raise InvariantViolation(f"direct fallback {pattern!r} is not a regex: {error}") from None
+    return [{**w, "shards": [s for s in w["shards"] if not matches(s["region"])]} for w in workers]
+
+
 @dataclass(frozen=True)
 class WorkerDemand:
     """One worker's direct-mode demand: boxes landing in its parameters, plus the full
@@ -288,8 +310,11 @@ def _engine_parts(
         shape = shard.get("global_shape")  # optional: the box alone also places it
         return tensor is not None and (shape is None or tuple(shape) == tensor.global_shape)
 
+    # Regions discovery left without boxes, or with a box the generation cannot fill.
     undescribed = {
-        w["worker_id"]: {s["region"] for s in w["shards"] if not fillable(s)} for w in workers
+        w["worker_id"]: {s["region"] for s in w["shards"] if not fillable(s)}
+        | (set(w["regions"]) - {s["region"] for s in w["shards"]})
+        for w in workers
     }
     direct = {
         w["worker_id"]: [s for s in w["shards"] if s["region"] not in undescribed[w["worker_id"]]]
@@ -446,12 +471,15 @@ def plan_update(
     batch_bytes: int,
     cache: RoutingCache,
     layout_digest: str | None = None,
+    direct_fallback: str | None = None,
 ) -> UpdatePlan:
     """Plan (or reuse) the update of ``engines`` to ``manifest``'s generation.
 
     ``layout_digest``: the generation record's ``ActiveRecord.layout_digest``, so that a
     cache hit does not re-hash the manifest (see :func:`mooncake_rl.plan.plan_routing`).
     """
-    routing = cache.get_or_plan(manifest, engines, mode, batch_bytes, layout_digest)
+    routing = cache.get_or_plan(
+        manifest, engines, mode, batch_bytes, layout_digest, direct_fallback
+    )
     by_engine = {url: tuple(w["worker_id"] for w in ws) for url, ws in engines.items()}
     return UpdatePlan(routing, manifest.group_id, by_engine)

@@ -2,9 +2,10 @@
 
 A tied-embedding Qwen2 (qkv bias and a tied ``lm_head``) and a Qwen3-MoE (fused experts):
 each starts from the Store, is updated in compat then direct mode, and after each update
-serves exactly what plain vLLM serves from that generation's local directory. The last test
-causes a bad landing (vLLM's own stale CPU expert prepack, put back) and checks that the
-post-landing check refuses to serve it.
+serves exactly what plain vLLM serves from that generation's local directory. On the same
+engines: a direct update that leaves the qkv biases to the per-parameter fallback, and a
+bad landing caused on purpose (vLLM's own stale CPU expert prepack, put back) that the
+post-landing check must refuse to serve.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import os
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
-from bench.models import run_family
+from bench.models import FamilyRun, run_family, update_once
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
-from mooncake_rl.tiny_model import make_tiny, perturbed_copy
 from tests.conftest import settings_for
 
 pytestmark = pytest.mark.timeout(900)
@@ -38,12 +39,7 @@ def store(master: EmbeddedMaster, holders):
         yield settings, client
 
 
-@pytest.mark.parametrize(("family", "tied"), [("qwen2", True), ("qwen3_moe", False)])
-def test_compat_and_direct_serve_exactly_the_generation(
-    family: str, tied: bool, store, tmp_path: Path
-) -> None:
-    settings, client = store
-    run = run_family(family, tied, 1, tmp_path, settings, client)
+def assert_both_modes_exact(run: FamilyRun) -> None:
     assert run.error is None
     for mode in (run.compat, run.direct):
         assert mode.error is None
@@ -51,37 +47,74 @@ def test_compat_and_direct_serve_exactly_the_generation(
         assert mode.checked > 0 and mode.unchecked == 0
     # Direct mode receives exactly the engine's parameter bytes; compat reads the model once.
     assert run.direct.received_bytes == run.direct.store_read_bytes
+    assert run.direct.fallback_bytes == 0
     assert run.compat.store_read_bytes > 0
 
 
-def test_a_landing_the_check_rejects_is_never_served(store, tmp_path: Path) -> None:
+def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, tmp_path: Path) -> None:
     settings, client = store
-    g1 = make_tiny("qwen3_moe", tmp_path / "g1")
-    g2 = perturbed_copy(g1, tmp_path / "g2", 1)
-    publish_checkpoint(client, "stale-experts", g1, "float32")
+    fallback: dict[str, object] = {}
+
+    def direct_with_fallback(engine: VllmServer, run: FamilyRun, dirs: list[Path]) -> None:
+        # Generation 4 holds generation 2's weights: plain vLLM's output for them is known.
+        update = update_once(
+            client, engine, "qwen2-tied-tp1", dirs[1], "direct", r"qkv_proj\.bias$"
+        )
+        fallback.update(
+            update=update,
+            reference=run.compat.reference,
+            placement=engine.mooncake("GET", "placement").json()["workers"][0],
+        )
+
+    run = run_family("qwen2", True, 1, tmp_path, settings, client, after=direct_with_fallback)
+    assert_both_modes_exact(run)
+
+    update, worker = fallback["update"], fallback["placement"]
+    assert update.error is None and update.outputs == fallback["reference"]
+    stored = load_file(tmp_path / "qwen2-tied-tp1" / "g2" / "model.safetensors")
+    biases = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+    assert update.fallback_bytes == sum(t.nbytes for n, t in stored.items() if n.endswith(biases))
+    fused = [f"model.layers.{i}.self_attn.qkv_proj.bias" for i in (0, 1)]
+    direct = sum(r["bytes"] for r in worker["regions"].values())
+    direct -= sum(worker["regions"][name]["bytes"] for name in fused)
+    assert update.received_bytes == direct + update.fallback_bytes
+    (check,) = update.result.verified.values()
+    assert check["unchecked"] == fused and check["mismatched"] == []
+    assert check["checked"] == len(worker["regions"]) - len(fused)
+
+
+def test_qwen3_moe_updates_exactly_and_a_stale_landing_is_never_served(
+    store, tmp_path: Path
+) -> None:
+    settings, client = store
+    marker = tmp_path / "stale-experts"
     pythonpath = os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))
-    engine = VllmServer(
-        g1,
-        settings,
-        name="stale-experts",
-        log_dir=tmp_path / "logs",
-        token="t",
-        extra_env={"PYTHONPATH": pythonpath},
-    )
-    with engine:
-        before = engine.complete([5, 6, 7, 8, 9])
-        publish_checkpoint(client, "stale-experts", g2, "float32")
+    env = {"PYTHONPATH": pythonpath, "MOONCAKE_RL_TEST_STALE_EXPERTS": str(marker)}
+    seen: dict[str, object] = {}
+
+    def stale_experts(engine: VllmServer, run: FamilyRun, dirs: list[Path]) -> None:
+        marker.touch()
+        publish_checkpoint(client, "qwen3_moe-untied-tp1", dirs[1], "float32")
         with (
-            Coordinator(client, [engine.url], token="t") as coordinator,
+            Coordinator(client, [engine.url], token=engine.token) as coordinator,
             pytest.raises(UpdateFailed) as failed,
         ):
-            coordinator.update("stale-experts", mode="compat", batch_bytes=64 << 10)
-        assert "did not land intact" in str(failed.value)
-        assert "mlp.experts" in str(failed.value)
-        assert failed.value.result.rebuild == [engine.url]
-        status = engine.mooncake("GET", "status").json()
-        assert (status["state"], status["generation"]) == ("broken", 1)
-        assert "did not land intact" in status["last_error"]
-        # Broken engines refuse to resume: only a rebuild from the Store serves again.
-        assert engine.mooncake("POST", "resume").status_code == 409
-        assert before  # it served generation 1 before the update
+            coordinator.update("qwen3_moe-untied-tp1", mode="compat", batch_bytes=64 << 10)
+        seen.update(
+            failed=failed.value,
+            status=engine.mooncake("GET", "status").json(),
+            resume=engine.mooncake("POST", "resume").status_code,
+            url=engine.url,
+        )
+
+    run = run_family(
+        "qwen3_moe", False, 1, tmp_path, settings, client, engine_env=env, after=stale_experts
+    )
+    assert_both_modes_exact(run)
+
+    assert "did not land intact" in str(seen["failed"]) and "mlp.experts" in str(seen["failed"])
+    assert seen["failed"].result.rebuild == [seen["url"]]
+    status = seen["status"]
+    assert (status["state"], status["generation"]) == ("broken", 3)
+    assert "did not land intact" in status["last_error"]
+    assert seen["resume"] == 409  # broken engines never serve again until rebuilt

@@ -97,3 +97,15 @@ def test_parameters_no_generation_tensor_can_fill_are_refused() -> None:
     )
     with pytest.raises(InvariantViolation, match=r"no generation tensor can land in .*'extra'"):
         plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+
+
+def test_the_operator_can_send_named_parameters_through_the_fallback() -> None:
+    specs = [TensorSpec("w.a", (4, 4), "float32"), TensorSpec("w.b", (8,), "float32")]
+    engines = simulated_engines(specs, [("n0", 2)], "direct")
+    manifest = build_manifest("m", 1, specs, "now")
+    plan = plan_update(manifest, engines, "direct", 64, RoutingCache(), direct_fallback=r"\.b$")
+    for worker in ("e0/tp0", "e0/tp1"):
+        assert [row["name"] for row in plan.routing.fallback[worker]] == ["w.b"]
+        assert set(plan.routing.regions[worker]) == {"w.a", FALLBACK_REGION}
+    with pytest.raises(InvariantViolation, match="is not a regex"):
+        plan_update(manifest, engines, "direct", 64, RoutingCache(), direct_fallback="(")
