@@ -16,6 +16,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,18 +85,18 @@ class UpdateWorker(ABC):
         """Load this worker's staged parameters (model format, by parameter name), and the
         full checkpoint tensors of parameters discovery could not describe."""
 
-    def mismatched(self, expected: Mapping[str, torch.Tensor]) -> list[str]:
-        """Parameters the live model holds differently from ``expected`` (model format).
+    def compare_live(self, expected: Mapping[str, torch.Tensor]) -> Comparison:
+        """Which live parameters differ from ``expected`` (model format), and which it could
+        not compare.
 
         Engines that keep checkpoint layout live (SGLang) compare bytes; engines that
         repack into kernel layouts override this with a fresh-load comparison.
         """
         live = dict(self.model().named_parameters())
-        return [
-            name
-            for name, tensor in expected.items()
-            if name in live and not same_bytes(live[name], tensor)
-        ]
+        return Comparison(
+            [n for n, t in expected.items() if n in live and not same_bytes(live[n], t)],
+            [n for n in expected if n not in live],
+        )
 
     # -- the one entry point ----------------------------------------------------------
     def call(self, engine_id: str, method: str, *args: Any) -> dict[str, Any]:
@@ -251,11 +252,11 @@ class UpdateWorker(ABC):
             regions, shards = self.regions()
             full = dict(staged_tensors(state.layout, state.buffers))
             expected, uncovered = assemble_regions(regions, shards, full)
-        mismatched = self.mismatched(expected)
+        compared = self.compare_live(expected)
         return {
-            "checked": len(expected),
-            "unchecked": uncovered,
-            "mismatched": mismatched,
+            "checked": len(expected) - len(compared.unchecked),
+            "unchecked": sorted([*uncovered, *compared.unchecked]),
+            "mismatched": compared.mismatched,
             "seconds": time.perf_counter() - started,
         }
 
@@ -279,6 +280,14 @@ class UpdateWorker(ABC):
         if missing and not self._update.fallback:
             raise ValueError(f"direct commit lacks staged parameters: {missing[:3]}")
         return {n: buffers[n].view(s.dtype).view(s.shape) for n, s in specs.items() if n in buffers}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The live model against the generation: names that differ, names not comparable."""
+
+    mismatched: list[str]
+    unchecked: list[str]
 
 
 class LandingMismatch(RuntimeError):

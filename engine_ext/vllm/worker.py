@@ -18,7 +18,7 @@ import torch
 from engine_ext.placement import RegionSpec
 from engine_ext.shards import ShardSpec
 from engine_ext.vllm.placement import describe_vllm_shards
-from engine_ext.worker import LandingMismatch, UpdateWorker, same_bytes
+from engine_ext.worker import Comparison, LandingMismatch, UpdateWorker, same_bytes
 
 
 class VllmUpdateWorker(UpdateWorker):
@@ -76,7 +76,7 @@ class VllmUpdateWorker(UpdateWorker):
 
         self._reload(feed)
 
-    def mismatched(self, expected: Mapping[str, torch.Tensor]) -> list[str]:
+    def compare_live(self, expected: Mapping[str, torch.Tensor]) -> Comparison:
         """Each layer as served against the same layer freshly loaded with ``expected``.
 
         vLLM keeps derived state a byte comparison cannot see (CPU GEMMs hold packed weights
@@ -85,11 +85,10 @@ class VllmUpdateWorker(UpdateWorker):
         ``process_weights_after_loading``, then both run one probe input and must agree
         bit for bit. Tensors without a kernel are compared as bytes.
         """
-        from vllm.platforms import current_platform
-
         model = self.model()
         named = {id(p): n for n, p in model.named_parameters() if n in expected}
         differ: list[str] = []
+        unchecked: list[str] = []
         for module_name, layer in model.named_modules():
             prefix = f"{module_name}." if module_name else ""
             own = {
@@ -103,15 +102,14 @@ class VllmUpdateWorker(UpdateWorker):
             method = getattr(layer, "quant_method", None)
             experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
             kernel: set[str] = set()
-            if experts is not None and current_platform.is_cpu():
-                shadow = shadow_layer(layer, own)
-                experts.process_weights_after_loading(shadow)
+            if experts is not None:
                 kernel = set(own)
-                differ += [
-                    prefix + n
-                    for n in own
-                    if not same_bytes(getattr(layer, n), shadow._parameters[n])
-                ]
+                fresh = fresh_experts(layer, method, experts, own)
+                for n in own:
+                    if fresh is None or n not in fresh:
+                        unchecked.append(prefix + n)
+                    elif not same_bytes(getattr(layer, n), fresh[n]):
+                        differ.append(prefix + n)
             elif experts is None and hasattr(method, "apply") and "weight" in own:
                 kernel = {"weight"}
                 if not same_kernel(layer, method, own["weight"]):
@@ -123,7 +121,7 @@ class VllmUpdateWorker(UpdateWorker):
                 for n, tensor in own.items()
                 if n not in kernel and not same_bytes(getattr(layer, n), tensor)
             ]
-        return differ
+        return Comparison(differ, unchecked)
 
     def _reload(self, feed: Callable[[torch.nn.Module], object]) -> None:
         """vLLM's layerwise reload around ``feed``, then tied layers re-derived.
@@ -169,6 +167,35 @@ def shadow_layer(layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) ->
         fresh.__dict__.update(live.__dict__)
         shadow._parameters[name] = fresh
     return shadow
+
+
+def fresh_experts(
+    layer: torch.nn.Module, method: Any, experts: Any, expected: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """Fused expert weights as a fresh load stores them: on CPU the experts' own prepack of
+    the expected tensors; elsewhere the method's padding and kernel-format conversion (not
+    run on a GPU here yet). ``None`` where that conversion cannot be reproduced."""
+    from vllm.platforms import current_platform
+
+    shadow = shadow_layer(layer, expected)
+    if current_platform.is_cpu():
+        experts.process_weights_after_loading(shadow)
+        return {n: shadow._parameters[n] for n in expected}
+    try:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+            convert_to_unquantized_kernel_format,
+        )
+
+        w13, w2 = convert_to_unquantized_kernel_format(
+            method.unquantized_backend,
+            moe_config=layer.moe_config,
+            w13_weight=method._maybe_pad_weight(shadow.w13_weight.data),
+            w2_weight=method._maybe_pad_weight(shadow.w2_weight.data),
+            layer=shadow,
+        )
+    except Exception:  # a backend whose layout cannot be rebuilt off the live layer
+        return None
+    return {"w13_weight": w13, "w2_weight": w2}
 
 
 def same_kernel(layer: torch.nn.Module, method: Any, weight: torch.Tensor) -> bool:
