@@ -136,8 +136,9 @@ def run_family(
     dirs = [make_tiny(family, work / "g1", tied=tied)]
     dirs += [perturbed_copy(dirs[0], work / f"g{seed + 1}", seed) for seed in (1, 2)]
     logs = work / "logs"
+    args = FAMILIES[family].serve_args
     try:
-        references = [plain_outputs(d, settings, tp, logs) for d in dirs[1:]]
+        references = [plain_outputs(d, settings, tp, logs, args) for d in dirs[1:]]
     except RuntimeError as error:
         run.error = str(error)
         return run
@@ -150,6 +151,7 @@ def run_family(
         log_dir=logs,
         token="matrix",
         extra_env=engine_env,
+        extra_args=args,
     )
     try:
         engine.start()
@@ -197,8 +199,9 @@ def table(runs: list[FamilyRun]) -> str:
 def matrix_cases(tp2: tuple[str, ...]) -> list[tuple[str, bool, int]]:
     cases = []
     for key, family in FAMILIES.items():
-        for tied in (True, False) if family.can_tie else (False,):
-            cases.append((key, tied, 1))
+        for tied, allowed in ((True, family.can_tie), (False, family.can_untie)):
+            if allowed:
+                cases.append((key, tied, 1))
         if key in tp2:
             cases.append((key, family.tied_by_default, 2))
     return cases

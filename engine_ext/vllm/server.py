@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ class VllmServer:
         token: str | None = None,
         plain: bool = False,
         extra_env: dict[str, str] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         """``plain``: vLLM as shipped (no Mooncake plugin or extension) serving ``model_dir``
         from disk, the reference that updated engines are compared with."""
@@ -74,6 +76,7 @@ class VllmServer:
             "4",
             "--tensor-parallel-size",
             str(tensor_parallel_size),
+            *extra_args,
         ]
         if not plain:
             args += ["--worker-extension-cls", "mooncake_rl.Ext"]
