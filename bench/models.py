@@ -58,19 +58,25 @@ def last_error(log: Path) -> str:
     return (errors or lines or ["no log"])[-1].strip()[:300]
 
 
-def plain_outputs(model_dir: Path, settings: Settings, tp: int, log_dir: Path) -> list[int]:
+def plain_outputs(
+    model_dir: Path, settings: Settings, tp: int, log_dir: Path, args: tuple[str, ...] = ()
+) -> list[int]:
     """Plain vLLM's greedy output for these weights (one server per weights and TP)."""
     weights = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
     if (weights, tp) not in _PLAIN:
-        _PLAIN[weights, tp] = _serve_plain(model_dir, settings, tp, log_dir)
+        _PLAIN[weights, tp] = _serve_plain(model_dir, settings, tp, log_dir, args)
     return _PLAIN[weights, tp]
 
 
 _PLAIN: dict[tuple[str, int], list[int]] = {}
 
 
-def _serve_plain(model_dir: Path, settings: Settings, tp: int, log_dir: Path) -> list[int]:
-    server = VllmServer(model_dir, settings, plain=True, tensor_parallel_size=tp, log_dir=log_dir)
+def _serve_plain(
+    model_dir: Path, settings: Settings, tp: int, log_dir: Path, args: tuple[str, ...]
+) -> list[int]:
+    server = VllmServer(
+        model_dir, settings, plain=True, tensor_parallel_size=tp, log_dir=log_dir, extra_args=args
+    )
     try:
         server.start()
     except Exception as error:
