@@ -130,11 +130,14 @@ def run_family(
     *,
     engine_env: dict[str, str] | None = None,
     after: Callable[[VllmServer, FamilyRun, list[Path]], None] | None = None,
+    compiled: bool = False,
 ) -> FamilyRun:
     """One matrix row; every server it starts is stopped before it returns.
 
     ``after(engine, run, model_dirs)`` runs on the updated engine before it stops (tests
-    add steps there without starting another engine).
+    add steps there without starting another engine). Engines run eagerly
+    (``--enforce-eager``) unless ``compiled``: it halves a CPU server's start and changes no
+    greedy output here; ``tests/engine/test_vllm_e2e.py`` keeps the compiled path covered.
     """
     run = FamilyRun(family, tied, tp)
     name = f"{family}-{'tied' if tied else 'untied'}-tp{tp}"
@@ -142,7 +145,7 @@ def run_family(
     dirs = [make_tiny(family, work / "g1", tied=tied)]
     dirs += [perturbed_copy(dirs[0], work / f"g{seed + 1}", seed) for seed in (1, 2)]
     logs = work / "logs"
-    args = FAMILIES[family].serve_args
+    args = FAMILIES[family].serve_args + (() if compiled else ("--enforce-eager",))
     try:
         references = [plain_outputs(d, settings, tp, logs, args) for d in dirs[1:]]
     except RuntimeError as error:
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path("out/models"))
     parser.add_argument("--family", action="append", help="only these families")
     parser.add_argument("--tp2", default="qwen2,qwen3_moe", help="families also run at TP 2")
+    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled path (slower)")
     args = parser.parse_args(argv)
     cases = matrix_cases(tuple(args.tp2.split(",")))
     if args.family:
@@ -239,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             with StoreClient(settings) as store:
                 for family, tied, tp in cases:
-                    run = run_family(family, tied, tp, args.root, settings, store)
+                    run = run_family(
+                        family, tied, tp, args.root, settings, store, compiled=args.compiled
+                    )
                     runs.append(run)
                     row = asdict(run)
                     for mode in ("compat", "direct"):
