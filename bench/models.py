@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
@@ -185,24 +186,34 @@ def run_family(
     return run
 
 
-def table(runs: list[FamilyRun]) -> str:
-    """The README table: family, direct OK, compat OK, bytes by landing kind, seconds."""
-    rows = [
-        "| family | tied | TP | direct | compat | direct bytes received | compat bytes read "
-        "| direct s | compat s | check s (max) | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+def table(runs: list[dict[str, Any]]) -> str:
+    """The docs table from JSON rows: family, direct OK, compat OK, bytes by landing kind
+    (direct: into parameters / through load_weights; compat: full tensors), seconds."""
+    lines = [
+        "| family | tied | TP | direct | compat | direct: into parameters | direct: fallback "
+        "| compat: full tensors | direct s | compat s | check s (max) | parameters checked "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
-        note = run.error or run.direct.error or run.compat.error or ""
-        check = max(run.direct.verify_seconds, run.compat.verify_seconds)
-        rows.append(
-            f"| {run.family} | {'yes' if run.tied else 'no'} | {run.tp} "
-            f"| {'OK' if run.direct.ok else 'FAIL'} | {'OK' if run.compat.ok else 'FAIL'} "
-            f"| {run.direct.received_bytes:,} | {run.compat.store_read_bytes:,} "
-            f"| {run.direct.seconds:.2f} | {run.compat.seconds:.2f} | {check:.3f} "
-            f"| {note[:120]} |"
+        direct, compat = run["direct"], run["compat"]
+        note = run["error"] or direct["error"] or compat["error"] or ""
+        check = max(direct["verify_seconds"], compat["verify_seconds"])
+        lines.append(
+            f"| {run['family']} | {'yes' if run['tied'] else 'no'} | {run['tp']} "
+            f"| {'OK' if direct['ok'] else 'FAIL'} | {'OK' if compat['ok'] else 'FAIL'} "
+            f"| {direct['received_bytes'] - direct['fallback_bytes']:,} "
+            f"| {direct['fallback_bytes']:,} | {compat['received_bytes']:,} "
+            f"| {direct['seconds']:.2f} | {compat['seconds']:.2f} | {check:.3f} "
+            f"| {direct['checked']} | {note[:160]} |"
         )
-    return "\n".join(rows)
+    return "\n".join(lines)
+
+
+def rows_of(log: Path) -> list[dict[str, Any]]:
+    """The JSON rows a matrix run printed (one per line) in ``log``."""
+    lines = log.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
 
 
 def matrix_cases(tp2: tuple[str, ...]) -> list[tuple[str, bool, int]]:
@@ -224,12 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", action="append", help="only these families")
     parser.add_argument("--tp2", default="qwen2,qwen3_moe", help="families also run at TP 2")
     parser.add_argument("--compiled", action="store_true", help="vLLM's compiled path (slower)")
+    parser.add_argument("--table-from", type=Path, help="print the table of an earlier run's log")
     args = parser.parse_args(argv)
+    if args.table_from:
+        print(table(rows_of(args.table_from)))
+        return 0
     cases = matrix_cases(tuple(args.tp2.split(",")))
     if args.family:
         cases = [c for c in cases if c[0] in args.family]
     args.root.mkdir(parents=True, exist_ok=True)
-    runs: list[FamilyRun] = []
+    runs: list[dict[str, Any]] = []
     with EmbeddedMaster(MasterConfig(log_dir=args.root / "master")) as master:
         holder = SegmentHolder(
             master.master_address, master.metadata_url, 512 << 20, log_dir=args.root
@@ -246,15 +261,15 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_family(
                         family, tied, tp, args.root, settings, store, compiled=args.compiled
                     )
-                    runs.append(run)
                     row = asdict(run)
                     for mode in ("compat", "direct"):
                         row[mode].pop("result")
+                    runs.append(row)
                     print(json.dumps(row), flush=True)
         finally:
             holder.stop()
     print(table(runs))
-    return 0 if all(r.error or (r.direct.ok and r.compat.ok) for r in runs) else 1
+    return 0 if all(r["error"] or (r["direct"]["ok"] and r["compat"]["ok"]) for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -213,3 +213,23 @@ def test_deepseek_v3_shape_matches_its_public_config() -> None:
     experts = [t for t in model.tensors if t.kind == "expert"]
     assert len(experts) == (61 - 3) * 256 * 3  # first 3 layers dense; gate/up/down per expert
     assert {t.layer_id for t in experts} == set(range(3, 61))
+
+
+def test_models_table_counts_bytes_by_landing_kind(tmp_path) -> None:
+    """``python -m bench.models --table-from LOG`` rebuilds the docs table from JSON rows."""
+    from dataclasses import asdict
+
+    from bench.models import FamilyRun, ModeRun, rows_of, table
+
+    run = FamilyRun("qwen2", True, 2)
+    run.direct = ModeRun(ok=True, received_bytes=1000, fallback_bytes=96, checked=7)
+    run.compat = ModeRun(ok=False, received_bytes=2048, error="commit failed: x")
+    row = asdict(run)
+    for mode in ("compat", "direct"):
+        row[mode].pop("result")
+    log = tmp_path / "models.log"
+    log.write_text("vLLM noise\n" + json.dumps(row) + "\n")
+    lines = table(rows_of(log)).splitlines()
+    assert len(lines) == 3
+    assert lines[2].startswith("| qwen2 | yes | 2 | OK | FAIL | 904 | 96 | 2,048 |")
+    assert lines[2].endswith("| 7 | commit failed: x |")
