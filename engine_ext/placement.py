@@ -55,6 +55,9 @@ def describe_shards(
         if subs and hasattr(layer, "output_partition_sizes") and len(shape) >= 1:
             parts = [int(rows) for rows in layer.output_partition_sizes]
             totals = [int(n) for n in getattr(layer, "output_sizes", parts)]
+            # QKV with fewer key/value heads than ranks: output_sizes count each replica.
+            replicas = int(getattr(layer, "num_kv_head_replicas", 1) or 1)
+            totals = [n if index == 0 else n // replicas for index, n in enumerate(totals)]
             if len(subs) not in (1, len(parts)) or len(totals) != len(parts):
                 continue  # undescribed: direct mode lands it through the fallback
             # One checkpoint tensor per part, or (Phi-3) one tensor holding every part.

@@ -104,3 +104,23 @@ def test_row_parallel_weights_split_their_input_dim_and_vocab_rows_follow_shard_
         ((3, 8), (0, 4), (3, 4)),
         ((10, 3), (5, 0), (5, 3)),
     ]
+
+
+def test_replicated_key_value_heads_are_boxes_of_the_checkpoint_tensors() -> None:
+    """TP 2 over one key/value head: vLLM's ``output_sizes`` count it twice; both ranks hold
+    the whole k and v (rank // replicas), and query rows split."""
+    qkv = layer(output_sizes=[8, 4, 4], output_partition_sizes=[4, 2, 2], num_kv_head_replicas=2)
+
+    def rank_of(_layer: torch.nn.Module, sub: int) -> int:
+        return 1 if sub == 0 else 1 // 2
+
+    _, shards = describe_shards(
+        [("m.qkv_proj.weight", qkv, "weight", torch.empty(8, 3))],
+        {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+        rank_of,
+    )
+    assert [(s.tensor, s.global_shape, s.global_offset, s.local_shape) for s in shards] == [
+        ("m.q_proj.weight", (8, 3), (4, 0), (4, 3)),
+        ("m.k_proj.weight", (2, 3), (0, 0), (2, 3)),
+        ("m.v_proj.weight", (2, 3), (0, 0), (2, 3)),
+    ]
