@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_ext.vllm.server import VllmServer
-from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
+from mooncake_rl.coordinator import Coordinator, UpdateResult
+from mooncake_rl.errors import MooncakeRLError
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -105,8 +106,8 @@ def update_once(
             result = coordinator.update(
                 name, mode=mode, batch_bytes=64 << 10, direct_fallback=direct_fallback
             )
-    except UpdateFailed as failed:
-        run.error = str(failed)[:300]
+    except MooncakeRLError as failed:  # refused or failed: a matrix row, not a crash
+        run.error = f"{type(failed).__name__}: {failed}"[:300]
         return run
     run.seconds = time.perf_counter() - started
     run.store_read_bytes = result.store_read_bytes

@@ -20,13 +20,13 @@ def model_format_params(model: torch.nn.Module) -> Iterator[ParamRow]:
 
     A parameter shared by several layers (a tied ``lm_head``) is described once, under the
     first layer that holds it; landing re-derives the others (``rederive_tied_layers``).
-    Parameters vLLM never moves to meta for reloading (a linear ``bias``) are described
-    from the live tensor, in the layer's parameter dtype.
+    Parameters vLLM never moves to meta for reloading (a linear ``bias``, DeepSeek's
+    ``e_score_correction_bias``) are described from the live tensor, in the layer's
+    parameter dtype.
     """
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS as live_only
 
-    live_only = SKIP_TENSORS - SKIP_LOAD_TENSORS
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         info = LAYERWISE_INFO.get(module)
