@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mooncake_rl.settings import Settings
-from mooncake_rl.tiny_model import make_tiny_llama
+from mooncake_rl.tiny_model import make_tiny
 from tests.sglang.models.tiny import ARCHITECTURE
 
 
@@ -35,8 +35,9 @@ def publish_topology(tp_size: int, tp_rank: int) -> None:
 
 
 def sglang_model_dir(directory: Path) -> Path:
-    """The tiny Llama checkpoint, its config naming the tests' SGLang architecture."""
-    make_tiny_llama(directory)
+    """A tiny tied Qwen2 checkpoint (qkv bias, tied lm_head, one key/value head), its config
+    naming the tests' SGLang architecture."""
+    make_tiny("qwen2", directory, tied=True)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
     config["architectures"] = [ARCHITECTURE]

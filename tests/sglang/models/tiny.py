@@ -5,7 +5,9 @@ kernel package), so the tests use SGLang's real parallel layers — ``VocabParal
 ``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
 ``ParallelLMHead`` — with their ``weight_loader`` / ``output_dim`` / ``input_dim``
 attributes, and a ``load_weights`` that follows SGLang's Llama (``stacked_params_mapping``).
-The checkpoint is :func:`mooncake_rl.tiny_model.make_tiny_llama`'s.
+The checkpoints are :func:`mooncake_rl.tiny_model.make_tiny`'s tied Qwen2 (a q/k/v bias,
+``lm_head`` tied to the embeddings as SGLang's Qwen2 ties it, one key/value head replicated
+across TP ranks) or tiny Llama.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class _Attention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
+        qkv_bias = config.model_type == "qwen2"  # Qwen2 has a q/k/v bias, Llama none
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, heads, kv_heads, bias=False, quant_config=quant_config
+            config.hidden_size, head_dim, heads, kv_heads, bias=qkv_bias, quant_config=quant_config
         )
         self.o_proj = RowParallelLinear(
             heads * head_dim, config.hidden_size, bias=False, quant_config=quant_config
@@ -87,6 +90,8 @@ class MooncakeTinyForCausalLM(nn.Module):
         self.config = config
         self.model = _Body(config, quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:  # as SGLang's Qwen2 does: one Parameter, two layers
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.stacked_params_mapping = [  # as in SGLang's LlamaForCausalLM
             (".qkv_proj", ".q_proj", "q"),
             (".qkv_proj", ".k_proj", "k"),
