@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
-from mooncake_rl.errors import MooncakeRLError
-from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
+from mooncake_rl.errors import ConfigurationError, MooncakeRLError
+from mooncake_rl.services import (
+    EmbeddedMaster,
+    MasterConfig,
+    SegmentHolder,
+    StopSignals,
+    serve_until_stopped,
+)
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 
@@ -32,32 +37,47 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def cmd_master(args: argparse.Namespace) -> int:
-    master = EmbeddedMaster(
-        MasterConfig(host=args.host, rpc_port=args.port, metadata_port=args.metadata_port)
-    ).start()
-    holder = None
-    if args.segment_bytes > 0:
-        holder = SegmentHolder(
-            master.master_address, master.metadata_url, args.segment_bytes, args.host
-        ).start()
+    """Master (and holder) in the foreground; SIGTERM/SIGINT stop both and exit 0."""
+    with StopSignals() as stop, contextlib.ExitStack() as running:
+        master = running.enter_context(
+            EmbeddedMaster(
+                MasterConfig(host=args.host, rpc_port=args.port, metadata_port=args.metadata_port)
+            )
+        )
+        services: list[EmbeddedMaster | SegmentHolder] = [master]
+        exports = {
+            "MOONCAKE_RL_MASTER": master.master_address,
+            "MOONCAKE_RL_METADATA": master.metadata_url,
+        }
+        if args.segment_bytes > 0:
+            holder = running.enter_context(
+                SegmentHolder(
+                    master.master_address, master.metadata_url, args.segment_bytes, args.host
+                )
+            )
+            services.append(holder)
+            exports["MOONCAKE_RL_LOCAL_SEGMENT"] = holder.segment
+        print(json.dumps({**exports, "pid": master.pid}), flush=True)
+        print("export " + " ".join(f"{k}={v}" for k, v in exports.items()), flush=True)
+        return serve_until_stopped(services, stop)
+    return 0  # stopped while starting
 
-    def stop(signum: int, frame: FrameType | None) -> None:
-        if holder is not None:
-            holder.stop()
-        master.stop()
-        sys.exit(0)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    exports = {
-        "MOONCAKE_RL_MASTER": master.master_address,
-        "MOONCAKE_RL_METADATA": master.metadata_url,
-    }
-    if holder is not None:
-        exports["MOONCAKE_RL_LOCAL_SEGMENT"] = holder.segment
-    print(json.dumps({**exports, "pid": master.pid}), flush=True)
-    print("export " + " ".join(f"{k}={v}" for k, v in exports.items()), flush=True)
-    return master.wait()
+def cmd_holder(args: argparse.Namespace) -> int:
+    """A segment holder for an existing master: the memory short-lived clients write into."""
+    if args.segment_bytes <= 0:
+        raise ConfigurationError("--segment-bytes must be positive")
+    settings = settings_from(args)
+    with StopSignals() as stop, contextlib.ExitStack() as running:
+        holder = running.enter_context(
+            SegmentHolder(settings.master, settings.metadata, args.segment_bytes, settings.hostname)
+        )
+        exports = {"MOONCAKE_RL_LOCAL_SEGMENT": holder.segment}
+        line = {**exports, "segment": holder.segment, "segment_bytes": args.segment_bytes}
+        print(json.dumps({**line, "pid": holder.pid}), flush=True)
+        print("export " + " ".join(f"{k}={v}" for k, v in exports.items()), flush=True)
+        return serve_until_stopped([holder], stop)
+    return 0  # stopped while starting
 
 
 def _store(args: argparse.Namespace, *, lends_memory: bool = False) -> StoreClient:
@@ -172,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run a segment holder lending this much memory (0: none)",
     )
     master.set_defaults(func=cmd_master)
+
+    holder = commands.add_parser(
+        "holder", help="lend memory to an existing master's Store (segment holder, foreground)"
+    )
+    holder.add_argument(
+        "--segment-bytes", type=int, default=1 << 30, help="memory to lend (default 1 GiB)"
+    )
+    holder.add_argument("--master", help="host:port of mooncake_master (MOONCAKE_RL_MASTER)")
+    holder.add_argument("--metadata", help="metadata URL (MOONCAKE_RL_METADATA)")
+    holder.add_argument(
+        "--hostname", help="address clients reach this holder at (MOONCAKE_RL_HOSTNAME)"
+    )
+    holder.set_defaults(func=cmd_holder)
 
     publish = commands.add_parser(
         "publish", help="publish a safetensors checkpoint as the next generation"

@@ -65,6 +65,8 @@ class MooncakeError(MooncakeRLError):
     operation: str
     context: str
     codes: ClassVar[tuple[int, ...]] = ()
+    hint: ClassVar[str] = ""
+    """What the user can do about it, appended to the message (Mooncake's codes are terse)."""
 
     def __init__(self, code: int, operation: str, context: str = "") -> None:
         self.code = code
@@ -72,7 +74,8 @@ class MooncakeError(MooncakeRLError):
         self.operation = operation
         self.context = context
         where = f" [{context}]" if context else ""
-        super().__init__(f"{self.name} ({code}) in {operation}{where}")
+        hint = f": {self.hint}" if self.hint else ""
+        super().__init__(f"{self.name} ({code}) in {operation}{where}{hint}")
 
 
 class ObjectNotFound(MooncakeError):
@@ -92,9 +95,19 @@ class LeaseExpired(MooncakeError):
 
 
 class StoreFull(MooncakeError):
-    """The Store had no space for an allocation (NO_AVAILABLE_HANDLE)."""
+    """The Store had no space for an allocation (NO_AVAILABLE_HANDLE).
+
+    Seen first by new users: a bare ``mooncake_master`` has no memory, and CLI commands lend
+    none, so every put fails with this code until someone mounts a segment. Say so.
+    """
 
     codes = (-200,)
+    hint = (
+        "no mounted segment has room for this object, or no segment is mounted at all "
+        "(the master holds no memory and `mooncake-rl` commands lend none); lend memory with "
+        "`mooncake-rl holder --segment-bytes N` (or `mooncake-rl master --segment-bytes N`), "
+        "or, in a long-lived library client that lends its own, raise MOONCAKE_RL_SEGMENT_BYTES"
+    )
 
 
 class InvalidParams(MooncakeError):

@@ -2,7 +2,9 @@
 
 One class serves ``mooncake-rl master`` (foreground) and the pytest fixture. The child runs
 in its own process group and receives SIGTERM if its parent dies (``PR_SET_PDEATHSIG``), so
-neither a failed test nor a killed CLI leaves a master behind.
+neither a failed test nor a killed CLI leaves a master behind. Foreground commands stop on
+SIGTERM/SIGINT through :class:`StopSignals` and :func:`serve_until_stopped`: the signal handler
+only records the signal, and the main thread stops the children outside it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Self
 
 from mooncake_rl.errors import ConfigurationError, ServiceError
@@ -86,6 +88,7 @@ class ManagedProcess:
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
+        self.returncode: int | None = None
         with log_path.open("wb") as log:
             self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
                 args,
@@ -112,24 +115,52 @@ class ManagedProcess:
             time.sleep(0.05)
         raise ServiceError(f"{what} not healthy after {timeout_s}s; see {self.log_path}")
 
-    def wait(self) -> int:
-        if self._process is None:
+    def poll(self) -> int | None:
+        """The exit code once the child has exited (it is then reaped), else ``None``."""
+        return self._process.poll() if self._process is not None else self.returncode
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Poll until the child exits; ``TimeoutError`` after ``timeout_s``.
+
+        Polling instead of a blocking ``Popen.wait`` means this frame never sits inside
+        ``waitpid`` holding subprocess's waitpid lock, so nothing that interrupts it (a signal
+        handler, another thread) can deadlock on that lock while reaping the same child.
+        """
+        process = self._process
+        if process is None:
             raise ServiceError("process not started")
-        return self._process.wait()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (code := process.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"pid {process.pid} still running after {timeout_s}s")
+            time.sleep(0.05)
+        return code
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Terminate the process group; escalate to SIGKILL; always reap."""
-        process, self._process = self._process, None
+        """Terminate the process group; escalate to SIGKILL; always reap.
+
+        Every wait here is bounded, so a stop can never hang on a child or on the waitpid lock.
+        """
+        process = self._process
         if process is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as error:
+            raise ServiceError(
+                f"pid {process.pid} survived SIGKILL for {timeout_s}s; see {self.log_path}"
+            ) from error
+        finally:
+            if process.returncode is not None:
+                self.returncode, self._process = process.returncode, None
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -147,6 +178,7 @@ def _log_dir(configured: Path | None) -> Path:
 class _Service:
     """Context-manager plumbing shared by the embedded services."""
 
+    name = "service"
     _process: ManagedProcess | None = None
 
     @property
@@ -156,10 +188,20 @@ class _Service:
     def is_running(self) -> bool:
         return self._process is not None and self._process.is_running()
 
-    def wait(self) -> int:
+    def poll(self) -> int | None:
+        """The child's exit code if it exited on its own, ``None`` while it runs."""
         if self._process is None:
             raise ServiceError("service not started")
-        return self._process.wait()
+        return self._process.poll()
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._process.log_path if self._process is not None else None
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        if self._process is None:
+            raise ServiceError("service not started")
+        return self._process.wait(timeout_s)
 
     def stop(self) -> None:
         process, self._process = self._process, None
@@ -181,6 +223,79 @@ class _Service:
         self.stop()
 
 
+class Stopped(BaseException):
+    """A stop signal arrived while services were still starting (like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGTERM and SIGINT as a flag that the main thread polls.
+
+    A Python signal handler runs on the main thread between bytecodes, for example inside a
+    ``Popen.wait`` that holds subprocess's waitpid lock; stopping (and reaping) children from
+    there deadlocked ``mooncake-rl master`` (issue 14). So the handler never stops anything:
+    it records the signal, and, only while services are still starting (a start can take
+    seconds and nothing is being waited on yet), raises :class:`Stopped` once so the start is
+    abandoned and the caller's ``with`` blocks stop what did start.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._raise_once = True
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+        if self._raise_once:
+            self._raise_once = False
+            raise Stopped(signum)
+
+    def serving(self) -> None:
+        """From now on a signal only sets the flag (services stop outside the handler)."""
+        self._raise_once = False
+
+    def __enter__(self) -> Self:
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)  # type: ignore[arg-type]
+        return exc_type is Stopped  # a stop during startup is a clean stop
+
+
+def serve_until_stopped(
+    services: Sequence[_Service], stop: StopSignals, poll_s: float = 0.1
+) -> int:
+    """Keep services in the foreground until a stop signal (returns 0).
+
+    Polls with a short sleep instead of blocking in ``waitpid``, so a signal is seen within
+    ``poll_s`` and the caller stops the services in ordinary code. A service that exits on its
+    own raises :class:`ServiceError` naming its log; the caller's ``with`` stops the others.
+    """
+    stop.serving()
+    while stop.signum is None:
+        for service in services:
+            code = service.poll()
+            if code is not None:
+                raise ServiceError(
+                    f"{service.name} exited with code {code}; see {service.log_path}"
+                )
+        time.sleep(poll_s)
+    return 0
+
+
 @dataclass(frozen=True)
 class MasterConfig:
     host: str = "127.0.0.1"
@@ -198,6 +313,8 @@ class MasterConfig:
 
 class EmbeddedMaster(_Service):
     """A running ``mooncake_master`` with its HTTP metadata server."""
+
+    name = "mooncake_master"
 
     def __init__(self, config: MasterConfig | None = None) -> None:
         self.config = config or MasterConfig()
@@ -267,6 +384,8 @@ class SegmentHolder(_Service):
     Trainer ranks prefer this node-local segment; because it outlives them, a crashed trainer
     rank or a short-lived ``mooncake-rl publish`` loses no announced generation.
     """
+
+    name = "mooncake_client"
 
     def __init__(
         self,
