@@ -11,7 +11,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from engine_ext.receiver import ApplyRequest, DrainRequest, PrepareRequest, ReceiverError
+from engine_ext.receiver import (
+    ApplyRequest,
+    DrainRequest,
+    PrepareRequest,
+    ReceiverError,
+    ServedRecord,
+)
 
 
 class WorkerBackend(ABC):
@@ -40,13 +46,20 @@ class WorkerBackend(ABC):
             raise RuntimeError("; ".join(f"rank {r['rank']}: {r['error']}" for r in failed))
         return replies
 
-    async def served(self) -> tuple[int, str | None]:
-        """The generation (and model name) every rank serves; they must agree."""
+    async def served(self) -> tuple[ServedRecord, str | None]:
+        """The active record (and model name) every rank serves; they must agree."""
         replies = await self._rpc("status")
-        generations = {r.get("generation") for r in replies}
-        if len(generations) != 1:
-            raise RuntimeError(f"workers disagree on the served generation: {sorted(generations)}")
-        return int(generations.pop() or 0), replies[0].get("model_name")
+        records = {
+            ServedRecord(
+                int(r.get("generation") or 0), int(r.get("fence") or 0), r.get("incarnation")
+            )
+            for r in replies
+        }
+        if len(records) != 1:
+            raise RuntimeError(
+                f"workers disagree on the served generation: {sorted(map(str, records))}"
+            )
+        return records.pop(), replies[0].get("model_name")
 
     async def placement(self) -> dict[str, Any]:
         return {"workers": await self._rpc("describe")}

@@ -46,6 +46,10 @@ class PrepareRequest(_Request):
     manifest_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     mode: Literal["compat", "direct"]
     workers: dict[str, dict[str, Any]] = Field(description="routing slice per worker id")
+    fence: int = Field(0, ge=0, lt=10**12, description="the active record's fence (0: none)")
+    incarnation: str | None = Field(
+        None, pattern=r"^[0-9a-f]{16}$", description="the Store incarnation of that record"
+    )
 
 
 class ApplyRequest(_Request):
@@ -84,23 +88,57 @@ class EngineBackend(Protocol):
     async def abort(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ServedRecord:
+    """Which active record an engine serves: generation, fence and Store incarnation.
+
+    Within one incarnation the fence orders records (``activate`` may name an older
+    generation under a newer fence); across incarnations nothing compares, since a master
+    that lost its state restarts its numbering.
+    """
+
+    generation: int = 0
+    fence: int = 0
+    incarnation: str | None = None
+
+    def superseded_by(self, request: PrepareRequest) -> bool:
+        if request.incarnation is not None and self.incarnation not in (None, request.incarnation):
+            return True
+        if request.fence and self.fence:
+            return request.fence > self.fence
+        return request.generation > self.generation
+
+
 class Receiver:
     """Serializes update calls and enforces the state machine and generation fences."""
 
-    def __init__(self, backend: EngineBackend, model: str, generation: int) -> None:
+    def __init__(
+        self,
+        backend: EngineBackend,
+        model: str,
+        generation: int,
+        served: ServedRecord | None = None,
+    ) -> None:
         self.backend = backend
         self.model = model
-        self.generation = generation
+        self.served = served or ServedRecord(generation)
         self.state = ReceiverState.SERVING
         self.pending: int | None = None
+        self._pending_record: ServedRecord | None = None
         self.last_error: str | None = None
         self._lock = asyncio.Lock()
+
+    @property
+    def generation(self) -> int:
+        return self.served.generation
 
     def status(self) -> dict[str, Any]:
         return {
             "engine_id": self.backend.engine_id,
             "model": self.model,
             "generation": self.generation,
+            "fence": self.served.fence,
+            "incarnation": self.served.incarnation,
             "state": self.state.value,
             "pending_generation": self.pending,
             "last_error": self.last_error,
@@ -149,11 +187,12 @@ class Receiver:
                 raise ReceiverError(
                     409, "wrong_model", f"engine serves {self.model!r}, not {request.model!r}"
                 )
-            if request.generation <= self.generation:
+            if not self.served.superseded_by(request):
                 raise ReceiverError(
                     409,
                     "stale_generation",
-                    f"generation {request.generation} is not newer than served {self.generation}",
+                    f"generation {request.generation} (fence {request.fence}) is not newer than "
+                    f"served generation {self.generation} (fence {self.served.fence})",
                 )
             try:
                 prepared = await self.backend.prepare(request)
@@ -164,6 +203,9 @@ class Receiver:
                 await self.backend.abort()
                 raise ReceiverError(409, "prepare_failed", str(error)) from error
             self.pending = request.generation
+            self._pending_record = ServedRecord(
+                request.generation, request.fence, request.incarnation
+            )
             self.state = ReceiverState.PREPARED
             return {**self.status(), **prepared}
 
@@ -191,7 +233,8 @@ class Receiver:
                 self.state = ReceiverState.BROKEN
                 self.last_error = f"commit failed: {error}"
                 raise ReceiverError(500, "commit_failed", str(error)) from error
-            self.generation, self.pending = request.generation, None
+            assert self._pending_record is not None
+            self.served, self.pending = self._pending_record, None
             self.state = ReceiverState.SERVING
             self.last_error = None
             return {**self.status(), **committed}
@@ -206,6 +249,6 @@ class Receiver:
                 return self.status()
             self._require(ReceiverState.PREPARED, ReceiverState.DRAINED)
             await self.backend.abort()
-            self.pending = None
+            self.pending = self._pending_record = None
             self.state = ReceiverState.DRAINED
             return self.status()

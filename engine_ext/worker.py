@@ -16,7 +16,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -122,8 +122,13 @@ class UpdateWorker(ABC):
 
     # -- protocol -----------------------------------------------------------------------
     def _status(self, engine_id: str) -> dict[str, Any]:
-        generation, name = served_by(self.model())
-        return {"generation": generation, "model_name": name}
+        served, name = served_by(self.model())
+        return {
+            "generation": served.generation,
+            "fence": served.fence,
+            "incarnation": served.incarnation,
+            "model_name": name,
+        }
 
     def _describe(self, engine_id: str) -> dict[str, Any]:
         """Placement: who this worker is and which checkpoint boxes land where."""
@@ -234,7 +239,8 @@ class UpdateWorker(ABC):
                 f"generation {generation} did not land intact; the live model differs from a "
                 f"fresh load in {check['mismatched'][:5]}: never served, rebuild from the Store"
             )
-        mark_served(self.model(), generation)
+        # The receiver records the new fence; this mark is what a rebuilt receiver starts from.
+        mark_served(self.model(), replace(served_by(self.model())[0], generation=generation))
         state.slice, state.generation = None, None
         return {
             "seconds": time.perf_counter() - started,

@@ -90,7 +90,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from mooncake_rl.generations.commands import publish_checkpoint
 
     with _store(args) as store:
-        record = publish_checkpoint(store, args.name, Path(args.model_dir), args.dtype)
+        record = publish_checkpoint(
+            store, args.name, Path(args.model_dir), args.dtype, args.replicas, args.keep
+        )
     print(record.generation)
     return 0
 
@@ -103,13 +105,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    print(f"model {status['model']}: active generation {status['active']}")
+    print(
+        f"model {status['model']}: active generation {status['active']} "
+        f"(Store incarnation {status['incarnation']})"
+    )
     for row in status["generations"]:  # type: ignore[union-attr]
         mark = "*" if row["active"] else " "
+        readable = "" if row["readable"] else f", UNREADABLE: {row['unreadable_objects'][0]}"
         print(
             f"{mark} g{row['generation']}: {row['tensors']} tensors, {row['bytes']} bytes, "
-            f"digest {row['digest'][:12]}, segments {row.get('bytes_per_segment')}"
+            f"digest {row['digest'][:12]}, segments {row.get('bytes_per_segment')}{readable}"
         )
+    return 0
+
+
+def cmd_activate(args: argparse.Namespace) -> int:
+    from mooncake_rl.generations.commands import activate_generation
+
+    with _store(args) as store:
+        print(json.dumps(activate_generation(store, args.name, args.generation)))
     return 0
 
 
@@ -214,6 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument(
         "--dtype", default="bfloat16", help="rollout dtype (bfloat16, float16, float32)"
     )
+    publish.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        choices=range(1, 9),
+        metavar="N",
+        help="copies of every object, each in another segment (1-8; needs N segments)",
+    )
+    publish.add_argument(
+        "--keep", type=int, default=2, help="retention after announce: newest generations kept"
+    )
     _client_flags(publish)
     publish.set_defaults(func=cmd_publish)
 
@@ -228,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep", type=int, default=2)
     _client_flags(gc)
     gc.set_defaults(func=cmd_gc)
+
+    activate = commands.add_parser(
+        "activate", help="make an older, fully readable generation active again"
+    )
+    activate.add_argument("--name", required=True)
+    activate.add_argument("--generation", type=int, required=True)
+    _client_flags(activate)
+    activate.set_defaults(func=cmd_activate)
 
     verify = commands.add_parser("verify", help="check a generation is whole in the Store")
     verify.add_argument("--name", required=True)

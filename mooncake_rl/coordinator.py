@@ -19,7 +19,12 @@ from typing import Any
 import httpx
 
 from mooncake_rl.errors import MooncakeRLError
-from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.generations.registry import (
+    ActiveRecord,
+    GenerationRegistry,
+    payload_problems,
+    require_active,
+)
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
 from mooncake_rl.store import StoreClient
 
@@ -58,6 +63,29 @@ class UpdateResult:
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:
+    """The engine already serves exactly this record's generation: the only skip."""
+    return (
+        placement.get("model") == record.model
+        and placement.get("generation") == record.generation
+        and placement.get("incarnation") == record.incarnation
+    )
+
+
+def refusal(url: str, placement: Mapping[str, Any], record: ActiveRecord) -> str | None:
+    """Why an engine cannot be brought to ``record`` (other model, or ahead of the Store)."""
+    if placement.get("model") != record.model:
+        return f"{url} serves {placement.get('model')!r}, not {record.model!r}"
+    same_store = placement.get("incarnation") == record.incarnation
+    if same_store and int(placement.get("fence") or 0) > record.fence:
+        return (
+            f"{url} serves generation {placement.get('generation')} under active record "
+            f"{placement.get('fence')}, newer than the Store's record {record.fence} (generation "
+            f"{record.generation}): another coordinator or publish moved on; retry the update"
+        )
+    return None
 
 
 class UpdateFailed(MooncakeRLError):
@@ -148,9 +176,7 @@ class Coordinator:
         """``direct_fallback``: regex of parameter names direct mode lands through each
         engine's ``load_weights`` (full tensors) instead of its shard discovery."""
         registry = GenerationRegistry(self.store, model)
-        record = registry.active()
-        if record is None:
-            raise MooncakeRLError(f"model {model!r} has no active generation")
+        record = require_active(self.store, model, "cannot update engines")
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
         result = UpdateResult(model, record.generation, mode, list(self.engines))
         clock = time.perf_counter()
@@ -166,15 +192,26 @@ class Coordinator:
         if failed:
             result.error = "; ".join(str(e) for e in failed.values())
             raise UpdateFailed(result)
-        targets = [u for u in self.engines if placements[u]["generation"] < record.generation]
-        result.skipped = [u for u in self.engines if u not in targets]
+        result.skipped = [u for u in self.engines if serves(placements[u], record)]
+        targets = [u for u in self.engines if u not in result.skipped]
         for url in targets:
-            if placements[url]["model"] != model:
-                result.error = f"{url} serves {placements[url]['model']!r}, not {model!r}"
+            problem = refusal(url, placements[url], record)
+            if problem:
+                result.error = problem
                 raise UpdateFailed(result)
         phase("placement")
         if not targets:
             return result
+        unreadable = payload_problems(self.store, manifest)
+        if unreadable:
+            result.error = (
+                f"generation {record.generation} of {model} is not fully readable "
+                f"({len(unreadable)} object(s): {', '.join(unreadable[:5])}); no engine was "
+                "drained. A segment holder was lost: `mooncake-rl status` lists readable "
+                "generations, `mooncake-rl activate --generation K` makes one active, or republish"
+            )
+            raise UpdateFailed(result)
+        phase("check")
 
         engines = {u: placements[u]["workers"] for u in targets}
         plan: UpdatePlan = plan_update(
@@ -201,6 +238,8 @@ class Coordinator:
                 "model": model,
                 "generation": record.generation,
                 "manifest_digest": record.manifest_digest,
+                "fence": record.fence,
+                "incarnation": record.incarnation,
                 "mode": mode,
                 "workers": plan.engine_workers(url),
             }

@@ -40,6 +40,11 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(
         60.0, gt=0, description="serving lease lifetime; engines renew at 1/3"
     )
+    retire_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description="GC spares a generation this long after it stopped being active",
+    )
     staging_watermark_bytes: int = Field(256 * MiB, gt=0, description="staging bytes in flight")
 
     @field_validator("master")

@@ -55,6 +55,9 @@ class RangeRead:
 
 
 RECORD_READ_ATTEMPTS = 5
+RECORD_REPLICAS = 3
+"""Copies of every small record (claims, fences, manifests, index): Mooncake places as many
+as there are segments, so no record depends on one segment when more than one exists."""
 DESCRIPTOR_BATCH = 4096  # keys per batch_get_replica_desc RPC
 READ_ATTEMPTS = 6  # ranged reads repeated after LEASE_EXPIRED
 LEASE_EXPIRED = -707
@@ -183,13 +186,14 @@ class StoreClient:
             self.unregister(ptr)
 
     def put_bytes(self, key: str, data: bytes, *, preferred_segments: Sequence[str] = ()) -> None:
-        config = self._config(1, preferred_segments, True)
+        """A small record (``RECORD_REPLICAS`` copies); a put to an existing key is ignored."""
+        config = self._config(RECORD_REPLICAS, preferred_segments, True)
         _check(self._store.put(key, data, config), "put", f"key={key}")
         COUNTERS.add(put=len(data))
 
     def upsert_bytes(self, key: str, data: bytes) -> None:
         """Insert or replace a small record; readers see the old or the new value."""
-        config = self._config(1, (), True)
+        config = self._config(RECORD_REPLICAS, (), True)
         _check(self._store.upsert(key, data, config), "upsert", f"key={key}")
         COUNTERS.add(put=len(data))
 
@@ -197,7 +201,9 @@ class StoreClient:
         """Create ``key`` only if absent (a fence): raises ObjectAlreadyExists otherwise."""
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         ptr, size = buffer.data_ptr(), len(data)
-        _check(self._store.batch_put_session_start([key], [size])[0], "put_session_start", key)
+        config = self._config(RECORD_REPLICAS, (), True)
+        started = self._store.batch_put_session_start([key], [size], config)[0]
+        _check(started, "put_session_start", key)
         self.register(ptr, size)
         try:
             written = self._store.batch_put_from_multi_buffer_ranges(

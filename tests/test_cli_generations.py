@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,4 +134,6 @@ def test_cli_bad_input_is_refused_with_a_clear_error(
     assert bad_regex.returncode == 2
     assert "--direct-fallback: not a regular expression" in bad_regex.stderr
     status = json.loads(run_cli(master, holder.segment, "status", "--name", "x", "--json").stdout)
-    assert status == {"model": "x", "active": None, "generations": []}
+    incarnation = status.pop("incarnation")
+    assert status == {"model": "x", "active": None, "fence": None, "generations": []}
+    assert incarnation is None or re.fullmatch("[0-9a-f]{16}", incarnation)

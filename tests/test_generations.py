@@ -21,10 +21,11 @@ from mooncake_rl.generations import (
     load_manifest,
 )
 from mooncake_rl.generations.catalog import build_manifest
+from mooncake_rl.generations.checksums import ChecksumTable
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
-from mooncake_rl.generations.keys import aborted_key, group_id, payload_key, report_key
+from mooncake_rl.generations.keys import group_id, payload_key, report_key
 from mooncake_rl.generations.layout import layout_digest
-from mooncake_rl.generations.publisher import PublishFailed, publish_local
+from mooncake_rl.generations.publisher import PublishFailed, publish_local, start_attempt
 from mooncake_rl.generations.registry import FenceError
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
@@ -64,6 +65,7 @@ def publish_rank(
     settings: Settings,
     model: str,
     generation: int,
+    attempt: str,
     rank: int,
     nodes: tuple[str, ...],
     seed: int,
@@ -71,7 +73,7 @@ def publish_rank(
     finalize_timeout_s: float,
 ) -> dict:
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        while behaviour.start_after_abort and not store.exists([aborted_key(publisher.group)])[0]:
+        while behaviour.start_after_abort and not publisher.aborted():
             time.sleep(0.05)
         for index, item in enumerate(model_tensors(seed)):
             if index == behaviour.die_after:
@@ -80,7 +82,14 @@ def publish_rank(
 
     with StoreClient(settings) as store:
         publisher = GenerationPublisher(
-            store, model, generation, rank, TrainerTopology(nodes), "bfloat16", check_locality=True
+            store,
+            model,
+            generation,
+            rank,
+            TrainerTopology(nodes),
+            "bfloat16",
+            check_locality=True,
+            attempt=attempt if rank == 0 else None,
         )
         report = publisher.publish(tensors())
         result = {"segment": store.local_segment, "report": report}
@@ -103,17 +112,23 @@ def publish_two_nodes(
     rank1: RankBehaviour = RankBehaviour(),
     finalize_timeout_s: float = 60.0,
 ) -> list[dict]:
-    """Rank 0 on node-a, rank 1 on node-b; rank 0 finalizes. A killed rank 1 returns nothing."""
+    """Rank 0 on node-a, rank 1 on node-b; rank 0 finalizes. A killed rank 1 returns nothing.
+
+    The attempt claims the next number, which must be ``generation``."""
     nodes = ("node-a", "node-b")
+    ranks = [trainer_settings(master, holders(node), node) for node in nodes]
+    with StoreClient(ranks[0]) as store:
+        claimed, attempt = start_attempt(store, model)
+    assert claimed == generation
     with ProcessGroup() as group:
-        for rank, node in enumerate(nodes):
-            settings = trainer_settings(master, holders(node), node)
+        for rank, settings in enumerate(ranks):
             behaviour = rank1 if rank == 1 else RankBehaviour()
             group.start(
                 publish_rank,
                 settings,
                 model,
                 generation,
+                attempt,
                 rank,
                 nodes,
                 seed,
@@ -246,34 +261,48 @@ def test_bad_generations_are_not_announced(settings: Settings, tensors: list, me
 def test_ranks_with_different_tensor_sets_are_refused(master: EmbeddedMaster, holders) -> None:
     model = "mismatch"
     nodes = ("node-a", "node-b")
+    with StoreClient(trainer_settings(master, holders(nodes[0]), nodes[0])) as store:
+        generation, attempt = start_attempt(store, model)
     with ProcessGroup() as group:
         for rank, (node, seed) in enumerate(zip(nodes, (5, 6), strict=True)):
             settings = trainer_settings(master, holders(node), node)
-            group.start(publish_rank, settings, model, 1, rank, nodes, seed, RankBehaviour(), 60.0)
+            group.start(
+                publish_rank,
+                settings,
+                model,
+                generation,
+                attempt,
+                rank,
+                nodes,
+                seed,
+                RankBehaviour(),
+                60.0,
+            )
         rank0, _ = group.results()
     assert "rank 1 iterated a different tensor set than rank 0" in rank0["error"]
     with StoreClient(settings_for(master)) as store:
         assert active_generation(store, model) is None
 
 
-def test_stale_and_duplicate_announces_are_fenced(settings: Settings) -> None:
+def test_stale_announces_are_fenced_and_name_the_winner(settings: Settings) -> None:
+    """An attempt that claimed an older number than the active generation loses: the error
+    names the winner, the active record is unchanged and the loser's objects are gone."""
     model = "fenced"
     with StoreClient(settings) as store:
+        late, attempt = start_attempt(store, model)  # claims 1, publishes after 2 and 3
         publish_local(store, model, [("w", torch.ones(4))])
         publish_local(store, model, [("w", torch.ones(4) * 2)])
         registry = GenerationRegistry(store, model)
-        with pytest.raises(
-            FenceError, match="stale announce: generation 1 is not newer than active generation 2"
-        ):
-            registry.announce(registry.load_manifest(1))
-        with pytest.raises(FenceError, match="generation 2 is not newer"):
-            registry.announce(registry.load_manifest(2))
-        assert registry.active().generation == 2
-        with pytest.raises(PublishFailed):
-            # generation 2 again under a fresh publisher: its fence already exists
-            publisher = GenerationPublisher(store, model, 2, 0, TrainerTopology.single())
-            finalize_generation(publisher, publisher.publish([("w", torch.ones(4))]), timeout_s=2)
-        assert registry.active().generation == 2
+        assert registry.active().generation == 3
+        publisher = GenerationPublisher(
+            store, model, late, 0, TrainerTopology.single(), attempt=attempt
+        )
+        with pytest.raises(PublishFailed, match=r"lost to generation 3 \(active: 3, fence 2\)"):
+            finalize_generation(publisher, publisher.publish([("w", torch.ones(4) * 9)]))
+        assert registry.active().generation == 3 and registry.active().fence == 2
+        assert not store.exists([payload_key(group_id(model, late), "w")])[0]
+        with pytest.raises(FenceError, match="belongs to publish attempt"):
+            registry.announce(registry.load_manifest(3), ChecksumTable(), "someone-else")
 
 
 def watch_active(settings: Settings, model: str, last: int, timeout_s: float, ready) -> dict:
@@ -318,8 +347,11 @@ def test_announce_refuses_missing_or_resized_payloads(
 ) -> None:
     model = "torn"
     with StoreClient(settings) as store:
-        publisher = GenerationPublisher(store, model, 1, 0, TrainerTopology.single())
-        publisher.publish([("a", torch.ones(4)), ("b", torch.ones(4))])
+        generation, attempt = start_attempt(store, model)
+        publisher = GenerationPublisher(
+            store, model, generation, 0, TrainerTopology.single(), attempt=attempt
+        )
+        report = publisher.publish([("a", torch.ones(4)), ("b", torch.ones(4))])
         key = payload_key(group_id(model, 1), "b")
         store.remove([key], force=True)
         if tamper == "resize":
@@ -327,7 +359,7 @@ def test_announce_refuses_missing_or_resized_payloads(
         manifest = build_manifest(model, 1, publisher.specs, "2026-11-30T00:00:00+00:00")
         registry = GenerationRegistry(store, model)
         with pytest.raises(InvariantViolation, match=re.escape(message)):
-            registry.announce(manifest)
+            registry.announce(manifest, ChecksumTable(dict(report.checksums)), attempt)
         assert registry.active() is None
         store.remove_prefix(group_id(model, 1) + "/", force=True)
 
@@ -353,16 +385,26 @@ def test_gc_keeps_newest_active_and_leased(settings: Settings) -> None:
     model = "gc"
     with StoreClient(settings) as store:
         for value in range(1, 6):
-            publish_local(store, model, [("w", torch.full((8,), float(value)))])
+            publish_local(store, model, [("w", torch.full((8,), float(value)))], keep=None)
         leases = LeaseBook(store, model)
         leases.renew("engine-old", 1, ttl_s=60)
         leases.renew("engine-expired", 2, ttl_s=-1)
-        report = collect_garbage(store, model, keep=2)
+        # Within the grace period nothing retired goes: a reader may be taking its lease.
+        assert collect_garbage(store, model, keep=2, grace_s=3600).deleted == ()
+        time.sleep(5.5)  # past Mooncake's read lease on the freshly written objects
+        report = collect_garbage(store, model, keep=2, grace_s=0)
         assert report.deleted == (2, 3) and report.kept == (1, 4, 5) and not report.failures
         registry = GenerationRegistry(store, model)
         assert [g.generation for g in registry.generations()] == [1, 4, 5]
         assert not store.exists([payload_key(group_id(model, 2), "w")])[0]
         assert store.exists([payload_key(group_id(model, 1), "w")])[0]
         leases.release("engine-old")
-        assert collect_garbage(store, model, keep=2).deleted == (1,)
+        # The exists() check above took Mooncake's read lease on generation 1's payload: a
+        # non-forced removal refuses it (OBJECT_HAS_LEASE) and the generation stays listed.
+        refused = collect_garbage(store, model, keep=2, grace_s=0)
+        assert refused.deleted == () and list(refused.failures.values()) == [-706]
+        assert [g.generation for g in registry.generations()] == [1, 4, 5]
+        time.sleep(5.5)
+        again = collect_garbage(store, model, keep=2, grace_s=0)
+        assert again.deleted == (1,), again
         assert registry.active().generation == 5

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine_ext.receiver import PrepareRequest, ServedRecord
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import TensorSpec, TrainerTopology, assign_publishers, build_manifest
 from mooncake_rl.generations.gc import plan_gc
 from mooncake_rl.generations.layout import layout_digest
-from mooncake_rl.generations.registry import ActiveRecord, FenceError, _sealed
+from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationIndex, _sealed
 
 sizes_strategy = st.lists(st.integers(1, 10_000), min_size=1, max_size=80)
 topology_strategy = st.lists(st.sampled_from(["n0", "n1", "n2"]), min_size=1, max_size=8).map(
@@ -99,22 +100,68 @@ def test_plan_gc_keeps_newest_active_and_leased() -> None:
         plan_gc([1], active=None, leased=[], keep=0)
 
 
+def record_for(manifest, fence: int, previous: int | None = None, at: float = 0.0):
+    return ActiveRecord(
+        "m", manifest.weight_generation, manifest.manifest_key, manifest.manifest_digest,
+        layout_digest(manifest), "c" * 32, "0123456789abcdef", fence,
+        manifest.weight_generation, previous, at, 1, 64, manifest.created_at,
+    )  # fmt: skip
+
+
 def test_active_record_carries_the_layout_digest() -> None:
-    """Announce seals the layout digest into the record; records written before it was
-    recorded still decode (``None``: consumers hash the manifest themselves)."""
+    """Announce seals the layout digest into the record; a record of another format (or a
+    forged digest) is refused, naming what is wrong."""
     specs = [TensorSpec("a", (4, 8), "bfloat16")]
     one, two = build_manifest("m", 1, specs, "now"), build_manifest("m", 2, specs, "later")
     assert layout_digest(one) == layout_digest(two)
     assert layout_digest(build_manifest("m", 1, [TensorSpec("a", (8, 4), "bfloat16")], "x")) != (
         layout_digest(one)
     )
-    record = ActiveRecord("m", 1, one.manifest_key, one.manifest_digest, layout_digest(one))
+    record = record_for(one, 1)
     assert ActiveRecord.decode(record.encode()) == record
     old = _sealed({"model": "m", "generation": 1, "manifest_key": one.manifest_key,
                    "manifest_digest": one.manifest_digest})  # fmt: skip
-    assert ActiveRecord.decode(old).layout_digest is None
+    with pytest.raises(FenceError, match="active record has unexpected fields"):
+        ActiveRecord.decode(old)
     with pytest.raises(FenceError, match="layout digest"):
-        ActiveRecord("m", 1, one.manifest_key, one.manifest_digest, "abc")
+        replace(record, layout_digest="abc")
     forged = _sealed({**asdict(record), "layout_digest": "Z" * 64})
     with pytest.raises(FenceError, match="layout digest"):
         ActiveRecord.decode(forged)
+
+
+def test_index_folds_fence_records_in_order_and_dates_retirement() -> None:
+    """Fence records fold into the index idempotently; the generation a record replaced is
+    retired at that record's time, and an activated one is active (not retired) again."""
+    specs = [TensorSpec("a", (4, 8), "bfloat16")]
+    m = {g: build_manifest("m", g, specs, f"t{g}") for g in (1, 2, 3)}
+    records = [
+        record_for(m[1], 1, None, 10.0),
+        record_for(m[2], 2, 1, 20.0),
+        record_for(m[3], 3, 2, 30.0),
+        replace(record_for(m[1], 4, 3, 40.0), newest=3),
+    ]
+    index = GenerationIndex(0, ()).with_records(records)
+    assert index.through_fence == 4
+    retired = {i.generation: i.retired_at for i in index.generations}
+    assert retired == {1: None, 2: 30.0, 3: 40.0}
+    assert index.with_records(records) == index
+    assert GenerationIndex.decode(index.encode()) == index
+    partial = GenerationIndex(0, ()).with_records(records[:2]).with_records(records)
+    assert partial == index
+
+
+def test_served_record_orders_by_fence_within_an_incarnation() -> None:
+    served = ServedRecord(5, 7, "0123456789abcdef")
+
+    def request(generation: int, fence: int, incarnation: str | None) -> PrepareRequest:
+        return PrepareRequest(
+            model="m", generation=generation, manifest_digest="ab" * 32, mode="compat",
+            workers={}, fence=fence, incarnation=incarnation,
+        )  # fmt: skip
+
+    assert served.superseded_by(request(4, 8, "0123456789abcdef"))  # activate moved back
+    assert not served.superseded_by(request(6, 7, "0123456789abcdef"))
+    assert served.superseded_by(request(1, 1, "fedcba9876543210"))  # a new master's numbering
+    assert ServedRecord().superseded_by(request(1, 1, "fedcba9876543210"))
+    assert not ServedRecord(3).superseded_by(request(3, 0, None))

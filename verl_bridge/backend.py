@@ -173,6 +173,8 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
             collective=Collective(),
             global_steps=global_steps,
             timeout_s=self.config.timeout_s,
+            replica_num=self.config.replica_num,
+            keep=self.config.keep,
         )
         source = ensure_async_iterator(weights)
         try:

@@ -49,6 +49,10 @@ class BridgeConfig:
     engine_urls: tuple[str, ...] = ()
     token: str | None = None
     timeout_s: float = 600.0
+    replica_num: int = 1
+    """Copies of every published object (Mooncake ``replica_num``), each in another segment."""
+    keep: int = 2
+    """Generations retention keeps after each announce (plus the active and leased ones)."""
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> BridgeConfig:
@@ -74,6 +78,12 @@ class BridgeConfig:
             raise ConfigurationError(f"mode must be one of {MODES}, got {config.mode!r}")
         if config.timeout_s <= 0:
             raise ConfigurationError("timeout_s must be positive")
+        if type(config.replica_num) is not int or config.replica_num < 1:
+            raise ConfigurationError(
+                f"replica_num must be an integer >= 1, got {config.replica_num!r}"
+            )
+        if type(config.keep) is not int or config.keep < 1:
+            raise ConfigurationError(f"keep must be an integer >= 1, got {config.keep!r}")
         return config
 
     def settings(self) -> Settings:

@@ -24,11 +24,13 @@ from mooncake_rl.errors import MooncakeError, MooncakeRLError
 from mooncake_rl.generations.assignment import TrainerTopology
 from mooncake_rl.generations.keys import model_prefix, payload_key
 from mooncake_rl.generations.publisher import (
+    DEFAULT_KEEP,
     GenerationPublisher,
     PublishFailed,
     PublishReport,
     abort_generation,
     finalize_generation,
+    start_attempt,
 )
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.store import StoreClient
@@ -162,11 +164,15 @@ class TrainerSync:
         collective: Collective,
         global_steps: int | None = None,
         timeout_s: float = 600.0,
+        replica_num: int = 1,
+        keep: int | None = DEFAULT_KEEP,
     ) -> None:
         self.store, self.model, self.dtype, self.sync_id = store, model, dtype, sync_id
         self.collective = collective
         self.global_steps = global_steps
         self.timeout_s = timeout_s
+        self.replica_num, self.keep = replica_num, keep
+        self._attempt: str | None = None  # rank 0: the attempt its claim names
         self.publisher: GenerationPublisher | None = None
         self.report: PublishReport | None = None
         self.errors: list[str] = []
@@ -183,7 +189,8 @@ class TrainerSync:
             nodes = self.collective.gather(self.store.settings.node)
             if self.rank == 0:
                 try:
-                    proposal = (GenerationRegistry(self.store, self.model).next_generation(), None)
+                    generation, self._attempt = start_attempt(self.store, self.model)
+                    proposal = (generation, None)
                 except MooncakeRLError as error:
                     proposal = (None, f"rank 0 could not pick a generation: {error}")
             generation, problem = self.collective.broadcast(proposal)
@@ -194,7 +201,14 @@ class TrainerSync:
             self._record(SyncOutcome(self.sync_id, False, None, message, self.global_steps))
             raise PublishFailed(message)
         self.publisher = GenerationPublisher(
-            self.store, self.model, generation, self.rank, TrainerTopology(tuple(nodes)), self.dtype
+            self.store,
+            self.model,
+            generation,
+            self.rank,
+            TrainerTopology(tuple(nodes)),
+            self.dtype,
+            replica_num=self.replica_num,
+            attempt=self._attempt,
         )
         return generation
 
@@ -239,11 +253,13 @@ class TrainerSync:
         generation = self.publisher.generation
         errors = [message for messages, _ in statuses for message in messages]
         if errors or self.report is None:
-            abort_generation(self.store, self.model, generation)
+            abort_generation(self.store, self.model, generation, self.publisher.attempt or "")
             problem = "; ".join(errors) or "rank 0 wrote no report"
         else:
             try:
-                finalize_generation(self.publisher, self.report, timeout_s=self.timeout_s)
+                finalize_generation(
+                    self.publisher, self.report, timeout_s=self.timeout_s, keep=self.keep
+                )
                 problem = None
             except MooncakeRLError as error:  # PublishFailed (already aborted) or Store I/O
                 problem = None if self._is_active(generation) else str(error)

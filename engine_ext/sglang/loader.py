@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from sglang.srt.model_loader.loader import BaseModelLoader, DefaultModelLoader
 
-from engine_ext.loading import mark_served, model_name_from, store_weights
+from engine_ext.loading import mark_served, model_name_from, served_record, store_weights
 from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.generations.registry import ActiveRecord
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class MooncakeModelLoader(DefaultModelLoader):
         # DefaultModelLoader's __init__ only vets disk-format options; ours names the model.
         BaseModelLoader.__init__(self, load_config)
         self.model_name = model_name_from(load_config.model_loader_extra_config)
-        self.generation: int | None = None
+        self.record: ActiveRecord | None = None
 
     def download_model(self, model_config: Any) -> None:
         """Nothing to download: weights live in the Store."""
@@ -34,18 +35,20 @@ class MooncakeModelLoader(DefaultModelLoader):
     def _get_all_weights(
         self, model_config: Any, model: torch.nn.Module
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        with store_weights(self.model_name) as (generation, tensors):
-            self.generation = generation
+        with store_weights(self.model_name) as (record, tensors):
+            self.record = record
             yield from tensors
 
     def load_model(self, *, model_config: Any, device_config: Any) -> torch.nn.Module:
         model = super().load_model(model_config=model_config, device_config=device_config)
-        if self.generation is None:
+        if self.record is None:
             raise ConfigurationError(
                 "--load-format mooncake read no weights (ModelOpt loading is not supported)"
             )
-        mark_served(model, self.generation, self.model_name)
+        mark_served(model, served_record(self.record), self.model_name)
         logger.info(
-            "mooncake: loaded %s generation %d from the Store", self.model_name, self.generation
+            "mooncake: loaded %s generation %d from the Store",
+            self.model_name,
+            self.record.generation,
         )
         return model

@@ -108,6 +108,8 @@ class EngineRoutes:
         async with self._lock:
             if self._receiver is None:
                 backend = SglangBackend(self._tokenizer_manager(), self.engine_id)
-                generation, loaded_name = await backend.served()
-                self._receiver = Receiver(backend, loaded_name or self.model, generation)
+                served, loaded_name = await backend.served()
+                self._receiver = Receiver(
+                    backend, loaded_name or self.model, served.generation, served
+                )
         return self._receiver

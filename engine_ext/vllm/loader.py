@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from engine_ext.loading import LOAD_FORMAT, mark_served, model_name_from, store_weights
+from engine_ext.loading import (
+    LOAD_FORMAT,
+    mark_served,
+    model_name_from,
+    served_record,
+    store_weights,
+)
 from mooncake_rl.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -40,14 +46,15 @@ def register() -> None:
                 yield from tensors
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-            with store_weights(self.model_name) as (generation, tensors):
+            with store_weights(self.model_name) as (record, tensors):
                 loaded = model.load_weights(tensors)
+            generation = record.generation
             expected = {name for name, _ in model.named_parameters()}
             if loaded is not None and (missing := expected - set(loaded)):
                 raise ConfigurationError(
                     f"generation {generation} lacks weights for {sorted(missing)[:5]}"
                 )
-            mark_served(model, generation, self.model_name)
+            mark_served(model, served_record(record), self.model_name)
             logger.info(
                 "mooncake: loaded %s generation %d from the Store", self.model_name, generation
             )

@@ -52,12 +52,12 @@ class MooncakeEndpointPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         engine_id = f"{args.host or '127.0.0.1'}:{args.port}"
         backend = VllmBackend(engine_client, engine_id)
-        generation, loaded_name = await backend.served()
+        served, loaded_name = await backend.served()
         extra = getattr(args, "model_loader_extra_config", None) or {}
         if isinstance(extra, str):
             extra = json.loads(extra)
         model = loaded_name or extra.get("name") or (args.served_model_name or [args.model])[0]
-        self._receiver = Receiver(backend, str(model), generation)
+        self._receiver = Receiver(backend, str(model), served.generation, served)
         self._ready.set()
-        if generation > 0:  # served from the Store: hold a lease on what we serve
+        if served.generation > 0:  # served from the Store: hold a lease on what we serve
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))

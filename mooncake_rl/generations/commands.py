@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.errors import ConfigurationError, MooncakeRLError, ObjectNotFound
 from mooncake_rl.generations.gc import collect_garbage
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, payload_problems
@@ -28,30 +29,56 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, checkpoint.get_tensor(name)
 
 
-def publish_checkpoint(store: StoreClient, model: str, model_dir: Path, dtype: str) -> ActiveRecord:
-    return publish_local(store, model, checkpoint_tensors(model_dir), dtype=dtype)
+def publish_checkpoint(
+    store: StoreClient, model: str, model_dir: Path, dtype: str, replicas: int = 1, keep: int = 2
+) -> ActiveRecord:
+    return publish_local(
+        store, model, checkpoint_tensors(model_dir), dtype=dtype, replica_num=replicas, keep=keep
+    )
 
 
 def generation_status(
     store: StoreClient, model: str, with_segments: bool = True
 ) -> dict[str, object]:
-    """Active generation and every indexed generation: bytes, tensors, digest, placement."""
+    """Active generation and every indexed generation: bytes, tensors, digest, whether every
+    object is readable (a lost segment holder makes a generation unreadable), placement."""
     registry = GenerationRegistry(store, model)
     active = registry.active()
+    incarnation = registry.incarnation()
     rows = []
     for info in registry.generations():
         row: dict[str, object] = {
             **asdict(info),
             "active": bool(active and active.generation == info.generation),
         }
-        if with_segments:
+        try:
+            manifest = registry.load_manifest(info.generation, info.digest)
+            problems = payload_problems(store, manifest)
+        except MooncakeRLError as error:
+            manifest, problems = None, [f"manifest unreadable: {error}"]
+        row["readable"] = not problems
+        row["unreadable_objects"] = problems
+        if with_segments and manifest is not None:
             per_segment: Counter[str] = Counter()
-            for fragment in registry.load_manifest(info.generation).fragments:
-                for segment in store.replica_segments(fragment.object_key):
-                    per_segment[segment] += fragment.nbytes
+            for fragment in manifest.fragments:
+                with contextlib.suppress(ObjectNotFound):
+                    for segment in store.replica_segments(fragment.object_key):
+                        per_segment[segment] += fragment.nbytes
             row["bytes_per_segment"] = dict(sorted(per_segment.items()))
         rows.append(row)
-    return {"model": model, "active": active.generation if active else None, "generations": rows}
+    return {
+        "model": model,
+        "incarnation": incarnation.id if incarnation else None,
+        "active": active.generation if active else None,
+        "fence": active.fence if active else None,
+        "generations": rows,
+    }
+
+
+def activate_generation(store: StoreClient, model: str, generation: int) -> dict[str, object]:
+    """Move the active record to an older, fully readable generation (a new fence)."""
+    record = GenerationRegistry(store, model).activate(generation)
+    return {"model": model, "active": record.generation, "fence": record.fence}
 
 
 def gc_generations(store: StoreClient, model: str, keep: int) -> dict[str, object]:

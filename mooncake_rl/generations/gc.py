@@ -14,17 +14,25 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mooncake_rl.errors import InvariantViolation, ObjectNotFound
 from mooncake_rl.generations.keys import (
-    announced_key,
+    checksums_key,
+    claim_key,
     engines_key,
+    fence_key,
     group_id,
     lease_key,
     manifest_key,
 )
-from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.generations.registry import (
+    FENCES_KEPT,
+    ActiveRecord,
+    GenerationIndex,
+    GenerationInfo,
+    GenerationRegistry,
+)
 from mooncake_rl.store import StoreClient
 
 
@@ -103,28 +111,100 @@ class GcReport:
     deleted: tuple[int, ...]
     removed_objects: int
     failures: Mapping[str, int]
+    swept_attempts: tuple[int, ...] = ()
+
+
+def removable(info: GenerationInfo, now: float, grace_s: float) -> bool:
+    """A retired generation is removable once ``grace_s`` passed since it stopped being
+    active: an engine that read the active record before that has taken its lease by then
+    (engines take the lease before reading, and give up if that took longer than the grace)."""
+    return info.retired_at is not None and now - info.retired_at >= grace_s
 
 
 def collect_garbage(
-    store: StoreClient, model: str, keep: int = 2, now: float | None = None
+    store: StoreClient,
+    model: str,
+    keep: int = 2,
+    now: float | None = None,
+    grace_s: float | None = None,
 ) -> GcReport:
-    """Delete the generations :func:`plan_gc` selects; the index is rewritten to match."""
+    """Delete what :func:`plan_gc` selects among generations retired for ``grace_s``, and
+    the leftovers of failed publish attempts; the index is rewritten to match.
+
+    Removal is not forced: Mooncake refuses to remove an object a reader holds a read lease
+    on (``OBJECT_HAS_LEASE``); such a generation stays listed and goes at the next run.
+    """
+    moment = time.time() if now is None else now
+    grace = store.settings.retire_grace_s if grace_s is None else grace_s
     registry = GenerationRegistry(store, model)
-    infos = registry.generations()
     active = registry.active()
-    leased = LeaseBook(store, model).live_generations(now)
-    doomed = plan_gc(
-        (i.generation for i in infos), active.generation if active else None, leased, keep
+    index = registry.index()
+    leased = LeaseBook(store, model).live_generations(moment)
+    candidates = plan_gc(
+        (i.generation for i in index.generations),
+        active.generation if active else None,
+        leased,
+        keep,
     )
-    removed, failures = 0, {}
+    infos = {i.generation: i for i in index.generations}
+    doomed = [g for g in candidates if removable(infos[g], moment, grace)]
+    removed, failures, deleted = 0, {}, []
     for generation in doomed:
-        manifest = registry.load_manifest(generation)
-        group = group_id(model, generation)
-        keys = [f.object_key for f in manifest.fragments]
-        keys += [manifest_key(group), announced_key(group)]
-        failed = store.remove(keys, force=True)
+        count, failed = _remove_generation(store, registry, generation)
+        removed += count
         failures.update(failed)
-        removed += len(keys) - len(failed)
-    registry.write_index([i for i in infos if i.generation not in doomed])
-    kept = tuple(sorted(i.generation for i in infos if i.generation not in doomed))
-    return GcReport(kept, tuple(doomed), removed, failures)
+        if not failed:
+            deleted.append(generation)
+    swept, swept_through = _sweep_failed_attempts(store, registry, index, active, moment, grace)
+    if active is not None:
+        floor = active.fence - FENCES_KEPT
+        store.remove([fence_key(model, f) for f in range(max(1, floor - 64), floor + 1)])
+    registry.write_index(replace(index.without(set(deleted)), swept_through=swept_through))
+    kept = tuple(sorted(g for g in infos if g not in deleted))
+    return GcReport(kept, tuple(deleted), removed, failures, tuple(swept))
+
+
+def _remove_generation(
+    store: StoreClient, registry: GenerationRegistry, generation: int
+) -> tuple[int, dict[str, int]]:
+    group = group_id(registry.model, generation)
+    try:
+        manifest = registry.load_manifest(generation)
+    except ObjectNotFound:  # removed by an earlier run that could not rewrite the index
+        return store.remove_prefix(group + "/", force=True), {}
+    keys = [f.object_key for f in manifest.fragments]
+    failed = store.remove(keys)
+    if failed:
+        return len(keys) - len(failed), failed
+    records = [manifest_key(group), checksums_key(group), claim_key(group)]
+    failed = store.remove(records, force=True)
+    return len(keys) + len(records) - len(failed), failed
+
+
+def _sweep_failed_attempts(
+    store: StoreClient,
+    registry: GenerationRegistry,
+    index: GenerationIndex,
+    active: ActiveRecord | None,
+    now: float,
+    grace_s: float,
+) -> tuple[list[int], int]:
+    """Remove what failed attempts below the newest generation left (their tombstoned claim
+    and any straggler's late puts) once ``grace_s`` passed since the abort; an attempt still
+    in flight stops the sweep mark there."""
+    if active is None:
+        return [], index.swept_through
+    announced = {i.generation for i in index.generations}
+    swept, mark = [], index.swept_through
+    for generation in range(index.swept_through + 1, active.newest):
+        if generation in announced:
+            mark = generation if mark == generation - 1 else mark
+            continue
+        claim = registry.claim(generation)
+        if claim is not None and (claim.aborted_at is None or now - claim.aborted_at < grace_s):
+            continue  # in flight, or aborted moments ago: a late rank may still be putting
+        if claim is not None:
+            store.remove_prefix(group_id(registry.model, generation) + "/", force=True)
+            swept.append(generation)
+        mark = generation if mark == generation - 1 else mark
+    return swept, mark

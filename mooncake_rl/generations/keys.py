@@ -44,9 +44,13 @@ def payload_key(group: str, object_name: str) -> str:
     return payload_prefix(group) + object_name
 
 
-def announced_key(group: str) -> str:
-    """Created exclusively at announce: a second announce of the same group is refused."""
-    return f"{group}/announced"
+def claim_key(group: str) -> str:
+    """Created exclusively by the one publish attempt that owns the group; never reused."""
+    return f"{group}/claim"
+
+
+def checksums_key(group: str) -> str:
+    return f"{group}/checksums"
 
 
 def report_key(group: str, rank: int) -> str:
@@ -63,7 +67,17 @@ def aborted_key(group: str) -> str:
 
 
 def active_key(model: str) -> str:
+    """A copy of the newest active record: where readers start probing fence records."""
     return f"{model_prefix(model)}/active"
+
+
+def fence_key(model: str, fence: int) -> str:
+    """Active record number ``fence``: created exclusively, so each number has one writer."""
+    return f"{model_prefix(model)}/fence/{fence:012d}"
+
+
+INCARNATION_KEY = f"{NAMESPACE}/incarnation"
+"""Created once per master lifetime: a master that lost its state lost this record too."""
 
 
 def index_key(model: str) -> str:

@@ -1,23 +1,28 @@
 """Trainer side: every rank iterates the same tensors; the assigned rank puts each one.
 
 Each put is one copy (``replica_num=1`` by default) preferring the publisher's own segment,
-hard-pinned. A failed put never stops the iteration (trainer ranks rebuild tensors
-collectively, so every rank must finish the iterator); it is recorded, reported through the
-Store, and makes rank 0 abort the generation instead of announcing it.
+hard-pinned, with its content checksum computed from the staged bytes. A failed put never
+stops the iteration (trainer ranks rebuild tensors collectively, so every rank must finish
+the iterator); it is recorded, reported through the Store, and makes rank 0 abort the
+generation instead of announcing it. Rank 0 claimed the generation number for this attempt
+(:meth:`GenerationRegistry.claim_generation`), so everything under its group is the
+attempt's own: an abort removes exactly that, and a retry claims a fresh number.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 
 import torch
 
-from mooncake_rl.errors import InvariantViolation, MooncakeError, ObjectNotFound
+from mooncake_rl.errors import InvariantViolation, MooncakeError, MooncakeRLError, ObjectNotFound
 from mooncake_rl.generations.assignment import PublisherLoads, TrainerTopology
 from mooncake_rl.generations.catalog import (
     TensorSpec,
@@ -26,16 +31,23 @@ from mooncake_rl.generations.catalog import (
     rollout_dtype,
     specs_digest,
 )
+from mooncake_rl.generations.checksums import ChecksumTable, ObjectChecksum
 from mooncake_rl.generations.keys import (
-    aborted_key,
+    checksums_key,
     group_id,
+    manifest_key,
     payload_key,
     payload_prefix,
     report_key,
     report_prefix,
 )
-from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
+from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationRegistry
 from mooncake_rl.store import StoreClient
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEEP = 2
+"""Generations retention keeps after each announce, besides the active and leased ones."""
 
 
 class PublishFailed(InvariantViolation):
@@ -54,6 +66,7 @@ class PublishReport:
     put_bytes: int
     failures: tuple[tuple[str, str], ...] = ()
     nonlocal_put_bytes: int = 0
+    checksums: tuple[tuple[str, ObjectChecksum], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -66,6 +79,10 @@ class PublishReport:
     def decode(cls, data: bytes) -> PublishReport:
         raw = json.loads(data)
         raw["failures"] = tuple(tuple(f) for f in raw["failures"])
+        raw["checksums"] = tuple(
+            (key, ObjectChecksum(c["nbytes"], c["whole"], tuple(c["blocks"])))
+            for key, c in raw["checksums"]
+        )
         return cls(**raw)
 
 
@@ -81,8 +98,11 @@ class GenerationPublisher:
     dtype: str = "bfloat16"
     replica_num: int = 1
     check_locality: bool = False
+    attempt: str | None = None
+    """Rank 0: the attempt id its claim of ``generation`` names (what finalize checks)."""
     _specs: list[TensorSpec] = field(default_factory=list, init=False)
     _put_names: list[str] = field(default_factory=list, init=False)
+    _checksums: dict[str, ObjectChecksum] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         rollout_dtype(self.dtype)
@@ -128,6 +148,7 @@ class GenerationPublisher:
         if not self._specs and not failures:
             failures.append(("", "a generation needs at least one tensor (empty model)"))
         report = PublishReport(
+            checksums=tuple(self._checksums.items()),
             rank=self.rank,
             generation=self.generation,
             specs_digest=specs_digest(self._specs),
@@ -138,16 +159,26 @@ class GenerationPublisher:
             nonlocal_put_bytes=nonlocal_bytes,
         )
         self.store.put_bytes(report_key(self.group, self.rank), report.encode())
-        if self.store.exists([aborted_key(self.group)])[0]:
+        if self.aborted():
             # Rank 0 gave up on this rank before these puts finished: nobody else removes them.
-            mine = [payload_key(self.group, n) for n in self._put_names]
-            self.store.remove([*mine, report_key(self.group, self.rank)], force=True)
+            self.remove_own()
             report = replace(report, failures=(*report.failures, ("", "generation aborted")))
         return report
+
+    def aborted(self) -> bool:
+        """Rank 0 tombstoned this attempt's claim (or the claim is gone)."""
+        claim = GenerationRegistry(self.store, self.model).claim(self.generation)
+        return claim is None or claim.aborted_at is not None
+
+    def remove_own(self) -> None:
+        """Remove every object this rank wrote for the attempt (its puts and its report)."""
+        mine = [payload_key(self.group, n) for n in self._put_names]
+        self.store.remove([*mine, report_key(self.group, self.rank)], force=True)
 
     def _put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         # Cast on the tensor's own device, then stage the contiguous result in host memory.
         staged = tensor.detach().to(dtype=dtype).contiguous().cpu().reshape(-1)
+        self._checksums[payload_key(self.group, name)] = ObjectChecksum.of(staged)
         self.store.put_tensor(
             payload_key(self.group, name),
             staged,
@@ -176,16 +207,22 @@ def _wait_reports(
         time.sleep(0.05)
 
 
-def abort_generation(store: StoreClient, model: str, generation: int) -> None:
-    """Remove every object a failed generation wrote (forced: nobody reads it).
+def abort_generation(store: StoreClient, model: str, generation: int, attempt: str) -> None:
+    """Remove every object attempt ``attempt`` wrote for ``generation`` (forced: nobody reads
+    it), after tombstoning its claim; refuses unless the attempt owns the number and the
+    generation was never announced. The claim itself stays, so the number is never reused.
 
-    The marker goes first: a publisher still putting when the sweep runs either finished its
-    puts before the marker (the sweep removes them) or sees the marker and removes its own.
+    The tombstone goes first: a publisher still putting when the sweep runs either finished
+    its puts before it (the sweep removes them) or sees it and removes its own.
     """
+    registry = GenerationRegistry(store, model)
+    registry.mark_aborted(generation, attempt)
+    if registry.is_announced(generation):
+        raise FenceError(f"generation {generation} of {model} was announced: it is not removed")
     group = group_id(model, generation)
-    store.upsert_bytes(aborted_key(group), b"aborted")
     store.remove_prefix(payload_prefix(group), force=True)
     store.remove_prefix(report_prefix(group), force=True)
+    store.remove([manifest_key(group), checksums_key(group)], force=True)
 
 
 def finalize_generation(
@@ -194,14 +231,17 @@ def finalize_generation(
     *,
     timeout_s: float = 60.0,
     now: datetime | None = None,
+    keep: int | None = DEFAULT_KEEP,
 ) -> ActiveRecord:
-    """Rank 0: wait for every rank's report, then announce, or abort and raise."""
-    if publisher.rank != 0:
-        raise InvariantViolation("only rank 0 finalizes a generation")
+    """Rank 0: wait for every rank's report, then announce (and apply retention), or abort
+    and raise. ``keep=None`` skips retention (the caller runs GC itself)."""
+    if publisher.rank != 0 or publisher.attempt is None:
+        raise InvariantViolation("only rank 0, with the attempt id of its claim, finalizes")
     store, model, generation = publisher.store, publisher.model, publisher.generation
     world = publisher.topology.world_size
     reports = _wait_reports(store, publisher.group, world, timeout_s)
     problems: list[str] = []
+    checksums = ChecksumTable()
     for rank, other in enumerate(reports):
         if other is None:
             problems.append(f"rank {rank} did not report within {timeout_s}s")
@@ -209,18 +249,42 @@ def finalize_generation(
             problems.append(f"rank {rank} iterated a different tensor set than rank 0")
         else:
             problems.extend(f"rank {rank}: tensor {n!r}: {e}" for n, e in other.failures)
+            checksums = checksums.merged(dict(other.checksums))
     if not problems:
         try:
             check_specs(publisher.specs)
             created = (now or datetime.now(UTC)).isoformat()
             manifest = build_manifest(model, generation, publisher.specs, created)
-            record = GenerationRegistry(store, model).announce(manifest)
-            store.remove([report_key(publisher.group, rank) for rank in range(world)], force=True)
-            return record
+            registry = GenerationRegistry(store, model)
+            record = registry.announce(manifest, checksums, publisher.attempt)
         except InvariantViolation as error:
             problems.append(str(error))
-    abort_generation(store, model, generation)
+        else:
+            store.remove([report_key(publisher.group, rank) for rank in range(world)], force=True)
+            if keep is not None:
+                apply_retention(store, model, keep)
+            return record
+    abort_generation(store, model, generation, publisher.attempt)
     raise PublishFailed(f"generation {generation} of {model} not announced: " + "; ".join(problems))
+
+
+def apply_retention(store: StoreClient, model: str, keep: int) -> None:
+    """Collect old generations after an announce; a failure leaves them for the next one."""
+    from mooncake_rl.generations.gc import collect_garbage
+
+    try:
+        report = collect_garbage(store, model, keep)
+    except MooncakeRLError as error:
+        logger.warning("retention for %s failed, retried after the next announce: %s", model, error)
+        return
+    if report.failures:
+        logger.warning("retention for %s left %d object(s)", model, len(report.failures))
+
+
+def start_attempt(store: StoreClient, model: str) -> tuple[int, str]:
+    """A fresh attempt id and the generation number it claimed."""
+    attempt = uuid.uuid4().hex
+    return GenerationRegistry(store, model).claim_generation(attempt), attempt
 
 
 def publish_local(
@@ -230,10 +294,19 @@ def publish_local(
     *,
     dtype: str = "bfloat16",
     node: str | None = None,
+    replica_num: int = 1,
+    keep: int | None = DEFAULT_KEEP,
 ) -> ActiveRecord:
-    """World size 1: publish and announce the next generation from one process."""
-    generation = GenerationRegistry(store, model).next_generation()
+    """World size 1: claim, publish and announce the next generation from one process."""
+    generation, attempt = start_attempt(store, model)
     publisher = GenerationPublisher(
-        store, model, generation, 0, TrainerTopology.single(node or store.settings.node), dtype
+        store,
+        model,
+        generation,
+        0,
+        TrainerTopology.single(node or store.settings.node),
+        dtype,
+        replica_num=replica_num,
+        attempt=attempt,
     )
-    return finalize_generation(publisher, publisher.publish(named_tensors))
+    return finalize_generation(publisher, publisher.publish(named_tensors), keep=keep)

@@ -1,25 +1,53 @@
-"""The model's active-generation record, the generation index, announce and readers.
+"""A model's generation numbers, active record, index and announce: the publication contract.
 
-Announce order is what makes a generation all-or-nothing: every payload is verified in the
-Store, the manifest is written, the group's ``announced`` fence is created exclusively, and
-only then is the active record replaced. A reader that follows the active record therefore
-always finds a complete manifest and every payload it names.
+``docs/generations.md`` states the scheme; in short:
+
+- **Claims.** A publish attempt claims its generation number by creating the group's
+  ``claim`` record exclusively (the master arbitrates: no read-then-write). A number is
+  claimed once per Store incarnation and never handed out again, so every object under a
+  group belongs to the one attempt that claimed it, and an attempt that fails removes only
+  its own objects.
+- **Fences.** Active records are numbered: record ``F`` lives at ``fence/F`` and is created
+  exclusively, so a move of the active generation is a compare-and-set against record
+  ``F - 1``. Announce moves it only forward (past every generation ever announced);
+  ``activate`` may move it back to an older, readable generation with a new fence.
+  ``active`` holds a copy of a recent record, where readers start probing.
+- **Incarnation.** A record created once per master lifetime. Every active record carries
+  the incarnation it was written in; a master that lost its state lost that record too, so
+  readers can tell, and a generation is named by (incarnation, number).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from typing import TypeVar
 
 from mooncake.reshard.weight import WeightManifest
 
-from mooncake_rl.errors import InvariantViolation, ObjectAlreadyExists, ObjectNotFound
+from mooncake_rl.errors import (
+    ConfigurationError,
+    InvariantViolation,
+    MooncakeError,
+    ObjectAlreadyExists,
+    ObjectNotFound,
+)
 from mooncake_rl.generations import layout
+from mooncake_rl.generations.checksums import ChecksumTable, CorruptObject
 from mooncake_rl.generations.keys import (
+    INCARNATION_KEY,
     active_key,
-    announced_key,
     check_model_name,
+    checksums_key,
+    claim_key,
+    fence_key,
     group_id,
     index_key,
     manifest_key,
@@ -27,9 +55,24 @@ from mooncake_rl.generations.keys import (
 from mooncake_rl.generations.layout import is_digest
 from mooncake_rl.store import StoreClient
 
+logger = logging.getLogger(__name__)
+
+CLAIM_PROBES = 1000
+"""Claims tried past the newest known number before giving up (aborted attempts skip one)."""
+FENCES_KEPT = 16
+"""Fence records kept below the newest, so a reader whose ``active`` copy lags still probes."""
+
 
 class FenceError(InvariantViolation):
-    """A stale or duplicate announce, or a record that does not match what it claims."""
+    """A stale or losing announce, or a record that does not match what it claims."""
+
+
+class StoreStateLost(InvariantViolation):
+    """The master restarted without its state: every record and object is gone."""
+
+
+class NoActiveGeneration(ConfigurationError):
+    """Nothing was announced for the model in this Store incarnation."""
 
 
 def _sealed(body: dict[str, object]) -> bytes:
@@ -51,47 +94,179 @@ def _unsealed(data: bytes, what: str) -> dict[str, object]:
     return body
 
 
+T = TypeVar("T")
+
+
+def _decoded(cls: Callable[..., T], body: dict[str, object], what: str) -> T:
+    try:
+        return cls(**body)
+    except TypeError as error:
+        raise FenceError(f"{what} has unexpected fields ({error})") from error
+
+
+# -- incarnation -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """One lifetime of the master's state."""
+
+    id: str
+    created_at: str
+
+    @classmethod
+    def read(cls, store: StoreClient) -> Incarnation | None:
+        try:
+            body = _unsealed(store.get_bytes(INCARNATION_KEY), "Store incarnation record")
+        except ObjectNotFound:
+            return None
+        return _decoded(cls, body, "Store incarnation record")
+
+    @classmethod
+    def ensure(cls, store: StoreClient) -> Incarnation:
+        """The current incarnation; the first writer of a fresh master creates it."""
+        found = cls.read(store)
+        if found is not None:
+            return found
+        fresh = cls(uuid.uuid4().hex[:16], datetime.now(UTC).isoformat())
+        with contextlib.suppress(ObjectAlreadyExists):
+            store.create_exclusive(INCARNATION_KEY, _sealed(asdict(fresh)))
+        created = cls.read(store)
+        if created is None:
+            raise StoreStateLost("the Store incarnation record vanished while being created")
+        return created
+
+
+def lost_state_hint(model: str, what: str) -> str:
+    """The documented message when readers find the master without the state they expect."""
+    return (
+        f"{what}: the Store has lost its state for model {model!r} (mooncake_master restarted "
+        "without persistence, so every generation it held is gone). Engines keep serving what "
+        f"they hold. Way out: republish (`mooncake-rl publish --name {model} ...`, or the next "
+        "trainer sync), then `mooncake-rl update`; see docs/generations.md#lost-master"
+    )
+
+
+# -- records -------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class ActiveRecord:
-    """The model's active generation: where its manifest is and what it must hash to.
+    """Active record number ``fence``: the generation engines must serve, and how to check it.
 
-    ``layout_digest`` is the generation's layout digest (``generations.layout``), computed
-    once by :meth:`GenerationRegistry.announce` so that every consumer's plan-cache lookup
-    reads it instead of re-hashing the whole manifest; ``None`` in records written before
-    it was recorded (consumers then compute it).
+    ``layout_digest`` is computed once at announce, so every consumer's plan-cache lookup
+    reads it instead of re-hashing the manifest. ``newest`` is the newest generation ever
+    announced (the floor every later announce must exceed, whatever ``activate`` did);
+    ``previous`` the generation this record replaced; ``at`` its wall-clock time.
     """
 
     model: str
     generation: int
     manifest_key: str
     manifest_digest: str
-    layout_digest: str | None = None
+    layout_digest: str
+    checksums_digest: str
+    incarnation: str
+    fence: int
+    newest: int
+    previous: int | None
+    at: float
+    tensors: int
+    bytes: int
+    created_at: str
 
     def __post_init__(self) -> None:
         if not is_digest(self.manifest_digest):
             raise FenceError(f"active record manifest digest {self.manifest_digest!r} is malformed")
-        if self.layout_digest is not None and not is_digest(self.layout_digest):
+        if not is_digest(self.layout_digest):
             raise FenceError(f"active record layout digest {self.layout_digest!r} is malformed")
+        if self.fence < 1 or self.newest < self.generation:
+            raise FenceError(f"active record fence {self.fence} / newest {self.newest} invalid")
 
     def encode(self) -> bytes:
         return _sealed(asdict(self))
 
     @classmethod
     def decode(cls, data: bytes) -> ActiveRecord:
-        body = _unsealed(data, "active-generation record")
-        try:
-            return cls(**body)  # type: ignore[arg-type]
-        except TypeError as error:
-            raise FenceError("active-generation record has unexpected fields") from error
+        return _decoded(cls, _unsealed(data, "active-generation record"), "active record")
+
+    def info(self) -> GenerationInfo:
+        return GenerationInfo(
+            self.generation,
+            self.tensors,
+            self.bytes,
+            self.manifest_digest,
+            self.created_at,
+            self.checksums_digest,
+        )
 
 
 @dataclass(frozen=True)
 class GenerationInfo:
+    """One announced generation as the index lists it; ``retired_at``: when it stopped
+    being active (``None`` while active or never replaced), which GC's grace period uses."""
+
     generation: int
     tensors: int
     bytes: int
     digest: str
     created_at: str
+    checksums_digest: str
+    retired_at: float | None = None
+
+
+@dataclass(frozen=True)
+class GenerationIndex:
+    """Every announced generation the Store still holds, as of fence ``through_fence``;
+    ``swept_through``: every unannounced number up to it left nothing behind (GC's mark)."""
+
+    through_fence: int
+    generations: tuple[GenerationInfo, ...]
+    swept_through: int = 0
+
+    def with_records(self, records: list[ActiveRecord]) -> GenerationIndex:
+        """Fold fence records after ``through_fence`` in, in order (pure, idempotent)."""
+        infos = {i.generation: i for i in self.generations}
+        through = self.through_fence
+        for record in sorted(records, key=lambda r: r.fence):
+            if record.fence <= through:
+                continue
+            through = record.fence
+            known = infos.get(record.generation)
+            infos[record.generation] = replace(known or record.info(), retired_at=None)
+            previous = infos.get(record.previous) if record.previous is not None else None
+            if previous is not None and record.previous != record.generation:
+                infos[previous.generation] = replace(previous, retired_at=record.at)
+        ordered = tuple(sorted(infos.values(), key=lambda i: i.generation))
+        return replace(self, through_fence=through, generations=ordered)
+
+    def without(self, generations: set[int]) -> GenerationIndex:
+        kept = tuple(i for i in self.generations if i.generation not in generations)
+        return replace(self, generations=kept)
+
+    def encode(self) -> bytes:
+        body = asdict(self)
+        body["generations"] = [asdict(info) for info in self.generations]
+        return _sealed(body)
+
+    @classmethod
+    def decode(cls, data: bytes) -> GenerationIndex:
+        body = _unsealed(data, "generation index")
+        try:
+            rows = tuple(GenerationInfo(**row) for row in body.pop("generations"))  # type: ignore[union-attr]
+            return cls(generations=rows, **body)  # type: ignore[arg-type]
+        except (KeyError, TypeError) as error:
+            raise FenceError(f"generation index has unexpected fields ({error})") from error
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who owns a generation number: one publish attempt, in one Store incarnation."""
+
+    attempt: str
+    incarnation: str
+    claimed_at: str
+    aborted_at: float | None = None
 
 
 def payload_problems(store: StoreClient, manifest: WeightManifest) -> list[str]:
@@ -114,14 +289,29 @@ class GenerationRegistry:
         self.model = check_model_name(model)
 
     # -- readers -----------------------------------------------------------------------
-    def active(self) -> ActiveRecord | None:
+    def _fence(self, fence: int) -> ActiveRecord | None:
         try:
-            data = self.store.get_bytes(active_key(self.model))
+            record = ActiveRecord.decode(self.store.get_bytes(fence_key(self.model, fence)))
         except ObjectNotFound:
             return None
-        record = ActiveRecord.decode(data)
-        if record.model != self.model:
+        if record.model != self.model or record.fence != fence:
+            raise FenceError(f"active record {fence} names {record.model!r}/{record.fence}")
+        return record
+
+    def active(self) -> ActiveRecord | None:
+        """The newest fence record: start at the ``active`` copy, probe forward."""
+        try:
+            record: ActiveRecord | None = ActiveRecord.decode(
+                self.store.get_bytes(active_key(self.model))
+            )
+        except ObjectNotFound:
+            record = None
+        if record is not None and record.model != self.model:
             raise FenceError(f"active record names model {record.model!r}, not {self.model!r}")
+        fence = record.fence if record else 0
+        while self.store.exists([fence_key(self.model, fence + 1)])[0]:
+            fence += 1
+            record = self._fence(fence)
         return record
 
     def load_manifest(self, generation: int, expected_digest: str | None = None) -> WeightManifest:
@@ -139,67 +329,207 @@ class GenerationRegistry:
             return None
         return self.load_manifest(record.generation, record.manifest_digest)
 
-    def generations(self) -> list[GenerationInfo]:
+    def load_checksums(self, generation: int, digest: str) -> ChecksumTable:
+        """The generation's checksum table, refused unless it hashes to ``digest``."""
+        data = self.store.get_bytes(checksums_key(group_id(self.model, generation)))
+        if ChecksumTable.digest_of(data) != digest:
+            raise CorruptObject(
+                f"the checksum table of generation {generation} of {self.model} does not match "
+                "its digest in the index: the Store holds corrupted records"
+            )
+        return ChecksumTable.decode(data)
+
+    def index(self) -> GenerationIndex:
+        """The stored index with every newer fence record folded in (read-only)."""
         try:
-            rows = _unsealed(self.store.get_bytes(index_key(self.model)), "generation index")
+            stored = GenerationIndex.decode(self.store.get_bytes(index_key(self.model)))
         except ObjectNotFound:
-            return []
-        return [GenerationInfo(**row) for row in rows["generations"]]  # type: ignore[union-attr]
+            stored = GenerationIndex(0, ())
+        current = self.active()
+        newest = current.fence if current else 0
+        start = max(stored.through_fence + 1, newest - FENCES_KEPT + 1, 1)
+        records = [r for f in range(start, newest + 1) if (r := self._fence(f)) is not None]
+        return stored.with_records(records)
 
-    def next_generation(self) -> int:
-        known = [g.generation for g in self.generations()]
+    def generations(self) -> list[GenerationInfo]:
+        return list(self.index().generations)
+
+    def incarnation(self) -> Incarnation | None:
+        return Incarnation.read(self.store)
+
+    # -- writers -----------------------------------------------------------------------
+    def claim_generation(self, attempt: str) -> int:
+        """Claim the next free generation number for ``attempt`` (exclusive creates only)."""
+        incarnation = Incarnation.ensure(self.store)
         active = self.active()
-        if active is not None:
-            known.append(active.generation)
-        return max(known, default=0) + 1
+        known = [g.generation for g in self.generations()]
+        start = max([*known, active.newest if active else 0], default=0) + 1
+        claim = _sealed(asdict(Claim(attempt, incarnation.id, datetime.now(UTC).isoformat())))
+        for generation in range(start, start + CLAIM_PROBES):
+            try:
+                self.store.create_exclusive(claim_key(group_id(self.model, generation)), claim)
+                return generation
+            except ObjectAlreadyExists:
+                continue
+        raise InvariantViolation(
+            f"no free generation number of {self.model} in [{start}, {start + CLAIM_PROBES}): "
+            "that many publish attempts failed without a success; see `mooncake-rl status`"
+        )
 
-    # -- writers (the coordinator, rank 0) ---------------------------------------------
-    def write_index(self, infos: list[GenerationInfo]) -> None:
-        rows = [asdict(info) for info in sorted(infos, key=lambda i: i.generation)]
-        self.store.upsert_bytes(index_key(self.model), _sealed({"generations": rows}))
+    def claim(self, generation: int) -> Claim | None:
+        try:
+            body = _unsealed(
+                self.store.get_bytes(claim_key(group_id(self.model, generation))), "claim record"
+            )
+        except ObjectNotFound:
+            return None
+        return _decoded(Claim, body, "claim record")
 
-    def announce(self, manifest: WeightManifest) -> ActiveRecord:
-        """Make a fully written generation active; refuses stale, duplicate or partial ones."""
+    def check_owner(self, generation: int, attempt: str) -> Claim:
+        """Refuse to act on a group this attempt does not own (or that the master forgot)."""
+        claim = self.claim(generation)
+        if claim is None:
+            raise StoreStateLost(
+                lost_state_hint(self.model, f"generation {generation} has no claim record")
+            )
+        if claim.attempt != attempt:
+            raise FenceError(
+                f"generation {generation} of {self.model} belongs to publish attempt "
+                f"{claim.attempt}, not {attempt}"
+            )
+        return claim
+
+    def mark_aborted(self, generation: int, attempt: str) -> None:
+        """Tombstone the claim: late ranks of the attempt see it and remove their own puts."""
+        claim = self.check_owner(generation, attempt)
+        self.store.upsert_bytes(
+            claim_key(group_id(self.model, generation)),
+            _sealed(asdict(replace(claim, aborted_at=time.time()))),
+        )
+
+    def announce(
+        self, manifest: WeightManifest, checksums: ChecksumTable, attempt: str
+    ) -> ActiveRecord:
+        """Make a fully written generation active: a compare-and-set that only moves forward.
+
+        Refused, with nothing of the winner changed, when a newer generation was announced
+        first, when a payload is missing or of the wrong size, or when the checksum table
+        does not cover every payload exactly.
+        """
         generation = manifest.weight_generation
         if manifest.resource_id != self.model or manifest.group_id != group_id(
             self.model, generation
         ):
             raise FenceError("manifest does not belong to this model's key space")
-        current = self.active()
-        if current is not None and current.generation >= generation:
-            raise FenceError(
-                f"stale announce: generation {generation} is not newer than active "
-                f"generation {current.generation}"
-            )
+        claim = self.check_owner(generation, attempt)
         problems = payload_problems(self.store, manifest)
+        sizes = {f.object_key: f.nbytes for f in manifest.fragments}
+        if set(sizes) != set(checksums.objects) or any(
+            checksums.objects[k].nbytes != n for k, n in sizes.items()
+        ):
+            problems.append("the checksum table does not cover exactly the manifest's payloads")
         if problems:
             raise InvariantViolation(
                 f"cannot announce: {len(problems)} payload problem(s), first: {problems[0]}"
             )
+        encoded = checksums.encode()
+        self.store.put_bytes(checksums_key(manifest.group_id), encoded)
         self.store.put_bytes(manifest.manifest_key, manifest.to_json().encode())
-        try:
-            self.store.create_exclusive(
-                announced_key(manifest.group_id), manifest.manifest_digest.encode()
+
+        def record(current: ActiveRecord | None) -> ActiveRecord:
+            if current is not None and current.newest >= generation:
+                raise FenceError(
+                    f"stale announce: generation {generation} of {self.model} lost to generation "
+                    f"{current.newest} (active: {current.generation}, fence {current.fence}); "
+                    "nothing of it was changed"
+                )
+            return ActiveRecord(
+                self.model,
+                generation,
+                manifest.manifest_key,
+                manifest.manifest_digest,
+                layout.layout_digest(manifest),
+                ChecksumTable.digest_of(encoded),
+                claim.incarnation,
+                current.fence + 1 if current else 1,
+                generation,
+                current.generation if current else None,
+                time.time(),
+                len(manifest.tensors),
+                sum(f.nbytes for f in manifest.fragments),
+                manifest.created_at,
             )
-        except ObjectAlreadyExists:
-            raise FenceError(f"duplicate announce of generation {generation}") from None
-        record = ActiveRecord(
-            self.model,
-            generation,
-            manifest.manifest_key,
-            manifest.manifest_digest,
-            layout.layout_digest(manifest),
-        )
-        self.store.upsert_bytes(active_key(self.model), record.encode())
-        info = GenerationInfo(
-            generation,
-            len(manifest.tensors),
-            sum(f.nbytes for f in manifest.fragments),
-            manifest.manifest_digest,
-            manifest.created_at,
-        )
-        self.write_index([g for g in self.generations() if g.generation != generation] + [info])
-        return record
+
+        return self._advance(record)
+
+    def activate(self, generation: int) -> ActiveRecord:
+        """Move the active record to an announced, fully readable generation (a new fence)."""
+        info = next((i for i in self.generations() if i.generation == generation), None)
+        if info is None:
+            raise FenceError(
+                f"generation {generation} of {self.model} was never announced or was collected; "
+                "`mooncake-rl status` lists the ones that can be activated"
+            )
+        manifest = self.load_manifest(generation, info.digest)
+        problems = payload_problems(self.store, manifest)
+        if problems:
+            raise InvariantViolation(
+                f"cannot activate generation {generation}: {len(problems)} object(s) unreadable, "
+                f"first: {problems[0]}"
+            )
+        self.load_checksums(generation, info.checksums_digest)
+        incarnation = Incarnation.ensure(self.store)
+
+        def record(current: ActiveRecord | None) -> ActiveRecord:
+            if current is None:
+                raise StoreStateLost(lost_state_hint(self.model, "no active record"))
+            if current.generation == generation:
+                raise FenceError(f"generation {generation} of {self.model} is already active")
+            return ActiveRecord(
+                self.model,
+                generation,
+                manifest.manifest_key,
+                manifest.manifest_digest,
+                layout.layout_digest(manifest),
+                info.checksums_digest,
+                incarnation.id,
+                current.fence + 1,
+                current.newest,
+                current.generation,
+                time.time(),
+                info.tensors,
+                info.bytes,
+                info.created_at,
+            )
+
+        return self._advance(record)
+
+    def _advance(self, build: Callable[[ActiveRecord | None], ActiveRecord]) -> ActiveRecord:
+        """Compare-and-set: create fence record ``current + 1``; on a lost race, re-decide."""
+        while True:
+            record = build(self.active())
+            try:
+                self.store.create_exclusive(fence_key(self.model, record.fence), record.encode())
+            except ObjectAlreadyExists:
+                continue
+            self._publish_side_records(record)
+            return record
+
+    def _publish_side_records(self, record: ActiveRecord) -> None:
+        """The ``active`` copy and the index heal from fence records: failures only warn."""
+        try:
+            self.store.upsert_bytes(active_key(self.model), record.encode())
+            self.write_index(self.index())
+        except MooncakeError as error:
+            logger.warning(
+                "generation %s is active; side records lag: %s", record.generation, error
+            )
+
+    def write_index(self, index: GenerationIndex) -> None:
+        self.store.upsert_bytes(index_key(self.model), index.encode())
+
+    def is_announced(self, generation: int) -> bool:
+        return any(i.generation == generation for i in self.generations())
 
 
 def active_generation(store: StoreClient, model: str) -> ActiveRecord | None:
@@ -209,3 +539,21 @@ def active_generation(store: StoreClient, model: str) -> ActiveRecord | None:
 
 def load_manifest(store: StoreClient, model: str, generation: int) -> WeightManifest:
     return GenerationRegistry(store, model).load_manifest(generation)
+
+
+def require_active(store: StoreClient, model: str, what: str) -> ActiveRecord:
+    """The active record, or the documented error naming the Store incarnation and way out."""
+    record = GenerationRegistry(store, model).active()
+    if record is not None:
+        return record
+    incarnation = Incarnation.read(store)
+    where = (
+        f"Store incarnation {incarnation.id} (started {incarnation.created_at})"
+        if incarnation
+        else "a Store that holds no record at all"
+    )
+    raise NoActiveGeneration(
+        f"{what}: model {model!r} has no active generation in {where}. Publish one "
+        "(`mooncake-rl publish`); if one was published before, the master restarted and lost "
+        "it: republish, then `mooncake-rl update` (docs/generations.md#lost-master)"
+    )

@@ -10,20 +10,17 @@ from collections.abc import Iterator
 
 import torch
 
-from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations.catalog import rollout_dtype
-from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, require_active
 from mooncake_rl.store import StoreClient
 
 
 def active_weights(
     store: StoreClient, model: str
-) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """The active generation number and its tensors, read one object at a time."""
+) -> tuple[ActiveRecord, Iterator[tuple[str, torch.Tensor]]]:
+    """The active record and its generation's tensors, read one object at a time."""
     registry = GenerationRegistry(store, model)
-    record = registry.active()
-    if record is None:
-        raise ConfigurationError(f"model {model!r} has no active generation in the Store")
+    record = require_active(store, model, "cannot load weights from the Store")
     manifest = registry.load_manifest(record.generation, record.manifest_digest)
     specs = {t.tensor_id: t for t in manifest.tensors}
 
@@ -36,4 +33,4 @@ def active_weights(
                 torch.frombuffer(data, dtype=rollout_dtype(spec.dtype)).view(spec.global_shape),
             )
 
-    return record.generation, tensors()
+    return record, tensors()
