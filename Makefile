@@ -13,7 +13,7 @@ SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models clean
+.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -62,6 +62,10 @@ sglang-test: sglang-venv
 test: venv verl-deps sglang-venv
 	$(PY) -m pytest -q
 	$(SGLANG_PY) -m pytest -q tests/sglang
+
+# The full fault matrix and the soaks (`-m faults`); `make test` runs a smoke of each.
+faults: venv verl-deps
+	$(PY) -m pytest -q -m faults
 
 demo: venv
 	$(VENV)/bin/mooncake-rl demo
