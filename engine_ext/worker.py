@@ -156,6 +156,11 @@ class UpdateWorker(ABC):
         if raw is None:
             raise ValueError(f"no routing slice for worker {state.apply.worker_id}")
         worker_slice = decode_slice(raw["slice"])
+        if worker_slice.read_keys and worker_slice.checksums is None:
+            raise ValueError(
+                "the routing slice carries no checksums for the objects it reads; refusing to "
+                "land unchecked bytes (the coordinator sends them with every update)"
+            )
         if mode == "direct":
             specs = {r.name: r for r in self.regions()[0]}
             # A reader that consumes none of a chunk holds it in the planner's staging region;
@@ -180,7 +185,9 @@ class UpdateWorker(ABC):
             arena, regions = allocate_arena(sizes, reuse=state.arena)
         else:
             arena, regions = state.arena, state.apply.regions
-        state.apply.prepare(region_of("arena", arena), regions, worker_slice.stages)
+        state.apply.prepare(
+            region_of("arena", arena), regions, worker_slice.stages, worker_slice.checksums
+        )
         state.arena, state.sizes = arena, sizes
         state.buffers = arena_views(arena, regions)
         state.slice, state.mode = worker_slice, mode
@@ -219,6 +226,9 @@ class UpdateWorker(ABC):
             "store_reread_bytes": delta.store_reread_bytes,
             "pushed_bytes": delta.te_pushed_bytes,
             "peak_staging_bytes": result.peak_staging_bytes,
+            "verified_bytes": result.verified_bytes,
+            "unverified_bytes": result.unverified_bytes,
+            "verify_seconds": result.verify_seconds,
         }
 
     def _commit(self, engine_id: str, generation: int) -> dict[str, Any]:

@@ -178,6 +178,8 @@ class Coordinator:
         registry = GenerationRegistry(self.store, model)
         record = require_active(self.store, model, "cannot update engines")
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
+        # One table load per update; each worker gets the rows of the objects it reads.
+        checksums = registry.load_checksums(record.generation, record.checksums_digest)
         result = UpdateResult(model, record.generation, mode, list(self.engines))
         clock = time.perf_counter()
 
@@ -241,7 +243,7 @@ class Coordinator:
                 "fence": record.fence,
                 "incarnation": record.incarnation,
                 "mode": mode,
-                "workers": plan.engine_workers(url),
+                "workers": plan.engine_workers(url, checksums.objects),
             }
             for url in targets
         }

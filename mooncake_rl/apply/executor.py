@@ -1,9 +1,13 @@
 """Execute one worker's routing slice: ranged Store reads, then TE one-sided pushes.
 
-Batches flow through a three-stage pipeline — read(k+1) overlaps push(k) overlaps
-scatter(k-1) — on two background threads (Mooncake's bindings release the GIL while they
-move bytes). A staging watermark bounds the bytes of batches that are read but not yet
-pushed; it must admit at least two batches so reads and pushes can overlap at all.
+Batches flow through a pipeline — read(k+1) overlaps verify(k) overlaps push(k-1) overlaps
+scatter(k-2) — on background threads (Mooncake's bindings and xxHash release the GIL while
+they move or hash bytes). With the generation's checksum table, every batch's landed reads
+are checked (``mooncake_rl.apply.verify``) before any of its bytes is pushed to a peer or
+scattered; a mismatch fails the stage with ``CorruptObject`` naming the object.
+
+A staging watermark bounds the bytes of batches that are read but not yet pushed; it must
+admit at least two batches so reads and pushes can overlap at all.
 
 Every byte count Mooncake returns is verified by the wrappers; a failure raises with the
 range, the peer and the Mooncake error. Consumers are passive: a worker learns that its bytes
@@ -19,8 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_rl.apply.registration import Region
+from mooncake_rl.apply.verify import RangeVerifier
 from mooncake_rl.engine import TransferEngineClient, Write
 from mooncake_rl.errors import InvariantViolation, MooncakeError
+from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.store import RangeRead, StoreClient
 
 
@@ -72,6 +78,12 @@ class StageResult:
     peak_staging_bytes: int = 0
     batches: int = 0
     pushed_per_peer: dict[str, int] = field(default_factory=dict)
+    verified_bytes: int = 0
+    """Read bytes checked against their block (or whole-object) hash."""
+    unverified_bytes: int = 0
+    """Read bytes in blocks the batch covered only in part (or all, without a table)."""
+    verify_seconds: float = 0.0
+    """Time spent hashing (on the verify thread, overlapped with reads and pushes)."""
 
 
 class _Watermark:
@@ -105,11 +117,13 @@ class WorkerExecutor:
         engine: TransferEngineClient,
         regions: Mapping[str, Region],
         staging_watermark_bytes: int,
+        checksums: Mapping[str, ObjectChecksum] | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
         self.regions = dict(regions)
         self.watermark_bytes = staging_watermark_bytes
+        self.verifier = RangeVerifier(checksums) if checksums is not None else None
 
     def validate(self, batches: Sequence[Batch], peers: Mapping[str, Peer] | None = None) -> None:
         """Every range lies inside a known region, locally and at the peer; touches nothing."""
@@ -123,6 +137,8 @@ class WorkerExecutor:
                 self._region(self.regions, read.region, "local").address(
                     read.dst_offset, read.length
                 )
+                if self.verifier is not None and read.key not in self.verifier.checksums:
+                    raise InvariantViolation(f"no published checksum for {read.key}")
             for push in batch.pushes:
                 self._region(self.regions, push.src_region, "local").address(
                     push.src_offset, push.length
@@ -150,6 +166,20 @@ class WorkerExecutor:
         for name, reads in by_region.items():
             total += self.store.read_ranges(self.regions[name].base, reads)
         return total
+
+    def _verify(self, batch: Batch, result: StageResult) -> None:
+        if self.verifier is None:
+            result.unverified_bytes += batch.staging_bytes
+            return
+        stats = self.verifier.verify(
+            [
+                (op.key, op.src_offset, op.length, self.regions[op.region], op.dst_offset)
+                for op in batch.reads
+            ]
+        )
+        result.verified_bytes += stats.verified_bytes
+        result.unverified_bytes += stats.unverified_bytes
+        result.verify_seconds += stats.seconds
 
     def _push(self, batch: Batch, peers: Mapping[str, Peer], result: StageResult) -> int:
         by_peer: dict[str, list[Write]] = defaultdict(list)
@@ -183,6 +213,7 @@ class WorkerExecutor:
         aborted = threading.Event()
         failures: list[BaseException] = []
         read_done: queue.Queue[Batch | None] = queue.Queue()
+        verified: queue.Queue[Batch | None] = queue.Queue()
         push_done: queue.Queue[Batch | None] = queue.Queue()
 
         def guarded(body: Callable[[], None]) -> Callable[[], None]:
@@ -206,9 +237,19 @@ class WorkerExecutor:
             finally:
                 read_done.put(None)
 
-        def pusher() -> None:
+        def verifier() -> None:
             try:
                 while (batch := read_done.get()) is not None:
+                    if aborted.is_set():
+                        return
+                    self._verify(batch, result)
+                    verified.put(batch)
+            finally:
+                verified.put(None)
+
+        def pusher() -> None:
+            try:
+                while (batch := verified.get()) is not None:
                     if aborted.is_set():
                         return
                     result.pushed_bytes += self._push(batch, peers, result)
@@ -219,6 +260,7 @@ class WorkerExecutor:
 
         threads = [
             threading.Thread(target=guarded(reader)),
+            threading.Thread(target=guarded(verifier)),
             threading.Thread(target=guarded(pusher)),
         ]
         for thread in threads:

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from mooncake_rl.apply.wire import with_checksums
 from mooncake_rl.apply.worker import (
     ApplyWorker,
     allocate_arena,
@@ -21,6 +22,7 @@ from mooncake_rl.apply.worker import (
     region_of,
 )
 from mooncake_rl.counters import COUNTERS
+from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.plan.update import UpdatePlan
 from mooncake_rl.settings import Settings
 
@@ -28,7 +30,7 @@ from mooncake_rl.settings import Settings
 def serve_worker(
     settings: Settings, worker_id: str, region_sizes: dict[str, int], inbox: Any, outbox: Any
 ) -> None:
-    """Commands: ("prepare", stages) -> description; ("run", batches, descriptions) ->
+    """Commands: ("prepare", stages[, checksums]) -> description; ("run", batches, descriptions) ->
     result; ("dump", region) -> bytes; ("stop",)."""
     arena, regions = allocate_arena(region_sizes)
     buffers = arena_views(arena, regions)
@@ -38,7 +40,8 @@ def serve_worker(
             command = inbox.get(timeout=300)
             try:
                 if command[0] == "prepare":
-                    worker.prepare(region_of("arena", arena), regions, command[1])
+                    checksums = command[2] if len(command) > 2 else None
+                    worker.prepare(region_of("arena", arena), regions, command[1], checksums)
                     worker.promote()
                     outbox.put(("ok", worker.describe()))
                 elif command[0] == "run":
@@ -125,24 +128,43 @@ class WorkerCluster:
 
 
 def run_planned_update(
-    cluster: WorkerCluster, plan: UpdatePlan, timeout_s: float = 600
+    cluster: WorkerCluster,
+    plan: UpdatePlan,
+    timeout_s: float = 600,
+    checksums: Mapping[str, ObjectChecksum] | None = None,
 ) -> dict[str, Any]:
     """Prepare every worker with its slice, then run each stage on all of them (a barrier).
 
     Returns per-worker counter deltas (``read``, ``pushed``, ``pushed_per_peer``: bytes
     each peer received from this worker) and peak staging, plus the apply wall time.
+    With the generation's ``checksums`` every worker checks its landed reads (and the
+    totals gain ``verified``, ``unverified`` and ``verify_seconds``).
     """
     workers = sorted(cluster.processes)
-    prepared = cluster.call_all(
-        {w: ("prepare", plan.worker_slice(w).stages) for w in workers}, timeout_s
-    )
+
+    def prepare(worker: str) -> tuple[Any, ...]:
+        found = plan.worker_slice(worker)
+        if checksums is None:
+            return ("prepare", found.stages)
+        return ("prepare", found.stages, with_checksums(found, checksums).checksums)
+
+    prepared = cluster.call_all({w: prepare(w) for w in workers}, timeout_s)
     failed = {w: v for w, (status, v) in prepared.items() if status != "ok"}
     if failed:
         raise RuntimeError(f"prepare failed: {failed}")
     descriptions = [value for _, value in prepared.values()]
     started = time.perf_counter()
     totals: dict[str, Any] = {
-        w: {"read": 0, "pushed": 0, "peak_staging": 0, "pushed_per_peer": {}} for w in workers
+        w: {
+            "read": 0,
+            "pushed": 0,
+            "peak_staging": 0,
+            "pushed_per_peer": {},
+            "verified": 0,
+            "unverified": 0,
+            "verify_seconds": 0.0,
+        }
+        for w in workers
     }
     for stage in range(plan.stages):
         commands = {w: ("run", plan.worker_slice(w).stages[stage], descriptions) for w in workers}
@@ -151,6 +173,9 @@ def run_planned_update(
                 raise RuntimeError(f"{worker} failed in stage {stage}: {value}")
             totals[worker]["read"] += value["counters"].store_read_bytes
             totals[worker]["pushed"] += value["counters"].te_pushed_bytes
+            totals[worker]["verified"] += value["result"].verified_bytes
+            totals[worker]["unverified"] += value["result"].unverified_bytes
+            totals[worker]["verify_seconds"] += value["result"].verify_seconds
             totals[worker]["peak_staging"] = max(
                 totals[worker]["peak_staging"], value["result"].peak_staging_bytes
             )

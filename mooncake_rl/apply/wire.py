@@ -4,22 +4,27 @@ A slice is the worker's destination regions (name -> bytes, allocated by the wor
 prepare) and its batches per stage. Ops travel as compact arrays:
 read ``[key, src_offset, region, dst_offset, length]`` and
 push ``[peer, src_region, src_offset, dst_region, dst_offset, length]``.
+``checksums`` (present when the coordinator loaded the generation's table) holds
+``{key: [nbytes, whole, [block, ...]]}`` for every object the worker reads, so the worker
+checks what lands without loading the table itself (one table load per update).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.checksums import ObjectChecksum
 
 
 @dataclass(frozen=True)
 class WorkerSlice:
     regions: Mapping[str, int]
     stages: tuple[tuple[Batch, ...], ...]
+    checksums: Mapping[str, ObjectChecksum] | None = None
 
     def __post_init__(self) -> None:
         for name, size in self.regions.items():
@@ -27,6 +32,10 @@ class WorkerSlice:
                 raise InvariantViolation(
                     f"region {name!r} needs a positive integer size, got {size!r}"
                 )
+
+    @property
+    def read_keys(self) -> set[str]:
+        return {op.key for stage in self.stages for batch in stage for op in batch.reads}
 
     @property
     def read_bytes(self) -> int:
@@ -37,7 +46,24 @@ class WorkerSlice:
         return sum(op.length for stage in self.stages for batch in stage for op in batch.pushes)
 
 
+def with_checksums(worker_slice: WorkerSlice, table: Mapping[str, ObjectChecksum]) -> WorkerSlice:
+    """The slice carrying the checksums of exactly the objects it reads."""
+    missing = sorted(k for k in worker_slice.read_keys if k not in table)
+    if missing:
+        raise InvariantViolation(f"the checksum table has no entry for {missing[0]}")
+    return replace(worker_slice, checksums={k: table[k] for k in sorted(worker_slice.read_keys)})
+
+
 def encode_slice(worker_slice: WorkerSlice) -> dict[str, Any]:
+    encoded = _encode_ops(worker_slice)
+    if worker_slice.checksums is not None:
+        encoded["checksums"] = {
+            k: [c.nbytes, c.whole, list(c.blocks)] for k, c in worker_slice.checksums.items()
+        }
+    return encoded
+
+
+def _encode_ops(worker_slice: WorkerSlice) -> dict[str, Any]:
     return {
         "regions": dict(worker_slice.regions),
         "stages": [
@@ -87,6 +113,12 @@ def decode_slice(raw: Mapping[str, Any]) -> WorkerSlice:
                     raise InvariantViolation("zero-length range in slice")
                 batches.append(Batch(tuple(reads), tuple(pushes)))
             stages.append(tuple(batches))
+        checksums = None
+        if raw.get("checksums") is not None:
+            checksums = {
+                str(k): ObjectChecksum(int(n), str(w), tuple(str(b) for b in blocks))
+                for k, (n, w, blocks) in dict(raw["checksums"]).items()
+            }
     except (KeyError, TypeError, ValueError) as error:
         raise InvariantViolation(f"malformed routing slice: {error}") from error
-    return WorkerSlice(regions, tuple(stages))
+    return WorkerSlice(regions, tuple(stages), checksums)

@@ -16,6 +16,7 @@ from mooncake_rl.apply.executor import Batch, Peer, StageResult, WorkerExecutor
 from mooncake_rl.apply.registration import Domain, Region, RegistrationManager
 from mooncake_rl.engine import TransferEngineClient
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 
@@ -67,6 +68,7 @@ class ApplyWorker:
         )
         self.regions: dict[str, Region] = {}
         self.arena: Region | None = None
+        self.checksums: Mapping[str, ObjectChecksum] | None = None
 
     def describe(self) -> dict[str, Any]:
         """What peers need to write here: TE endpoint, node and region addresses."""
@@ -78,9 +80,16 @@ class ApplyWorker:
         }
 
     def prepare(
-        self, arena: Region, regions: Mapping[str, Region], stages: Sequence[Sequence[Batch]]
+        self,
+        arena: Region,
+        regions: Mapping[str, Region],
+        stages: Sequence[Sequence[Batch]],
+        checksums: Mapping[str, ObjectChecksum] | None = None,
     ) -> None:
         """Validate every local range and register the arena; touches no bytes.
+
+        ``checksums`` (the generation's table, at least every key this worker reads) makes
+        every later stage check its landed reads; without it they land unchecked.
 
         A different arena than last time is registered on the same Transfer Engine and the
         old one released. Peers need not learn of it in advance: a TCP receiver checks
@@ -90,7 +99,7 @@ class ApplyWorker:
         connections are made once and reused by every later update.
         """
         executor = WorkerExecutor(
-            self.store, self.engine, regions, self.settings.staging_watermark_bytes
+            self.store, self.engine, regions, self.settings.staging_watermark_bytes, checksums
         )
         for batches in stages:
             executor.validate(batches)
@@ -107,6 +116,7 @@ class ApplyWorker:
         self.registrations.provision([arena])
         self.arena = arena
         self.regions = dict(regions)
+        self.checksums = checksums
 
     def promote(self) -> None:
         self.registrations.promote()
@@ -121,7 +131,11 @@ class ApplyWorker:
         scatter: Callable[[Batch], None] | None = None,
     ) -> StageResult:
         executor = WorkerExecutor(
-            self.store, self.engine, self.regions, self.settings.staging_watermark_bytes
+            self.store,
+            self.engine,
+            self.regions,
+            self.settings.staging_watermark_bytes,
+            self.checksums,
         )
         return executor.run(batches, peers, scatter)
 

@@ -95,22 +95,60 @@ def gc_generations(store: StoreClient, model: str, keep: int) -> dict[str, objec
 def verify_generation(
     store: StoreClient, model: str, generation: int | None = None
 ) -> dict[str, object]:
-    """Is a generation whole? Manifest digest, every payload present with its exact size."""
+    """Is a generation whole and intact? Manifest digest, every payload present with its exact
+    size, the checksum table sealed by its digest, and every object's bytes read back and
+    compared with its published XXH3-128 (each corrupted object is one problem)."""
+    from mooncake_rl.generations.checksums import CorruptObject  # this function's own import
+
     registry = GenerationRegistry(store, model)
     active = registry.active()
     if generation is None:
         if active is None:
             return {"model": model, "ok": False, "problems": ["no active generation"]}
         generation = active.generation
-    digest = active.manifest_digest if active and active.generation == generation else None
+    if active is not None and active.generation == generation:
+        digest, checksums_digest = active.manifest_digest, active.checksums_digest
+    else:
+        info = next((i for i in registry.generations() if i.generation == generation), None)
+        digest = info.digest if info else None
+        checksums_digest = info.checksums_digest if info else None
     manifest = registry.load_manifest(generation, digest)
     problems = payload_problems(store, manifest)
+    checked = 0
+    if checksums_digest is None:
+        problems.append(f"generation {generation} is not in the index: no checksum table to check")
+    else:
+        try:
+            table = registry.load_checksums(generation, checksums_digest).objects
+        except MooncakeRLError as error:
+            table, problems = {}, [*problems, f"checksum table unreadable: {error}"]
+        keys = [f.object_key for f in manifest.fragments]
+        unreadable = {
+            f.object_key
+            for f, size in zip(manifest.fragments, store.complete_sizes(keys), strict=True)
+            if size != f.nbytes
+        }
+        for fragment in manifest.fragments if table else ():
+            key = fragment.object_key
+            if key in unreadable:
+                continue
+            if key not in table:
+                problems.append(f"no checksum for {key}")
+                continue
+            try:
+                table[key].check(key, store.get_bytes(key))
+                checked += fragment.nbytes
+            except CorruptObject:
+                problems.append(f"corrupted {key}: its bytes differ from the published checksum")
+            except MooncakeRLError as error:
+                problems.append(f"unreadable {key}: {error}")
     return {
         "model": model,
         "generation": generation,
         "ok": not problems,
         "tensors": len(manifest.tensors),
         "bytes": sum(f.nbytes for f in manifest.fragments),
+        "checked_bytes": checked,
         "digest": manifest.manifest_digest,
         "problems": problems,
     }

@@ -30,8 +30,9 @@ from mooncake.reshard.weight import (
 )
 
 from mooncake_rl.apply.executor import Batch
-from mooncake_rl.apply.wire import WorkerSlice, encode_slice
+from mooncake_rl.apply.wire import WorkerSlice, encode_slice, with_checksums
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.plan.cache import PlanCache
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
@@ -121,11 +122,18 @@ class UpdatePlan:
             )
         return self._slices[worker]
 
-    def engine_workers(self, url: str) -> dict[str, Any]:
-        """The prepare body's ``workers``: one encoded slice per worker of the engine."""
+    def engine_workers(
+        self, url: str, checksums: Mapping[str, ObjectChecksum] | None = None
+    ) -> dict[str, Any]:
+        """The prepare body's ``workers``: one encoded slice per worker of the engine, each
+        with the checksums of the objects it reads when the generation's table is given."""
         return {
             worker: {
-                "slice": encode_slice(self.worker_slice(worker)),
+                "slice": encode_slice(
+                    self.worker_slice(worker)
+                    if checksums is None
+                    else with_checksums(self.worker_slice(worker), checksums)
+                ),
                 "layout": list(self.routing.layout),
                 "region_dtypes": dict(self.routing.region_dtypes.get(worker, {})),
                 "fallback": list(self.routing.fallback.get(worker, ())),
