@@ -4,6 +4,9 @@ Publishes a synthetic model, plans an update for simulated workers (one process 
 over node labels), runs it with real Store reads and TE pushes, and prints one JSON object:
 this project's figures, the raw TE loopback GB/s measured in the same run, the pipeline
 efficiency, and the same update done naively (every worker reads all it needs itself).
+Updates check what they read against the generation's checksum table, as engines do;
+``checksums`` compares the same update with and without that check (``--repeats`` runs each,
+alternating) and gives the check's share of update time.
 
 The pieces (publishing, planning, the naive baseline, measuring, raw TE) are shared with
 ``python -m bench`` (``bench.compare``), which runs every approach side by side.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
 from mooncake_rl.apply.process import WorkerCluster, run_planned_update
 from mooncake_rl.apply.wire import WorkerSlice
 from mooncake_rl.generations.catalog import specs_of
+from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.synthetic import simulated_engines
@@ -51,6 +56,7 @@ class Published:
     manifest: WeightManifest
     model_bytes: int
     shapes: tuple[tuple[int, ...], ...]  # in the model's tensor order
+    checksums: Mapping[str, ObjectChecksum] | None = None
 
 
 def publish_synthetic(settings: Settings, name: str, total_bytes: int, tensors: int) -> Published:
@@ -58,11 +64,14 @@ def publish_synthetic(settings: Settings, name: str, total_bytes: int, tensors: 
     model = synthetic_model(total_bytes, tensors)
     with StoreClient(settings) as store:
         record = publish_local(store, name, model, dtype="bfloat16")
-        manifest = GenerationRegistry(store, name).load_manifest(record.generation)
+        registry = GenerationRegistry(store, name)
+        manifest = registry.load_manifest(record.generation)
+        table = registry.load_checksums(record.generation, record.checksums_digest)
     return Published(
         manifest,
         sum(t.numel() * t.element_size() for _, t in model),
         tuple(tuple(t.shape) for _, t in model),
+        table.objects,
     )
 
 
@@ -155,9 +164,12 @@ def measure(
     nodes: Mapping[str, str],
     model_bytes: int,
     delivered: int,
+    checksums: Mapping[str, ObjectChecksum] | None = None,
 ) -> dict[str, Any]:
-    """Run one update on the cluster; figures from the workers' own byte counters."""
-    run = run_planned_update(cluster, plan)
+    """Run one update on the cluster; figures from the workers' own byte counters. With
+    ``checksums`` every worker checks its reads (``verify_seconds``: hashing time summed over
+    workers, on their verify threads, overlapped with reads and pushes)."""
+    run = run_planned_update(cluster, plan, checksums=checksums)
     seconds = run["seconds"]
     workers = run["workers"].values()
     nic = node_nic_bytes(run, nodes)
@@ -171,6 +183,40 @@ def measure(
         "max_node_nic_bytes": max(nic.values()),
         "node_nic_bytes": nic,
         "peak_staging_bytes": max(w["peak_staging"] for w in workers),
+        "verified_bytes": sum(w["verified"] for w in workers),
+        "unverified_bytes": sum(w["unverified"] for w in workers),
+        "verify_seconds": round(sum(w["verify_seconds"] for w in workers), 4),
+    }
+
+
+def checksum_overhead(
+    cluster: WorkerCluster,
+    plan: UpdatePlan,
+    nodes: Mapping[str, str],
+    published: Published,
+    delivered: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """The same update with and without checking reads, alternating; medians and share."""
+    checked, unchecked = [], []
+    for _ in range(repeats):
+        args = (cluster, plan, nodes, published.model_bytes, delivered)
+        checked.append(measure(*args, checksums=published.checksums))
+        unchecked.append(measure(*args))
+    with_s = statistics.median(r["seconds"] for r in checked)
+    without_s = statistics.median(r["seconds"] for r in unchecked)
+    last = checked[-1]
+    return {
+        "repeats": repeats,
+        "seconds_checked": [r["seconds"] for r in checked],
+        "seconds_unchecked": [r["seconds"] for r in unchecked],
+        "median_seconds_checked": with_s,
+        "median_seconds_unchecked": without_s,
+        "overhead_fraction": round(with_s / without_s - 1, 4),
+        "verify_seconds_per_worker": round(last["verify_seconds"] / len(nodes), 4),
+        "verify_share_of_update": round(last["verify_seconds"] / len(nodes) / with_s, 4),
+        "verified_bytes": last["verified_bytes"],
+        "unverified_bytes": last["unverified_bytes"],
     }
 
 
@@ -201,6 +247,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--mode", choices=MODES, default="direct")
     parser.add_argument("--batch", default="64MiB")
+    parser.add_argument("--repeats", type=int, default=3, help="checked/unchecked pairs")
     args = parser.parse_args()
     batch_bytes = parse_size(args.batch)
     size = parse_size(args.size)
@@ -213,7 +260,8 @@ def main() -> None:
             worker_settings(settings, nodes, batch_bytes), plan.routing.regions
         ) as cluster:
             raw = raw_te_gbps(cluster, plan.routing.regions)
-            ours = measure(cluster, plan, nodes, total, delivered)
+            ours = measure(cluster, plan, nodes, total, delivered, published.checksums)
+            overhead = checksum_overhead(cluster, plan, nodes, published, delivered, args.repeats)
             baseline = measure(cluster, naive(plan, batch_bytes), nodes, total, delivered)
     print(
         json.dumps(
@@ -228,6 +276,7 @@ def main() -> None:
                 "raw_te_gbps": round(raw, 3),
                 "pipeline_efficiency": round(ours["delivered_gbps"] / raw, 3),
                 "naive": baseline,
+                "checksums": overhead,
                 "store_read_ratio_naive_over_ours": round(
                     baseline["store_read_bytes"] / ours["store_read_bytes"], 3
                 ),

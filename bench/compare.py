@@ -174,7 +174,7 @@ def run(config: CompareConfig, step: Step) -> dict[str, Any]:
                     raw = raw_te_gbps(cluster, plan.routing.regions)
                 step(f"{mode}: update")
                 approaches[mode] = {
-                    **measure(cluster, plan, nodes, model_bytes, delivered),
+                    **measure(cluster, plan, nodes, model_bytes, delivered, published.checksums),
                     "engines": _engines(plan.engines),
                     "unique_demand_bytes": plan.unique_demand_bytes,
                 }
