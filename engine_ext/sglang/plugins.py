@@ -13,24 +13,34 @@ patching SGLang 0.5.23:
   communicator declared in ``_COMMUNICATOR_SPECS``.
 - ``/mooncake/*`` on SGLang's own FastAPI app: a BEFORE hook on ``launch_server`` includes
   the shared router (:func:`engine_ext.routes.build_router`).
+- serving leases: the same hook exports the engine's id (``MOONCAKE_RL_ENGINE_ID``, else
+  ``host:port``) before the schedulers start, so their loader leases under it, and wraps the
+  app's lifespan so that, once the server runs, a task continues that lease on whatever
+  generation the engine serves (:func:`engine_ext.leases.renew_leases`) and releases it
+  when the server stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 
+from engine_ext.leases import export_engine_identity, renew_leases
 from engine_ext.loading import LOAD_FORMAT, model_name_from
 from engine_ext.receiver import Receiver
 from engine_ext.routes import build_router
 from engine_ext.sglang.backend import COMMUNICATOR, SglangBackend
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from mooncake_rl.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 TARGETS = {
     "load_format": "sglang.srt.configs.load_config.LoadConfig._verify_load_format",
@@ -78,12 +88,13 @@ def _attach_routes(*args: Any, **kwargs: Any) -> None:
 
     server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
     routes = EngineRoutes(
-        f"{server_args.host}:{server_args.port}",
+        export_engine_identity(server_args.host, server_args.port),
         configured_model(server_args),
         lambda: get_global_state().tokenizer_manager,
     )
     token = Settings().auth_token
     app.include_router(build_router(routes.receiver, token.get_secret_value() if token else None))
+    app.router.lifespan_context = routes.with_leases(app.router.lifespan_context)
 
 
 def configured_model(server_args: Any) -> str:
@@ -104,7 +115,7 @@ class EngineRoutes:
         self._receiver: Receiver | None = None
         self._lock = asyncio.Lock()
 
-    async def receiver(self, request: Request) -> Receiver:
+    async def receiver(self, request: Request | None = None) -> Receiver:
         async with self._lock:
             if self._receiver is None:
                 backend = SglangBackend(self._tokenizer_manager(), self.engine_id)
@@ -113,3 +124,29 @@ class EngineRoutes:
                     backend, loaded_name or self.model, served.generation, served
                 )
         return self._receiver
+
+    def with_leases(self, lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``lifespan`` with the serving-lease task running while the server does."""
+
+        @contextlib.asynccontextmanager
+        async def leased(app: Any) -> AsyncIterator[Any]:
+            async with lifespan(app) as state:
+                task = asyncio.create_task(self.hold_lease(Settings()))
+                try:
+                    yield state
+                finally:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+        return leased
+
+    async def hold_lease(self, settings: Settings) -> None:
+        """Continue the loader's lease for as long as the engine serves a Store generation."""
+        try:
+            receiver = await self.receiver()
+        except Exception:  # the schedulers never answered: no lease to hold
+            logger.warning("mooncake: no served generation, no serving lease", exc_info=True)
+            return
+        if receiver.generation > 0:  # loaded from the Store (or updated since)
+            await renew_leases(receiver, settings, self.engine_id)

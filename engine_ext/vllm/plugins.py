@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from engine_ext.leases import renew_leases
+from engine_ext.leases import engine_identity, renew_leases
 from engine_ext.receiver import Receiver
 from engine_ext.routes import build_router
 from engine_ext.vllm.backend import VllmBackend
@@ -50,7 +50,9 @@ class MooncakeEndpointPlugin:
         return self._receiver
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        engine_id = f"{args.host or '127.0.0.1'}:{args.port}"
+        # The id the loader leased under (MOONCAKE_RL_ENGINE_ID, else host:port): the
+        # renewal task continues that lease rather than taking a second one.
+        engine_id = engine_identity(args.host, args.port)
         backend = VllmBackend(engine_client, engine_id)
         served, loaded_name = await backend.served()
         extra = getattr(args, "model_loader_extra_config", None) or {}
@@ -59,5 +61,5 @@ class MooncakeEndpointPlugin:
         model = loaded_name or extra.get("name") or (args.served_model_name or [args.model])[0]
         self._receiver = Receiver(backend, str(model), served.generation, served)
         self._ready.set()
-        if served.generation > 0:  # served from the Store: hold a lease on what we serve
+        if served.generation > 0:  # served from the Store: keep the lease the loader took
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))

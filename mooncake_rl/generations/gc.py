@@ -4,9 +4,9 @@ Engines renew a lease record naming the generation they serve; GC keeps the newe
 generations, the active one, and every generation under an unexpired lease. Lease expiry
 uses wall-clock time, so engine and GC hosts need synchronized clocks (NTP).
 
-The Store has no key listing, so lease holders are found through the model's engines
-record. Concurrent renewals may overwrite each other's addition to it; every renewal
-re-checks and re-adds its engine, so a lost addition heals at the next renewal.
+The Store has no key listing, so lease holders are found through the model's engine slots
+(:class:`LeaseBook`), each created exclusively, so concurrent registrations never lose one
+another.
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from mooncake_rl.errors import InvariantViolation, ObjectNotFound
+from mooncake_rl.errors import (
+    InvariantViolation,
+    MooncakeError,
+    ObjectAlreadyExists,
+    ObjectNotFound,
+)
 from mooncake_rl.generations.keys import (
     checksums_key,
     claim_key,
@@ -57,18 +62,66 @@ def plan_gc(
     return sorted(g for g in ordered if g not in protected)
 
 
+ENGINE_SLOT_PROBE = 64
+"""Engine slots probed per existence check when listing lease holders."""
+
+
 class LeaseBook:
-    """Reads and writes one model's serving leases."""
+    """Reads and writes one model's serving leases.
+
+    Lease holders are found through engine slots: ``engines/1``, ``engines/2``, ... each
+    created exclusively (the master arbitrates) and naming one engine, so two engines that
+    register at once both get listed, and a lease is visible to GC as soon as ``renew``
+    returns. Slots are never removed (a restarted engine finds and reuses its own).
+    """
 
     def __init__(self, store: StoreClient, model: str) -> None:
         self.store = store
         self.model = model
+        self._registered: set[str] = set()
+
+    def _slot(self, number: int) -> str:
+        return f"{engines_key(self.model)}/{number}"
+
+    def _slot_owner(self, number: int) -> str | None:
+        for _ in range(20):  # a slot being created is briefly not readable yet
+            try:
+                return self.store.get_bytes(self._slot(number)).decode()
+            except ObjectNotFound:
+                return None
+            except MooncakeError:
+                time.sleep(0.01)
+        return None
+
+    def _slots(self) -> list[str | None]:
+        """Every slot's engine (None: unreadable), in slot order."""
+        owners: list[str | None] = []
+        start = 1
+        while True:
+            numbers = range(start, start + ENGINE_SLOT_PROBE)
+            present = self.store.exists([self._slot(n) for n in numbers])
+            for number, exists in zip(numbers, present, strict=True):
+                if not exists:
+                    return owners
+                owners.append(self._slot_owner(number))
+            start += ENGINE_SLOT_PROBE
 
     def _engines(self) -> list[str]:
-        try:
-            return list(json.loads(self.store.get_bytes(engines_key(self.model))))
-        except ObjectNotFound:
-            return []
+        return sorted({owner for owner in self._slots() if owner})
+
+    def _register(self, engine_id: str) -> None:
+        if engine_id in self._registered:
+            return
+        while True:
+            owners = self._slots()
+            if engine_id in owners:
+                break
+            try:
+                self.store.create_exclusive(self._slot(len(owners) + 1), engine_id.encode())
+                break
+            except ObjectAlreadyExists:
+                continue  # another engine took that slot first: look again
+        self._registered.add(engine_id)
 
     def renew(
         self, engine_id: str, generation: int, ttl_s: float, now: float | None = None
@@ -79,11 +132,7 @@ class LeaseBook:
         self.store.upsert_bytes(
             lease_key(self.model, engine_id), json.dumps(lease.__dict__).encode()
         )
-        engines = self._engines()
-        if engine_id not in engines:
-            self.store.upsert_bytes(
-                engines_key(self.model), json.dumps(sorted([*engines, engine_id])).encode()
-            )
+        self._register(engine_id)
         return lease
 
     def release(self, engine_id: str) -> None:
