@@ -102,9 +102,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         status = generation_status(store, args.name)
+    if status["problem"]:
+        print(f"mooncake-rl: {status['problem']}", file=sys.stderr)
     if args.json:
         print(json.dumps(status, indent=2))
-        return 0
+        return 1 if status["problem"] else 0
     print(
         f"model {status['model']}: active generation {status['active']} "
         f"(Store incarnation {status['incarnation']})"
@@ -116,7 +118,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{mark} g{row['generation']}: {row['tensors']} tensors, {row['bytes']} bytes, "
             f"digest {row['digest'][:12]}, segments {row.get('bytes_per_segment')}{readable}"
         )
-    return 0
+    return 1 if status["problem"] else 0
 
 
 def cmd_activate(args: argparse.Namespace) -> int:

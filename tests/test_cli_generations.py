@@ -133,7 +133,11 @@ def test_cli_bad_input_is_refused_with_a_clear_error(
     )
     assert bad_regex.returncode == 2
     assert "--direct-fallback: not a regular expression" in bad_regex.stderr
-    status = json.loads(run_cli(master, holder.segment, "status", "--name", "x", "--json").stdout)
+    unknown = run_cli(master, holder.segment, "status", "--name", "x", "--json")
+    assert unknown.returncode == 1
+    assert "model 'x' has no active generation" in unknown.stderr
+    status = json.loads(unknown.stdout)
     incarnation = status.pop("incarnation")
+    assert status.pop("problem").startswith("nothing to serve: model 'x' has no active generation")
     assert status == {"model": "x", "active": None, "fence": None, "generations": []}
     assert incarnation is None or re.fullmatch("[0-9a-f]{16}", incarnation)

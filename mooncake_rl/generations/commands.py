@@ -14,7 +14,12 @@ from safetensors import safe_open
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError, ObjectNotFound
 from mooncake_rl.generations.gc import collect_garbage
 from mooncake_rl.generations.publisher import publish_local
-from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, payload_problems
+from mooncake_rl.generations.registry import (
+    ActiveRecord,
+    GenerationRegistry,
+    no_active_message,
+    payload_problems,
+)
 from mooncake_rl.store import StoreClient
 
 
@@ -68,6 +73,7 @@ def generation_status(
         rows.append(row)
     return {
         "model": model,
+        "problem": None if active else no_active_message(store, model, "nothing to serve"),
         "incarnation": incarnation.id if incarnation else None,
         "active": active.generation if active else None,
         "fence": active.fence if active else None,

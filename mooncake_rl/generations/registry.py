@@ -546,13 +546,17 @@ def require_active(store: StoreClient, model: str, what: str) -> ActiveRecord:
     record = GenerationRegistry(store, model).active()
     if record is not None:
         return record
+    raise NoActiveGeneration(no_active_message(store, model, what))
+
+
+def no_active_message(store: StoreClient, model: str, what: str) -> str:
     incarnation = Incarnation.read(store)
     where = (
         f"Store incarnation {incarnation.id} (started {incarnation.created_at})"
         if incarnation
         else "a Store that holds no record at all"
     )
-    raise NoActiveGeneration(
+    return (
         f"{what}: model {model!r} has no active generation in {where}. Publish one "
         "(`mooncake-rl publish`); if one was published before, the master restarted and lost "
         "it: republish, then `mooncake-rl update` (docs/generations.md#lost-master)"
