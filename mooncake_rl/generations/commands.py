@@ -110,7 +110,8 @@ def verify_generation(
     active = registry.active()
     if generation is None:
         if active is None:
-            return {"model": model, "ok": False, "problems": ["no active generation"]}
+            problem = no_active_message(store, model, "nothing to verify")
+            return {"model": model, "ok": False, "problems": [problem]}
         generation = active.generation
     if active is not None and active.generation == generation:
         digest, checksums_digest = active.manifest_digest, active.checksums_digest

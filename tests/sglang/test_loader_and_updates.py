@@ -120,8 +120,8 @@ class World:
         for _, outbox in self.ranks:
             assert _answer(outbox) == "ready"
         self.backend = QueueBackend(self.ranks)
-        generation, loaded = asyncio.run(self.backend.served())
-        self.receiver = Receiver(self.backend, loaded or MODEL, generation)
+        served, loaded = asyncio.run(self.backend.served())
+        self.receiver = Receiver(self.backend, loaded or MODEL, served.generation, served)
 
         async def get_receiver(request: Any) -> Receiver:
             return self.receiver
@@ -186,7 +186,9 @@ def test_loader_reads_the_active_generation_through_sglang(
     load_plugins()
     publish_topology(1, 0)
     model = load_model(world.dirs[0], "mooncake", {"name": MODEL})
-    assert served_by(model) == (1, MODEL)
+    served, name = served_by(model)
+    assert (served.generation, served.fence, name) == (1, 1, MODEL)
+    assert served.incarnation is not None
     assert mismatched_parameters(model, load_model(world.dirs[0], "auto")) == []
     checkpoint = load_file(str(world.dirs[0] / "model.safetensors"))
     attention = "model.layers.1.self_attn"

@@ -96,12 +96,13 @@ def test_scheduler_dispatch_answers_with_every_rank_reply() -> None:
     from sglang.utils import TypeBasedDispatcher
 
     from engine_ext.loading import mark_served
+    from engine_ext.receiver import ServedRecord
     from engine_ext.sglang.plugins import _add_dispatch
     from tests.sglang.harness import publish_topology
 
     publish_topology(1, 0)
     model = torch.nn.Linear(2, 2)
-    mark_served(model, 7, "tiny")
+    mark_served(model, ServedRecord(7, 9, "0123456789abcdef"), "tiny")
     scheduler = SimpleNamespace(
         _request_dispatcher=TypeBasedDispatcher([]),
         tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)),
@@ -111,7 +112,14 @@ def test_scheduler_dispatch_answers_with_every_rank_reply() -> None:
     output = scheduler._request_dispatcher(MooncakeRLReqInput(engine_id="e", method="status"))
     assert isinstance(output, MooncakeRLReqOutput)
     [reply] = json.loads(output.replies)
-    assert reply == {"ok": True, "rank": 0, "generation": 7, "model_name": "tiny"}
+    assert reply == {
+        "ok": True,
+        "rank": 0,
+        "generation": 7,
+        "fence": 9,
+        "incarnation": "0123456789abcdef",
+        "model_name": "tiny",
+    }
     [refused] = json.loads(
         scheduler._request_dispatcher(MooncakeRLReqInput(engine_id="e", method="__init__")).replies
     )
