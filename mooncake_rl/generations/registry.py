@@ -190,6 +190,33 @@ class ActiveRecord:
     def decode(cls, data: bytes) -> ActiveRecord:
         return _decoded(cls, _unsealed(data, "active-generation record"), "active record")
 
+    @classmethod
+    def replacing(
+        cls,
+        current: ActiveRecord | None,
+        manifest: WeightManifest,
+        checksums_digest: str,
+        incarnation: str,
+        newest: int,
+    ) -> ActiveRecord:
+        """The record that follows ``current`` (fence + 1) and makes ``manifest`` active."""
+        return cls(
+            manifest.resource_id,
+            manifest.weight_generation,
+            manifest.manifest_key,
+            manifest.manifest_digest,
+            layout.layout_digest(manifest),
+            checksums_digest,
+            incarnation,
+            current.fence + 1 if current else 1,
+            newest,
+            current.generation if current else None,
+            time.time(),
+            len(manifest.tensors),
+            sum(f.nbytes for f in manifest.fragments),
+            manifest.created_at,
+        )
+
     def info(self) -> GenerationInfo:
         return GenerationInfo(
             self.generation,
@@ -443,22 +470,8 @@ class GenerationRegistry:
                     f"{current.newest} (active: {current.generation}, fence {current.fence}); "
                     "nothing of it was changed"
                 )
-            return ActiveRecord(
-                self.model,
-                generation,
-                manifest.manifest_key,
-                manifest.manifest_digest,
-                layout.layout_digest(manifest),
-                ChecksumTable.digest_of(encoded),
-                claim.incarnation,
-                current.fence + 1 if current else 1,
-                generation,
-                current.generation if current else None,
-                time.time(),
-                len(manifest.tensors),
-                sum(f.nbytes for f in manifest.fragments),
-                manifest.created_at,
-            )
+            digest = ChecksumTable.digest_of(encoded)
+            return ActiveRecord.replacing(current, manifest, digest, claim.incarnation, generation)
 
         return self._advance(record)
 
@@ -485,21 +498,8 @@ class GenerationRegistry:
                 raise StoreStateLost(lost_state_hint(self.model, "no active record"))
             if current.generation == generation:
                 raise FenceError(f"generation {generation} of {self.model} is already active")
-            return ActiveRecord(
-                self.model,
-                generation,
-                manifest.manifest_key,
-                manifest.manifest_digest,
-                layout.layout_digest(manifest),
-                info.checksums_digest,
-                incarnation.id,
-                current.fence + 1,
-                current.newest,
-                current.generation,
-                time.time(),
-                info.tensors,
-                info.bytes,
-                info.created_at,
+            return ActiveRecord.replacing(
+                current, manifest, info.checksums_digest, incarnation.id, current.newest
             )
 
         return self._advance(record)
