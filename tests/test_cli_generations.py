@@ -133,6 +133,11 @@ def test_cli_bad_input_is_refused_with_a_clear_error(
     )
     assert bad_regex.returncode == 2
     assert "--direct-fallback: not a regular expression" in bad_regex.stderr
+    no_keep = run_cli(
+        master, holder.segment, "publish", str(tmp_path / "ok"), "--name", "x", "--keep", "0"
+    )
+    assert no_keep.returncode == 2
+    assert "keep must be an integer >= 1, got 0; nothing published" in no_keep.stderr
     unknown = run_cli(master, holder.segment, "status", "--name", "x", "--json")
     assert unknown.returncode == 1
     assert "model 'x' has no active generation" in unknown.stderr

@@ -298,6 +298,8 @@ def publish_local(
     keep: int | None = DEFAULT_KEEP,
 ) -> ActiveRecord:
     """World size 1: claim, publish and announce the next generation from one process."""
+    if keep is not None and (type(keep) is not int or keep < 1):
+        raise InvariantViolation(f"keep must be an integer >= 1, got {keep!r}; nothing published")
     generation, attempt = start_attempt(store, model)
     publisher = GenerationPublisher(
         store,
