@@ -154,6 +154,22 @@ async def test_full_update_cycle(make_client) -> None:
             422,
             "invalid_request",
         ),
+        (
+            [
+                ("post", "/mooncake/drain", {}),
+                ("post", "/mooncake/prepare", {**prepare_body(), "incarnation": "../etc"}),
+            ],
+            422,
+            "invalid_request",
+        ),
+        (
+            [
+                ("post", "/mooncake/drain", {}),
+                ("post", "/mooncake/prepare", {**prepare_body(), "fence": 10**18}),
+            ],
+            422,
+            "invalid_request",
+        ),
     ],
 )
 async def test_bad_requests_are_refused_and_change_nothing(

@@ -207,6 +207,11 @@ def test_lost_holder_store_level(services: Services) -> None:
     assert json.loads(activated.stdout) == {"model": model, "active": 1, "fence": 3}
     refused = run_cli(services.master, a_segment, "activate", "--name", model, "--generation", "2")
     assert refused.returncode == 2 and "cannot activate generation 2" in refused.stderr
+    for generation, message in (("99", "was never announced"), ("1", "is already active")):
+        bad = run_cli(
+            services.master, a_segment, "activate", "--name", model, "--generation", generation
+        )
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
     with StoreClient(services.client("node-a")) as store:
         record, loaded = active_weights(store, model)

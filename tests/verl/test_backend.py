@@ -73,6 +73,8 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "mode": "fast"}, "mode must be one of"),
         ({"model": "m", "dtype": "int8"}, "unknown rollout dtype"),
         ({"model": "m", "engine_urls": ["127.0.0.1:8000"]}, "must start with http"),
+        ({"model": "m", "replica_num": 0}, "replica_num must be an integer >= 1, got 0"),
+        ({"model": "m", "keep": "2"}, "keep must be an integer >= 1, got '2'"),
     ],
 )
 def test_bad_engine_kwargs_fail_at_construction(kwargs: dict, message: str) -> None:
