@@ -112,16 +112,10 @@ class ServedRecord:
 class Receiver:
     """Serializes update calls and enforces the state machine and generation fences."""
 
-    def __init__(
-        self,
-        backend: EngineBackend,
-        model: str,
-        generation: int,
-        served: ServedRecord | None = None,
-    ) -> None:
+    def __init__(self, backend: EngineBackend, model: str, served: ServedRecord) -> None:
         self.backend = backend
         self.model = model
-        self.served = served or ServedRecord(generation)
+        self.served = served
         self.state = ReceiverState.SERVING
         self.pending: int | None = None
         self._pending_record: ServedRecord | None = None

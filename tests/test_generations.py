@@ -108,13 +108,15 @@ def publish_two_nodes(
     holders,
     model: str,
     generation: int,
-    seed: int,
+    seed: int | tuple[int, int],
     rank1: RankBehaviour = RankBehaviour(),
     finalize_timeout_s: float = 60.0,
 ) -> list[dict]:
     """Rank 0 on node-a, rank 1 on node-b; rank 0 finalizes. A killed rank 1 returns nothing.
 
-    The attempt claims the next number, which must be ``generation``."""
+    The attempt claims the next number, which must be ``generation``; a pair of seeds makes
+    the two ranks iterate different tensor sets."""
+    seeds = (seed, seed) if isinstance(seed, int) else seed
     nodes = ("node-a", "node-b")
     ranks = [trainer_settings(master, holders(node), node) for node in nodes]
     with StoreClient(ranks[0]) as store:
@@ -131,7 +133,7 @@ def publish_two_nodes(
                 attempt,
                 rank,
                 nodes,
-                seed,
+                seeds[rank],
                 behaviour,
                 finalize_timeout_s,
             )
@@ -260,25 +262,7 @@ def test_bad_generations_are_not_announced(settings: Settings, tensors: list, me
 
 def test_ranks_with_different_tensor_sets_are_refused(master: EmbeddedMaster, holders) -> None:
     model = "mismatch"
-    nodes = ("node-a", "node-b")
-    with StoreClient(trainer_settings(master, holders(nodes[0]), nodes[0])) as store:
-        generation, attempt = start_attempt(store, model)
-    with ProcessGroup() as group:
-        for rank, (node, seed) in enumerate(zip(nodes, (5, 6), strict=True)):
-            settings = trainer_settings(master, holders(node), node)
-            group.start(
-                publish_rank,
-                settings,
-                model,
-                generation,
-                attempt,
-                rank,
-                nodes,
-                seed,
-                RankBehaviour(),
-                60.0,
-            )
-        rank0, _ = group.results()
+    rank0, _ = publish_two_nodes(master, holders, model, 1, seed=(5, 6))
     assert "rank 1 iterated a different tensor set than rank 0" in rank0["error"]
     with StoreClient(settings_for(master)) as store:
         assert active_generation(store, model) is None

@@ -15,7 +15,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from engine_ext.receiver import ApplyRequest, DrainRequest, PrepareRequest, Receiver
+from engine_ext.receiver import (
+    ApplyRequest,
+    DrainRequest,
+    PrepareRequest,
+    Receiver,
+    ServedRecord,
+)
 from engine_ext.routes import ReceiverProvider, build_router
 
 DIGEST = "ab" * 32
@@ -64,7 +70,7 @@ Engine = tuple[ReceiverProvider, Any, Receiver]
 def make_engine() -> Callable[[], Awaitable[Engine]]:
     async def make() -> Engine:
         backend = RecordingBackend()
-        receiver = Receiver(backend, "m", generation=1)
+        receiver = Receiver(backend, "m", ServedRecord(1))
 
         async def get_receiver(request: Any) -> Receiver:
             return receiver

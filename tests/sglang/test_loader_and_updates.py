@@ -121,7 +121,7 @@ class World:
             assert _answer(outbox) == "ready"
         self.backend = QueueBackend(self.ranks)
         served, loaded = asyncio.run(self.backend.served())
-        self.receiver = Receiver(self.backend, loaded or MODEL, served.generation, served)
+        self.receiver = Receiver(self.backend, loaded or MODEL, served)
 
         async def get_receiver(request: Any) -> Receiver:
             return self.receiver
