@@ -11,13 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from engine_ext.receiver import (
-    ApplyRequest,
-    DrainRequest,
-    PrepareRequest,
-    ReceiverError,
-    ServedRecord,
-)
+from engine_ext.protocol import ApplyRequest, DrainRequest, PrepareRequest
+from engine_ext.receiver import ReceiverError, ServedRecord
 
 
 class WorkerBackend(ABC):
@@ -40,15 +35,24 @@ class WorkerBackend(ABC):
 
     # -- shared -------------------------------------------------------------------------
     async def _rpc(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        """Every rank's reply; a rank's refusal (bad input, nothing done) becomes a 4xx."""
         replies = await self.call_workers(method, *args)
         failed = [r for r in replies if not r.get("ok")]
+        refused = [r for r in failed if r.get("refused")]
+        if refused and len(refused) == len(failed):
+            first = refused[0]["refused"]
+            detail = "; ".join(f"rank {r['rank']}: {r['error']}" for r in refused)
+            raise ReceiverError(int(first["status"]), str(first["code"]), detail)
         if failed:
             raise RuntimeError("; ".join(f"rank {r['rank']}: {r['error']}" for r in failed))
         return replies
 
     async def served(self) -> tuple[ServedRecord, str | None]:
         """The active record (and model name) every rank serves; they must agree."""
-        replies = await self._rpc("status")
+        return self._agreed(await self._rpc("status"))
+
+    @staticmethod
+    def _agreed(replies: list[dict[str, Any]]) -> tuple[ServedRecord, str | None]:
         records = {
             ServedRecord(
                 int(r.get("generation") or 0), int(r.get("fence") or 0), r.get("incarnation")
@@ -66,17 +70,14 @@ class WorkerBackend(ABC):
 
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
         try:
-            described = await self._rpc(
-                "prepare", request.mode, request.generation, request.workers
-            )
+            described = await self._rpc("prepare", request.model_dump(mode="json"))
             await self._rpc("promote")
         except RuntimeError as error:
             raise ReceiverError(409, "prepare_failed", str(error)) from error
         return {"workers": described}
 
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
-        peers = list(request.peers.values())
-        return {"workers": await self._rpc("apply", request.generation, request.stage, peers)}
+        return {"workers": await self._rpc("apply", request.model_dump(mode="json"))}
 
     async def commit(self, generation: int) -> dict[str, Any]:
         committed = await self._rpc("commit", generation)
@@ -86,3 +87,10 @@ class WorkerBackend(ABC):
 
     async def abort(self) -> None:
         await self._rpc("abort")
+
+    async def rebuild(self, model: str) -> ServedRecord:
+        """Every rank reloads the active generation; then the engine admits requests again."""
+        served, _ = self._agreed(await self._rpc("rebuild", model))
+        await self.reset_cache()
+        await self.resume()
+        return served

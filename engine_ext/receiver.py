@@ -3,23 +3,44 @@
 States::
 
     SERVING --drain--> DRAINED --prepare--> PREPARED --apply(stages)--> APPLIED --commit--> SERVING
-       ^                  |  ^                  |                            |
-       +-----resume-------+  +------abort-------+            abort / apply failure --> BROKEN
+       ^                  |                     |                          |          |
+       +------ abort, apply failure, session lease expiry -----------------+          |
+       +------ rebuild <-- BROKEN <-- commit failure ---------------------------------+
 
-Prepare validates and registers but touches no live weight, so a failed or aborted prepare
-leaves the engine able to resume the generation it served. Once apply has started the
-engine never serves again until commit succeeds; any failure from then on marks it BROKEN,
-to be rebuilt from the Store (``--load-format mooncake``), never retried in place.
+**Sessions.** Drain opens an update session: an id, its holder (the coordinator) and a
+lease TTL. Every later call names the session and renews its lease; a call from another
+session gets 409 naming the holder and changes nothing. When the lease runs out (the
+coordinator died or was cut off) the engine drops the staged generation and serves its
+old one again by itself. Commit and abort are idempotent per session, so a coordinator
+whose response was lost retries them safely.
+
+**Staging keeps failures recoverable.** Prepare and apply write only the worker's staging
+arena; live weights change at commit alone. So a failed or aborted prepare or apply, or an
+expired session, returns the engine to SERVING on the generation it served. BROKEN means
+live weights may be partly written (a failed commit): the engine then rebuilds itself from
+the Store's active generation, through the same path as ``--load-format mooncake``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from engine_ext.protocol import (
+    ApplyRequest,
+    CommitRequest,
+    DrainRequest,
+    PrepareRequest,
+    SessionRequest,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class ReceiverState(StrEnum):
@@ -28,38 +49,17 @@ class ReceiverState(StrEnum):
     PREPARED = "prepared"
     APPLYING = "applying"
     APPLIED = "applied"
+    COMMITTING = "committing"
     BROKEN = "broken"
+    REBUILDING = "rebuilding"
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+HELD = (ReceiverState.DRAINED, ReceiverState.PREPARED, ReceiverState.APPLIED)
+"""States a session holds the engine in between calls: its lease expiry resolves them."""
 
-
-class DrainRequest(_Request):
-    mode: Literal["abort", "wait"] = "abort"
-    timeout_s: float = Field(60.0, gt=0)
-
-
-class PrepareRequest(_Request):
-    model: str = Field(min_length=1)
-    generation: int = Field(gt=0)
-    manifest_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
-    mode: Literal["compat", "direct"]
-    workers: dict[str, dict[str, Any]] = Field(description="routing slice per worker id")
-    fence: int = Field(0, ge=0, lt=10**12, description="the active record's fence (0: none)")
-    incarnation: str | None = Field(
-        None, pattern=r"^[0-9a-f]{16}$", description="the Store incarnation of that record"
-    )
-
-
-class ApplyRequest(_Request):
-    generation: int = Field(gt=0)
-    stage: int = Field(ge=0)
-    peers: dict[str, dict[str, Any]] = Field(description="TE endpoint and regions per worker id")
-
-
-class GenerationRequest(_Request):
-    generation: int = Field(gt=0)
+Outcome = Literal["committed", "aborted", "failed", "expired", "broken"]
+REBUILD_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+"""Waits between automatic rebuild attempts (the Store may be restarting)."""
 
 
 @dataclass(frozen=True)
@@ -72,20 +72,6 @@ class ReceiverError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code} ({self.status}): {self.detail}"
-
-
-class EngineBackend(Protocol):
-    """Engine-specific glue (vLLM, SGLang). Each call reaches every worker of the engine."""
-
-    engine_id: str
-
-    async def drain(self, request: DrainRequest) -> None: ...
-    async def resume(self) -> None: ...
-    async def placement(self) -> dict[str, Any]: ...
-    async def prepare(self, request: PrepareRequest) -> dict[str, Any]: ...
-    async def apply(self, request: ApplyRequest) -> dict[str, Any]: ...
-    async def commit(self, generation: int) -> dict[str, Any]: ...
-    async def abort(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -109,22 +95,99 @@ class ServedRecord:
         return request.generation > self.generation
 
 
-class Receiver:
-    """Serializes update calls and enforces the state machine and generation fences."""
+class EngineBackend(Protocol):
+    """Engine-specific glue (vLLM, SGLang). Each call reaches every worker of the engine."""
 
-    def __init__(self, backend: EngineBackend, model: str, served: ServedRecord) -> None:
+    engine_id: str
+
+    async def drain(self, request: DrainRequest) -> None: ...
+    async def resume(self) -> None: ...
+    async def placement(self) -> dict[str, Any]: ...
+    async def prepare(self, request: PrepareRequest) -> dict[str, Any]: ...
+    async def apply(self, request: ApplyRequest) -> dict[str, Any]: ...
+    async def commit(self, generation: int) -> dict[str, Any]: ...
+    async def abort(self) -> None: ...
+    async def rebuild(self, model: str) -> ServedRecord:
+        """Load the Store's active generation into the live model and serve it again."""
+        ...
+
+
+@dataclass
+class Session:
+    """The update session holding the engine: who, until when, and how far it got."""
+
+    id: str
+    holder: str
+    ttl_s: float
+    expires_at: float
+    stages: int = 0
+    stages_done: int = 0
+
+    def renew(self) -> None:
+        self.expires_at = time.monotonic() + self.ttl_s
+
+    def remaining_s(self) -> float:
+        return self.expires_at - time.monotonic()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "holder": self.holder,
+            "ttl_s": self.ttl_s,
+            "expires_in_s": round(self.remaining_s(), 3),
+            "stages": self.stages,
+            "stages_done": self.stages_done,
+        }
+
+
+@dataclass(frozen=True)
+class SessionEnd:
+    """How a session ended; kept so that retried commits and aborts answer the same."""
+
+    id: str
+    holder: str
+    outcome: Outcome
+    generation: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Receiver:
+    """Serializes update calls and enforces sessions, the state machine and fences."""
+
+    ENDED_KEPT = 64
+
+    def __init__(
+        self,
+        backend: EngineBackend,
+        model: str,
+        served: ServedRecord,
+        *,
+        auto_rebuild: bool = True,
+    ) -> None:
         self.backend = backend
         self.model = model
         self.served = served
         self.state = ReceiverState.SERVING
+        self.auto_rebuild = auto_rebuild
+        self.session: Session | None = None
+        self.ended: deque[SessionEnd] = deque(maxlen=self.ENDED_KEPT)
         self.pending: int | None = None
         self._pending_record: ServedRecord | None = None
         self.last_error: str | None = None
+        self.rebuilds = 0
         self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def generation(self) -> int:
         return self.served.generation
+
+    @property
+    def ready(self) -> bool:
+        """Serving a complete generation: what readiness probes and routers should see."""
+        return self.state is ReceiverState.SERVING
 
     def status(self) -> dict[str, Any]:
         return {
@@ -134,10 +197,15 @@ class Receiver:
             "fence": self.served.fence,
             "incarnation": self.served.incarnation,
             "state": self.state.value,
+            "ready": self.ready,
             "pending_generation": self.pending,
+            "session": self.session.to_json() if self.session else None,
+            "last_session": self.ended[-1].to_json() if self.ended else None,
             "last_error": self.last_error,
+            "rebuilds": self.rebuilds,
         }
 
+    # -- checks ---------------------------------------------------------------------------
     def _require(self, *states: ReceiverState) -> None:
         if self.state not in states:
             allowed = ", ".join(s.value for s in states)
@@ -153,22 +221,126 @@ class Receiver:
                 f"request is for generation {generation}, prepared generation is {self.pending}",
             )
 
+    def _ended(self, session_id: str) -> SessionEnd | None:
+        return next((e for e in reversed(self.ended) if e.id == session_id), None)
+
+    def _held_by_other(self) -> ReceiverError:
+        assert self.session is not None
+        return ReceiverError(
+            409,
+            "session_held",
+            f"engine is {self.state.value} for session {self.session.id} of "
+            f"{self.session.holder!r} (lease ends in {max(0.0, self.session.remaining_s()):.1f}s); "
+            "wait for that update to finish or for its lease to expire",
+        )
+
+    async def _own(self, session_id: str) -> Session:
+        """The open session ``session_id`` (renewed), after resolving an expired lease."""
+        await self._expire_if_due()
+        if self.session is not None and self.session.id == session_id:
+            self.session.renew()
+            return self.session
+        if self.session is not None:
+            raise self._held_by_other()
+        ended = self._ended(session_id)
+        if ended is not None:
+            raise ReceiverError(
+                409,
+                "session_ended",
+                f"session {session_id} of {ended.holder!r} ended ({ended.outcome}); "
+                "drain again with a new session id",
+            )
+        raise ReceiverError(
+            409,
+            "no_session",
+            f"engine is {self.state.value} and holds no session {session_id}; "
+            "drain opens an update session",
+        )
+
+    # -- session lifecycle ----------------------------------------------------------------
+    def _end_session(self, outcome: Outcome) -> None:
+        if self.session is not None:
+            generation = self.pending if outcome == "committed" else self.generation
+            self.ended.append(
+                SessionEnd(self.session.id, self.session.holder, outcome, generation or 0)
+            )
+        self.session = None
+        self.pending = self._pending_record = None
+
+    async def _release(self, outcome: Outcome, error: str | None = None) -> None:
+        """Drop what is staged and serve the old generation again (live weights untouched)."""
+        self._end_session(outcome)
+        self.last_error = error
+        try:
+            await self.backend.abort()
+            await self.backend.resume()
+        except Exception as failure:  # the engine cannot say what it serves: rebuild it
+            self._break(f"{error or outcome}; then resuming failed: {failure}")
+            return
+        self.state = ReceiverState.SERVING
+
+    async def _expire_if_due(self) -> None:
+        """Called under the lock: an expired session's engine goes back to serving."""
+        session = self.session
+        if session is None or session.remaining_s() > 0 or self.state not in HELD:
+            return
+        logger.warning(
+            "mooncake: session %s of %r expired in state %s; serving generation %d again",
+            session.id,
+            session.holder,
+            self.state.value,
+            self.generation,
+        )
+        await self._release(
+            "expired",
+            f"session {session.id} of {session.holder!r} expired while {self.state.value}: "
+            f"its coordinator stopped renewing; the engine serves generation "
+            f"{self.generation} again",
+        )
+
+    async def _watch(self) -> None:
+        """Enforce the session lease even when no further call ever arrives."""
+        while (session := self.session) is not None:
+            await asyncio.sleep(min(1.0, max(0.05, session.remaining_s())))
+            if self.session is session and session.remaining_s() <= 0:
+                async with self._lock:
+                    await self._expire_if_due()
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- routes ---------------------------------------------------------------------------
     async def drain(self, request: DrainRequest) -> dict[str, Any]:
         async with self._lock:
-            if self.state is ReceiverState.DRAINED:
+            await self._expire_if_due()
+            if self.session is not None:
+                if self.session.id != request.session:
+                    raise self._held_by_other()
+                self.session.renew()
                 return self.status()
+            if self._ended(request.session) is not None:
+                await self._own(request.session)  # raises session_ended
             self._require(ReceiverState.SERVING)
             await self.backend.drain(request)
+            self.session = Session(
+                request.session,
+                request.holder,
+                request.ttl_s,
+                time.monotonic() + request.ttl_s,
+            )
             self.state = ReceiverState.DRAINED
+            self._spawn(self._watch())
             return self.status()
 
-    async def resume(self) -> dict[str, Any]:
+    async def renew(self, request: SessionRequest) -> dict[str, Any]:
+        """Extend the session's lease; takes no lock, so it works while apply runs."""
+        if self.session is not None and self.session.id == request.session:
+            self.session.renew()
+            return self.status()
         async with self._lock:
-            if self.state is ReceiverState.SERVING:
-                return self.status()
-            self._require(ReceiverState.DRAINED)
-            await self.backend.resume()
-            self.state = ReceiverState.SERVING
+            await self._own(request.session)
             return self.status()
 
     async def placement(self) -> dict[str, Any]:
@@ -176,7 +348,8 @@ class Receiver:
 
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
         async with self._lock:
-            self._require(ReceiverState.DRAINED)
+            session = await self._own(request.session)
+            self._require(ReceiverState.DRAINED, ReceiverState.PREPARED)
             if request.model != self.model:
                 raise ReceiverError(
                     409, "wrong_model", f"engine serves {self.model!r}, not {request.model!r}"
@@ -188,6 +361,10 @@ class Receiver:
                     f"generation {request.generation} (fence {request.fence}) is not newer than "
                     f"served generation {self.generation} (fence {self.served.fence})",
                 )
+            if self.state is ReceiverState.PREPARED:  # re-planned: drop the previous staging
+                await self.backend.abort()
+                self.pending = self._pending_record = None
+                self.state = ReceiverState.DRAINED
             try:
                 prepared = await self.backend.prepare(request)
             except ReceiverError:
@@ -200,49 +377,138 @@ class Receiver:
             self._pending_record = ServedRecord(
                 request.generation, request.fence, request.incarnation
             )
+            session.stages, session.stages_done = request.stages, 0
             self.state = ReceiverState.PREPARED
             return {**self.status(), **prepared}
 
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
         async with self._lock:
+            session = await self._own(request.session)
             self._require(ReceiverState.PREPARED, ReceiverState.APPLIED)
             self._require_pending(request.generation)
-            self.state = ReceiverState.APPLYING
+            if request.stage >= session.stages:
+                raise ReceiverError(
+                    422,
+                    "stage_out_of_range",
+                    f"stage {request.stage} of an update with {session.stages} stages",
+                )
+            if request.stage != session.stages_done:
+                raise ReceiverError(
+                    409,
+                    "stage_out_of_order",
+                    f"stage {request.stage} sent; stages run in order and "
+                    f"{session.stages_done} is next",
+                )
+            before, self.state = self.state, ReceiverState.APPLYING
             try:
                 applied = await self.backend.apply(request)
-            except Exception as error:
-                self.state = ReceiverState.BROKEN
-                self.last_error = f"apply failed: {error}"
-                raise ReceiverError(500, "apply_failed", str(error)) from error
-            self.state = ReceiverState.APPLIED
-            return {**self.status(), **applied}
+            except ReceiverError as refused:
+                if refused.status < 500:  # refused before anything was staged
+                    self.state = before
+                    raise
+                error: Exception = refused
+            except Exception as failure:
+                error = failure
+            else:
+                session.stages_done += 1
+                self.state = ReceiverState.APPLIED
+                return {**self.status(), **applied}
+            served = self.generation
+            await self._release("failed", f"apply stage {request.stage} failed: {error}")
+            raise ReceiverError(
+                502,
+                "apply_failed",
+                f"{error}; the staged generation was dropped and the engine serves generation "
+                f"{served} again",
+            ) from error
 
-    async def commit(self, request: GenerationRequest) -> dict[str, Any]:
+    async def commit(self, request: CommitRequest) -> dict[str, Any]:
         async with self._lock:
+            if self.session is None:
+                ended = self._ended(request.session)
+                if (
+                    ended is not None
+                    and ended.outcome == "committed"
+                    and ended.generation == request.generation
+                ):
+                    return {**self.status(), "already": "committed"}
+            session = await self._own(request.session)
             self._require(ReceiverState.APPLIED)
             self._require_pending(request.generation)
+            if session.stages_done != session.stages:
+                raise ReceiverError(
+                    409,
+                    "stages_incomplete",
+                    f"{session.stages_done} of {session.stages} stages ran; apply the rest first",
+                )
+            self.state = ReceiverState.COMMITTING
             try:
                 committed = await self.backend.commit(request.generation)
             except Exception as error:
-                self.state = ReceiverState.BROKEN
-                self.last_error = f"commit failed: {error}"
-                raise ReceiverError(500, "commit_failed", str(error)) from error
+                self._end_session("broken")
+                self._break(f"commit of generation {request.generation} failed: {error}")
+                raise ReceiverError(
+                    500,
+                    "commit_failed",
+                    f"{error}; live weights may be partly written: the engine admits no "
+                    "request and rebuilds itself from the Store's active generation",
+                ) from error
             assert self._pending_record is not None
-            self.served, self.pending = self._pending_record, None
+            self.served = self._pending_record
+            self._end_session("committed")
             self.state = ReceiverState.SERVING
             self.last_error = None
             return {**self.status(), **committed}
 
-    async def abort(self) -> dict[str, Any]:
+    async def abort(self, request: SessionRequest) -> dict[str, Any]:
         async with self._lock:
-            if self.state in (ReceiverState.APPLYING, ReceiverState.APPLIED):
-                # Bytes may already have landed: never serve this state, rebuild instead.
-                await self.backend.abort()
+            await self._expire_if_due()
+            if self.session is None:
+                ended = self._ended(request.session)
+                if ended is not None and ended.outcome == "committed":
+                    raise ReceiverError(
+                        409,
+                        "session_committed",
+                        f"session {request.session} committed generation {ended.generation}; "
+                        "an abort cannot undo it",
+                    )
+                return self.status()  # nothing held: the abort has nothing left to do
+            await self._own(request.session)
+            self._require(*HELD)
+            await self._release("aborted", None)
+            return self.status()
+
+    # -- rebuild --------------------------------------------------------------------------
+    def _break(self, reason: str) -> None:
+        self.state = ReceiverState.BROKEN
+        self.last_error = reason
+        logger.error("mooncake: engine broken (%s); rebuilding from the Store", reason)
+        if self.auto_rebuild:
+            self._spawn(self._rebuild_until_serving())
+
+    async def _rebuild_until_serving(self) -> None:
+        attempt = 0
+        while self.state is ReceiverState.BROKEN:
+            if attempt:
+                await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S)) - 1])
+            attempt += 1
+            with contextlib.suppress(ReceiverError):
+                await self.rebuild()
+
+    async def rebuild(self) -> dict[str, Any]:
+        """Reload the Store's active generation into a broken engine and serve it."""
+        async with self._lock:
+            self._require(ReceiverState.BROKEN)
+            self.state = ReceiverState.REBUILDING
+            try:
+                self.served = await self.backend.rebuild(self.model)
+            except Exception as error:
                 self.state = ReceiverState.BROKEN
-                self.last_error = "aborted after apply started: rebuild from the Store"
-                return self.status()
-            self._require(ReceiverState.PREPARED, ReceiverState.DRAINED)
-            await self.backend.abort()
-            self.pending = self._pending_record = None
-            self.state = ReceiverState.DRAINED
+                self.last_error = f"rebuild failed: {error}"
+                logger.warning("mooncake: %s", self.last_error)
+                raise ReceiverError(502, "rebuild_failed", self.last_error) from error
+            self.rebuilds += 1
+            self.state = ReceiverState.SERVING
+            self.last_error = None
+            logger.info("mooncake: rebuilt; serving generation %d", self.generation)
             return self.status()

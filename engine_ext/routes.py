@@ -9,7 +9,6 @@ body. Nothing is changed by a refused request.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,14 +16,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from engine_ext.receiver import (
+from engine_ext.protocol import (
     ApplyRequest,
+    CommitRequest,
     DrainRequest,
-    GenerationRequest,
     PrepareRequest,
-    Receiver,
-    ReceiverError,
+    SessionRequest,
 )
+from engine_ext.receiver import Receiver, ReceiverError
 
 ReceiverProvider = Callable[[Request], Awaitable[Receiver]]
 
@@ -44,11 +43,7 @@ def _authorized(request: Request, token: str | None) -> bool:
 async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await request.body()
     try:
-        data = json.loads(raw) if raw else {}
-    except json.JSONDecodeError as error:
-        raise ReceiverError(422, "invalid_request", f"body is not JSON: {error}") from error
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw or b"{}")
     except ValidationError as error:
         raise ReceiverError(422, "invalid_request", error.json(include_url=False)) from error
 
@@ -80,11 +75,20 @@ def build_router(get_receiver: ReceiverProvider, token: str | None) -> APIRouter
     route("GET", "/status", None, lambda r, _: _status(r))
     route("GET", "/placement", None, lambda r, _: r.placement())
     route("POST", "/drain", DrainRequest, lambda r, b: r.drain(b))
+    route("POST", "/renew", SessionRequest, lambda r, b: r.renew(b))
     route("POST", "/prepare", PrepareRequest, lambda r, b: r.prepare(b))
     route("POST", "/apply", ApplyRequest, lambda r, b: r.apply(b))
-    route("POST", "/commit", GenerationRequest, lambda r, b: r.commit(b))
-    route("POST", "/abort", None, lambda r, _: r.abort())
-    route("POST", "/resume", None, lambda r, _: r.resume())
+    route("POST", "/commit", CommitRequest, lambda r, b: r.commit(b))
+    route("POST", "/abort", SessionRequest, lambda r, b: r.abort(b))
+    route("POST", "/rebuild", None, lambda r, _: r.rebuild())
+
+    async def ready(request: Request) -> JSONResponse:
+        """Readiness for routers and orchestrators (no token: it tells only the state)."""
+        receiver = await get_receiver(request)
+        body = {"ready": receiver.ready, "state": receiver.state.value}
+        return JSONResponse(body, status_code=200 if receiver.ready else 503)
+
+    router.add_api_route("/ready", ready, methods=["GET"], name="mooncake_ready")
     return router
 
 

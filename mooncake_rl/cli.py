@@ -159,6 +159,7 @@ def cmd_update(args: argparse.Namespace) -> int:
             store,
             args.engine,
             token=token.get_secret_value() if token else None,
+            session_ttl_s=args.session_ttl,
             progress=lambda phase: console.log(f"[bold]{phase}[/] done"),
         ) as coordinator,
         console.status("updating engines"),
@@ -169,6 +170,7 @@ def cmd_update(args: argparse.Namespace) -> int:
                 mode=args.mode,
                 drain_mode=args.drain,
                 direct_fallback=args.direct_fallback,
+                min_engines=args.min_engines,
             )
         except UpdateFailed as failed:
             print(json.dumps(failed.result.to_json(), indent=2))
@@ -281,6 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REGEX",
         help="direct mode: parameters whose names match land through the engine's "
         "load_weights (full tensors) instead of its shard discovery",
+    )
+    update.add_argument(
+        "--min-engines",
+        type=int,
+        metavar="N",
+        help="go on when at least N engines can end on the new generation (default: all); "
+        "the others are released on their old generation and reported",
+    )
+    update.add_argument(
+        "--session-ttl",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="engines free themselves this long after this command stops renewing its session",
     )
     _client_flags(update)
     update.set_defaults(func=cmd_update)

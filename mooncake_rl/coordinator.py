@@ -1,16 +1,33 @@
 """Drive engines from one generation to the next over their ``/mooncake/*`` routes.
 
-1. collect placements from every engine; 2. plan once (cached); 3. drain and prepare all;
-4. apply all, stage by stage (each stage is a barrier: consumers are passive, so a worker's
-bytes have arrived once every worker returned); 5. commit all — only after every apply
-succeeded. A prepare failure aborts and resumes every engine on its old generation. A
-failure once apply started leaves the engines drained and reports them for rebuild from the
-Store; nothing is ever served half-updated.
+1. collect placements; 2. check every object the plan reads before draining anything;
+3. open one update session on every engine (drain), renewed in the background; 4. plan and
+prepare; 5. apply stage by stage (each stage is a barrier: consumers are passive, so a
+worker's bytes have arrived once every worker returned); 6. commit, only after every apply
+succeeded.
+
+Failures never leave an engine half-updated or paused:
+
+- Engines that fail to drain or prepare are released and reported; the update goes on with
+  the rest while at least ``min_engines`` can end on the new generation, re-planned around
+  the missing ones (a reader that died takes its pushes with it). A prepared engine that
+  stops answering before apply is re-planned around the same way.
+- An apply failure aborts every engine: apply writes only staging, so each serves its old
+  generation again.
+- Commit and abort are idempotent per session and retried when a response is lost.
+- If this process dies, each engine's session lease expires and the engine goes back to
+  serving by itself; a rival coordinator's calls carry another session and are refused.
+  Drain takes the engines in URL order, first one alone, so two rivals meet on the first
+  engine and the loser holds nothing.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,11 +45,18 @@ from mooncake_rl.generations.registry import (
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
 from mooncake_rl.store import StoreClient
 
+RETRIES = 4
+"""Attempts at an idempotent call (commit, abort, renew) whose response never came."""
+RETRY_WAIT_S = 0.5
+ADVERTISED = ("worker_id", "node", "endpoint", "regions")
+"""The fields of a prepare reply's worker that peers write by (the apply body's peers)."""
+
 
 class EngineRequestFailed(MooncakeRLError):
     def __init__(self, url: str, path: str, status: int, body: Any) -> None:
         self.url, self.path, self.status, self.body = url, path, status, body
         code = body.get("error") if isinstance(body, dict) else None
+        self.code = code
         detail = body.get("detail") if isinstance(body, dict) else body
         super().__init__(f"{url}{path}: {status} {code}: {detail}")
 
@@ -58,7 +82,12 @@ class UpdateResult:
     # The post-landing check per worker: {"checked", "unchecked", "mismatched", "seconds"}.
     verified: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    committed: list[str] = field(default_factory=list)
+    # Engines left out, and why; each serves its old generation (or rebuilds itself).
+    failed: dict[str, str] = field(default_factory=dict)
+    # Engines whose commit failed: they rebuild themselves from the Store's active generation.
     rebuild: list[str] = field(default_factory=list)
+    session: str | None = None
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -104,8 +133,12 @@ class Coordinator:
         *,
         token: str | None = None,
         timeout_s: float = 600.0,
+        session_ttl_s: float = 30.0,
+        holder: str | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
+        """``session_ttl_s``: how long engines stay held if this process stops renewing;
+        ``holder``: the name engines report for this coordinator (default host:pid)."""
         if not engines:
             raise MooncakeRLError("at least one engine URL is needed")
         self.store = store
@@ -119,6 +152,8 @@ class Coordinator:
         )
         self._progress = progress or (lambda message: None)
         self.cache = RoutingCache()
+        self.session_ttl_s = session_ttl_s
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
 
     def close(self) -> None:
         self._client.close()
@@ -140,20 +175,42 @@ class Coordinator:
             raise EngineRequestFailed(url, f"/mooncake/{path}", response.status_code, payload)
         return payload
 
+    def _call_retrying(self, url: str, path: str, body: Any) -> dict[str, Any]:
+        """An idempotent call, repeated while no response arrives (lost, reset, timed out)."""
+        for attempt in range(RETRIES):
+            try:
+                return self._call(url, "POST", path, body)
+            except httpx.TransportError:
+                if attempt == RETRIES - 1:
+                    raise
+                time.sleep(RETRY_WAIT_S * 2**attempt)
+        raise AssertionError("unreachable")
+
     def _all(
-        self, urls: Sequence[str], method: str, path: str, bodies: Mapping[str, Any] | None = None
+        self,
+        urls: Sequence[str],
+        method: str,
+        path: str,
+        bodies: Mapping[str, Any] | None = None,
+        *,
+        retry: bool = False,
     ) -> tuple[dict[str, dict[str, Any]], dict[str, EngineRequestFailed]]:
         """The same call on every engine, concurrently; successes and failures by URL."""
 
         def one(url: str) -> tuple[str, Any]:
+            body = None if bodies is None else bodies[url]
             try:
-                return url, self._call(url, method, path, None if bodies is None else bodies[url])
+                if retry:
+                    return url, self._call_retrying(url, path, body)
+                return url, self._call(url, method, path, body)
             except EngineRequestFailed as error:
                 return url, error
             except httpx.HTTPError as error:
                 return url, EngineRequestFailed(url, f"/mooncake/{path}", 0, str(error))
 
-        with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        if not urls:
+            return {}, {}
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
             results = dict(pool.map(one, urls))
         ok = {u: r for u, r in results.items() if not isinstance(r, EngineRequestFailed)}
         failed = {u: r for u, r in results.items() if isinstance(r, EngineRequestFailed)}
@@ -172,9 +229,17 @@ class Coordinator:
         drain_mode: str = "abort",
         batch_bytes: int = 64 << 20,
         direct_fallback: str | None = None,
+        min_engines: int | None = None,
     ) -> UpdateResult:
         """``direct_fallback``: regex of parameter names direct mode lands through each
-        engine's ``load_weights`` (full tensors) instead of its shard discovery."""
+        engine's ``load_weights`` (full tensors) instead of its shard discovery.
+        ``min_engines``: how many engines must end on the new generation (already serving
+        it counts); default all."""
+        needed = len(self.engines) if min_engines is None else min_engines
+        if not 1 <= needed <= len(self.engines):
+            raise MooncakeRLError(
+                f"min_engines must lie in 1..{len(self.engines)} (the engines given), got {needed}"
+            )
         registry = GenerationRegistry(self.store, model)
         record = require_active(self.store, model, "cannot update engines")
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
@@ -191,16 +256,17 @@ class Coordinator:
             self._progress(name)
 
         placements, failed = self._all(self.engines, "GET", "placement")
-        if failed:
-            result.error = "; ".join(str(e) for e in failed.values())
-            raise UpdateFailed(result)
-        result.skipped = [u for u in self.engines if serves(placements[u], record)]
-        targets = [u for u in self.engines if u not in result.skipped]
+        _left_out(result, failed)
+        result.skipped = [
+            u for u in self.engines if u in placements and serves(placements[u], record)
+        ]
+        targets = [u for u in self.engines if u in placements and u not in result.skipped]
         for url in targets:
             problem = refusal(url, placements[url], record)
             if problem:
                 result.error = problem
                 raise UpdateFailed(result)
+        _require_enough(result, targets, needed, "placement")
         phase("placement")
         if not targets:
             return result
@@ -215,76 +281,239 @@ class Coordinator:
             raise UpdateFailed(result)
         phase("check")
 
-        engines = {u: placements[u]["workers"] for u in targets}
-        plan: UpdatePlan = plan_update(
-            manifest, engines, mode, batch_bytes, self.cache, record.layout_digest, direct_fallback
-        )
-        result.planned_read_bytes = plan.store_read_bytes
-        result.planned_pushed_bytes = plan.pushed_bytes
-        result.unique_demand_bytes = plan.unique_demand_bytes
-        result.cross_node_pushed_bytes = plan.routing.cross_node_pushed_bytes
-        result.received_bytes = plan.routing.received_bytes()
-        result.fallback_bytes = plan.routing.fallback_bytes()
-        result.node_nic_bytes = dict(plan.routing.node_nic_bytes)
-        phase("plan")
+        session = SessionLease(self, self.session_ttl_s)
+        result.session = session.id
+        try:
+            members = self._drain(session, targets, drain_mode, needed, result)
+            phase("drain")
+            members, plan, peers = self._prepare(
+                session,
+                members,
+                lambda urls: plan_update(
+                    manifest,
+                    {u: placements[u]["workers"] for u in urls},
+                    mode,
+                    batch_bytes,
+                    self.cache,
+                    record.layout_digest,
+                    direct_fallback,
+                ),
+                lambda url, plan: {
+                    "session": session.id,
+                    "model": model,
+                    "generation": record.generation,
+                    "manifest_digest": record.manifest_digest,
+                    "fence": record.fence,
+                    "incarnation": record.incarnation,
+                    "mode": mode,
+                    "stages": plan.stages,
+                    "workers": plan.engine_workers(url, checksums.objects),
+                },
+                needed,
+                result,
+                phase,
+            )
+            _planned(result, plan)
+            self._apply(session, members, plan, peers, record, result)
+            phase("apply")
+            self._commit(session, members, record, needed, result)
+            phase("commit")
+        except BaseException:
+            session.release(sorted(session.held))
+            raise
+        finally:
+            session.stop()
+        return result
 
-        _, failed = self._all(targets, "POST", "drain", {u: {"mode": drain_mode} for u in targets})
-        if failed:
-            self._resume(targets)
-            result.error = "drain failed: " + "; ".join(str(e) for e in failed.values())
-            raise UpdateFailed(result)
-        phase("drain")
-
-        bodies = {
-            url: {
-                "model": model,
-                "generation": record.generation,
-                "manifest_digest": record.manifest_digest,
-                "fence": record.fence,
-                "incarnation": record.incarnation,
-                "mode": mode,
-                "workers": plan.engine_workers(url, checksums.objects),
-            }
-            for url in targets
+    def _drain(
+        self,
+        session: SessionLease,
+        targets: Sequence[str],
+        drain_mode: str,
+        needed: int,
+        result: UpdateResult,
+    ) -> list[str]:
+        """Open the session on every target; the first (in URL order) alone, so that a
+        rival coordinator that got there first stops this one before it holds anything."""
+        body = {
+            "session": session.id,
+            "holder": self.holder,
+            "ttl_s": self.session_ttl_s,
+            "mode": drain_mode,
         }
-        prepared, failed = self._all(targets, "POST", "prepare", bodies)
-        if failed:
-            self._all(targets, "POST", "abort")
-            self._resume(targets)
-            result.error = "prepare failed: " + "; ".join(str(e) for e in failed.values())
-            raise UpdateFailed(result)
-        peers = {w["worker_id"]: w for p in prepared.values() for w in p["workers"]}
-        phase("prepare")
+        ordered = sorted(targets)
+        drained: list[str] = []
+        for group in (ordered[:1], ordered[1:]):
+            ok, failed = self._all(group, "POST", "drain", {u: body for u in group})
+            session.held.update(ok)
+            drained += ok
+            _left_out(result, failed)
+            self._enough_or_release(session, result, drained, needed, "drain")
+        return [u for u in targets if u in drained]
 
+    def _prepare(
+        self,
+        session: SessionLease,
+        members: list[str],
+        plan_for: Callable[[Sequence[str]], UpdatePlan],
+        body_for: Callable[[str, UpdatePlan], dict[str, Any]],
+        needed: int,
+        result: UpdateResult,
+        phase: Callable[[str], None],
+    ) -> tuple[list[str], UpdatePlan, dict[str, dict[str, Any]]]:
+        """Plan and prepare; engines that fail or stop answering are released and the rest
+        re-planned without them (their pushes would never come) until all that remain are
+        prepared and alive."""
+        planned = False
+        while True:
+            plan = plan_for(members)
+            if not planned:
+                phase("plan")
+                planned = True
+            bodies = {u: body_for(u, plan) for u in members}
+            prepared, failed = self._all(members, "POST", "prepare", bodies)
+            if not failed:
+                phase("prepare")
+                # Just before apply: every member still answers in this session.
+                _, failed = self._all(
+                    members, "POST", "renew", {u: {"session": session.id} for u in members}
+                )
+            if not failed:
+                peers = {
+                    w["worker_id"]: {k: w[k] for k in ADVERTISED}
+                    for reply in prepared.values()
+                    for w in reply["workers"]
+                }
+                return members, plan, peers
+            session.release(sorted(failed))
+            _left_out(result, failed)
+            members = [u for u in members if u not in failed]
+            self._enough_or_release(session, result, members, needed, "prepare")
+
+    def _apply(
+        self,
+        session: SessionLease,
+        members: list[str],
+        plan: UpdatePlan,
+        peers: dict[str, dict[str, Any]],
+        record: ActiveRecord,
+        result: UpdateResult,
+    ) -> None:
         for stage in range(plan.stages):
-            body = {"generation": record.generation, "stage": stage, "peers": peers}
-            applied, failed = self._all(targets, "POST", "apply", {u: body for u in targets})
+            body = {
+                "session": session.id,
+                "generation": record.generation,
+                "stage": stage,
+                "peers": peers,
+            }
+            applied, failed = self._all(members, "POST", "apply", {u: body for u in members})
             for reply in applied.values():
                 for worker in reply["workers"]:
                     result.store_read_bytes += worker["store_read_bytes"]
                     result.store_reread_bytes += worker.get("store_reread_bytes", 0)
                     result.pushed_bytes += worker["pushed_bytes"]
             if failed:
-                self._all(targets, "POST", "abort")
-                result.rebuild = list(targets)
+                # Apply writes staging only: released engines serve their old generation.
+                session.release(sorted(session.held))
+                _left_out(result, failed)
                 result.error = f"apply stage {stage} failed: " + "; ".join(
                     str(e) for e in failed.values()
                 )
                 raise UpdateFailed(result)
-        phase("apply")
+            self._progress(f"stage {stage}")
 
+    def _commit(
+        self,
+        session: SessionLease,
+        members: list[str],
+        record: ActiveRecord,
+        needed: int,
+        result: UpdateResult,
+    ) -> None:
+        body = {"session": session.id, "generation": record.generation}
         committed, failed = self._all(
-            targets, "POST", "commit", {u: {"generation": record.generation} for u in targets}
+            members, "POST", "commit", {u: body for u in members}, retry=True
         )
+        session.held.difference_update(members)
+        result.committed = [u for u in members if u in committed]
         for url, reply in committed.items():
             for rank, worker in enumerate(reply.get("workers", [])):
                 result.verified[f"{url}/tp{rank}"] = worker.get("verify", {})
-        if failed:
-            result.rebuild = sorted(failed)
+        _left_out(result, failed)
+        result.rebuild = sorted(u for u, e in failed.items() if e.code == "commit_failed")
+        if len(result.committed) + len(result.skipped) < needed:
             result.error = "commit failed: " + "; ".join(str(e) for e in failed.values())
             raise UpdateFailed(result)
-        phase("commit")
-        return result
 
-    def _resume(self, urls: Sequence[str]) -> None:
-        self._all(urls, "POST", "resume")
+    def _enough_or_release(
+        self,
+        session: SessionLease,
+        result: UpdateResult,
+        members: Sequence[str],
+        needed: int,
+        step: str,
+    ) -> None:
+        try:
+            _require_enough(result, members, needed, step)
+        except UpdateFailed:
+            session.release(sorted(session.held))
+            raise
+
+
+class SessionLease:
+    """One update session: its id, the engines it holds, and their lease renewal.
+
+    Renewal runs every third of the TTL on a thread, so a long apply or commit never lets
+    the lease lapse; when this process dies, renewal stops and the engines free themselves.
+    """
+
+    def __init__(self, coordinator: Coordinator, ttl_s: float) -> None:
+        self.id = uuid.uuid4().hex
+        self.held: set[str] = set()
+        self._coordinator = coordinator
+        self._ttl_s = ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name=f"session-{self.id[:8]}")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self._ttl_s / 3):
+            urls = sorted(self.held)
+            self._coordinator._all(urls, "POST", "renew", {u: {"session": self.id} for u in urls})
+
+    def release(self, urls: Sequence[str]) -> None:
+        """Abort the session on ``urls``: each drops what it staged and serves again."""
+        body = {"session": self.id}
+        self._coordinator._all(urls, "POST", "abort", {u: body for u in urls}, retry=True)
+        self.held.difference_update(urls)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _left_out(result: UpdateResult, failed: Mapping[str, EngineRequestFailed]) -> None:
+    result.failed.update({url: str(error) for url, error in failed.items()})
+
+
+def _require_enough(result: UpdateResult, members: Sequence[str], needed: int, step: str) -> None:
+    """Raise unless ``members`` plus the engines already serving reach ``needed``."""
+    if len(members) + len(result.skipped) >= needed:
+        return
+    result.error = (
+        f"{step}: only {len(members) + len(result.skipped)} of {len(result.engines)} engines "
+        f"can serve generation {result.generation}, {needed} needed (--min-engines); "
+        + "; ".join(result.failed.values())
+    )
+    raise UpdateFailed(result)
+
+
+def _planned(result: UpdateResult, plan: UpdatePlan) -> None:
+    result.planned_read_bytes = plan.store_read_bytes
+    result.planned_pushed_bytes = plan.pushed_bytes
+    result.unique_demand_bytes = plan.unique_demand_bytes
+    result.cross_node_pushed_bytes = plan.routing.cross_node_pushed_bytes
+    result.received_bytes = plan.routing.received_bytes()
+    result.fallback_bytes = plan.routing.fallback_bytes()
+    result.node_nic_bytes = dict(plan.routing.node_nic_bytes)

@@ -16,7 +16,8 @@ from typing import Any
 from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
 from engine_ext.backend import WorkerBackend
-from engine_ext.receiver import DrainRequest, ReceiverError
+from engine_ext.protocol import DrainRequest
+from engine_ext.receiver import ReceiverError
 from engine_ext.sglang.ipc import MooncakeRLReqInput
 
 COMMUNICATOR = "mooncake_rl"  # the TokenizerManager attribute is f"{COMMUNICATOR}_communicator"

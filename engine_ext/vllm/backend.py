@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_ext.backend import WorkerBackend
-from engine_ext.receiver import DrainRequest
+from engine_ext.protocol import DrainRequest
 
 
 class VllmBackend(WorkerBackend):

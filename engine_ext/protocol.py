@@ -1,0 +1,121 @@
+"""The typed bodies of the ``/mooncake/*`` routes.
+
+Every field is bounded and checked here, before the receiver looks at its state: a body
+that does not validate is answered 422 and changes nothing. Models are strict (no string
+to number coercion) and refuse unknown fields. What can only be checked against the Store
+(that a generation has an active record, that read keys belong to it, that push targets
+were advertised in this session) is checked by the workers at prepare and apply, still
+before anything is staged or written.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_GENERATION = 2**53
+"""Above any generation a Store will hand out; the workers bound it by the active record."""
+MAX_STAGES = 1 << 16
+MAX_TTL_S = 3600.0
+
+Count = Annotated[int, Field(ge=0, lt=2**63)]
+Length = Annotated[int, Field(gt=0, lt=2**63)]
+Name = Annotated[str, Field(min_length=1, max_length=1024)]
+WorkerId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\w.:@/-]+$")]
+SessionId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Generation = Annotated[int, Field(gt=0, lt=MAX_GENERATION)]
+DtypeName = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")]
+Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+Hex16 = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# -- a worker's routing slice (mooncake_rl.apply.wire encodes it) --------------------------
+class BatchWire(Wire):
+    reads: list[tuple[Name, Count, Name, Count, Length]] = Field(
+        max_length=1 << 24, description="[key, src_offset, region, dst_offset, length]"
+    )
+    pushes: list[tuple[WorkerId, Name, Count, Name, Count, Length]] = Field(
+        max_length=1 << 24,
+        description="[peer, src_region, src_offset, dst_region, dst_offset, length]",
+    )
+
+
+class SliceWire(Wire):
+    regions: dict[Name, Length]
+    stages: list[list[BatchWire]] = Field(max_length=MAX_STAGES)
+    checksums: dict[Name, tuple[Length, Hex32, list[Hex16]]] | None = None
+
+
+class TensorRow(Wire):
+    """Where one full tensor sits in a receive region (compat layout, direct fallback)."""
+
+    name: Name
+    region: Name
+    offset: Count
+    shape: list[Count] = Field(max_length=16)
+    dtype: DtypeName
+    nbytes: Length | None = None
+
+
+class WorkerRouting(Wire):
+    slice: SliceWire
+    layout: list[TensorRow]
+    region_dtypes: dict[Name, DtypeName]
+    fallback: list[TensorRow]
+
+
+class RegionWire(Wire):
+    base: Count
+    size: Length
+
+
+class PeerWire(Wire):
+    """A worker as its prepare reply advertised it: where peers may write."""
+
+    worker_id: WorkerId
+    node: Name
+    endpoint: Name
+    regions: dict[Name, RegionWire]
+
+
+# -- requests -------------------------------------------------------------------------------
+class SessionRequest(Wire):
+    """Names the update session a call belongs to (abort, renew)."""
+
+    session: SessionId
+
+
+class DrainRequest(SessionRequest):
+    """Opens (or renews) an update session: its holder owns the engine until the lease ends."""
+
+    holder: str = Field(min_length=1, max_length=256, pattern=r"^[\x20-\x7e]+$")
+    ttl_s: float = Field(30.0, ge=1.0, le=MAX_TTL_S)
+    mode: Literal["abort", "wait"] = "abort"
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TTL_S)
+
+
+class PrepareRequest(SessionRequest):
+    model: Name
+    generation: Generation
+    manifest_digest: Digest
+    mode: Literal["compat", "direct"]
+    stages: int = Field(ge=0, le=MAX_STAGES, description="apply stages of this update")
+    workers: dict[WorkerId, WorkerRouting] = Field(max_length=4096)
+    fence: int = Field(0, ge=0, lt=10**12, description="the active record's fence (0: none)")
+    incarnation: Hex16 | None = Field(None, description="the Store incarnation of that record")
+
+
+class ApplyRequest(SessionRequest):
+    generation: Generation
+    stage: int = Field(ge=0, lt=MAX_STAGES)
+    peers: dict[WorkerId, PeerWire] = Field(max_length=1 << 16)
+
+
+class CommitRequest(SessionRequest):
+    generation: Generation
