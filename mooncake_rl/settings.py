@@ -45,6 +45,11 @@ class Settings(BaseSettings):
         ge=0,
         description="GC spares a generation this long after it stopped being active",
     )
+    auto_rebuild: bool = Field(
+        True,
+        description="an engine whose commit failed reloads the Store's active generation "
+        "by itself (POST /mooncake/rebuild does it on request)",
+    )
     staging_watermark_bytes: int = Field(256 * MiB, gt=0, description="staging bytes in flight")
 
     @field_validator("master")

@@ -120,7 +120,12 @@ class EngineRoutes:
             if self._receiver is None:
                 backend = SglangBackend(self._tokenizer_manager(), self.engine_id)
                 served, loaded_name = await backend.served()
-                self._receiver = Receiver(backend, loaded_name or self.model, served)
+                self._receiver = Receiver(
+                    backend,
+                    loaded_name or self.model,
+                    served,
+                    auto_rebuild=Settings().auto_rebuild,
+                )
         return self._receiver
 
     def with_leases(self, lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:

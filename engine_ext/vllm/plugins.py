@@ -59,7 +59,7 @@ class MooncakeEndpointPlugin:
         if isinstance(extra, str):
             extra = json.loads(extra)
         model = loaded_name or extra.get("name") or (args.served_model_name or [args.model])[0]
-        self._receiver = Receiver(backend, str(model), served)
+        self._receiver = Receiver(backend, str(model), served, auto_rebuild=Settings().auto_rebuild)
         self._ready.set()
         if served.generation > 0:  # served from the Store: keep the lease the loader took
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))

@@ -8,6 +8,7 @@ SGLang glue by overriding the ``make_engine`` fixture.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,13 +16,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from engine_ext.receiver import (
-    ApplyRequest,
-    DrainRequest,
-    PrepareRequest,
-    Receiver,
-    ServedRecord,
-)
+from engine_ext.protocol import ApplyRequest, DrainRequest, PrepareRequest
+from engine_ext.receiver import Receiver, ServedRecord
 from engine_ext.routes import ReceiverProvider, build_router
 
 DIGEST = "ab" * 32
@@ -61,16 +57,20 @@ class RecordingBackend:
     async def abort(self) -> None:
         await self._step("abort")
 
+    async def rebuild(self, model: str) -> ServedRecord:
+        await self._step(f"rebuild:{model}")
+        return ServedRecord(7, 7, "ab" * 8)
+
 
 # (receiver provider for the router, recorder with ``calls``/``fail_on``, the receiver)
 Engine = tuple[ReceiverProvider, Any, Receiver]
 
 
 @pytest.fixture
-def make_engine() -> Callable[[], Awaitable[Engine]]:
-    async def make() -> Engine:
+def make_engine() -> Callable[..., Awaitable[Engine]]:
+    async def make(auto_rebuild: bool = True) -> Engine:
         backend = RecordingBackend()
-        receiver = Receiver(backend, "m", ServedRecord(1))
+        receiver = Receiver(backend, "m", ServedRecord(1), auto_rebuild=auto_rebuild)
 
         async def get_receiver(request: Any) -> Receiver:
             return receiver
@@ -81,9 +81,11 @@ def make_engine() -> Callable[[], Awaitable[Engine]]:
 
 
 @pytest.fixture
-def make_client(make_engine: Callable[[], Awaitable[Engine]]) -> Callable[..., Awaitable[Any]]:
-    async def make(token: str | None = None) -> tuple[httpx.AsyncClient, Any, Receiver]:
-        get_receiver, recorder, receiver = await make_engine()
+def make_client(make_engine: Callable[..., Awaitable[Engine]]) -> Callable[..., Awaitable[Any]]:
+    async def make(
+        token: str | None = None, auto_rebuild: bool = True
+    ) -> tuple[httpx.AsyncClient, Any, Receiver]:
+        get_receiver, recorder, receiver = await make_engine(auto_rebuild)
         app = FastAPI()
         app.include_router(build_router(get_receiver, token))
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
@@ -92,105 +94,169 @@ def make_client(make_engine: Callable[[], Awaitable[Engine]]) -> Callable[..., A
     return make
 
 
-def prepare_body(generation: int = 2) -> dict[str, Any]:
+S1, S2 = "1" * 32, "2" * 32
+
+
+def drain_body(session: str = S1, **extra: Any) -> dict[str, Any]:
+    return {"session": session, "holder": "coordinator-a", "ttl_s": 30, **extra}
+
+
+def prepare_body(generation: int = 2, stages: int = 2, session: str = S1) -> dict[str, Any]:
     return {
+        "session": session,
         "model": "m",
         "generation": generation,
         "manifest_digest": DIGEST,
         "mode": "compat",
+        "stages": stages,
         "workers": {},
     }
+
+
+def apply_body(stage: int, generation: int = 2, session: str = S1) -> dict[str, Any]:
+    return {"session": session, "generation": generation, "stage": stage, "peers": {}}
+
+
+def commit_body(generation: int = 2, session: str = S1) -> dict[str, Any]:
+    return {"session": session, "generation": generation}
+
+
+async def run_steps(client: httpx.AsyncClient, steps: list[tuple[str, dict[str, Any]]]) -> None:
+    for path, body in steps:
+        response = await client.post(f"/mooncake/{path}", json=body)
+        assert response.status_code == 200, (path, response.json())
+
+
+UPDATE = [("drain", drain_body()), ("prepare", prepare_body())]
+APPLIED = [*UPDATE, ("apply", apply_body(0)), ("apply", apply_body(1))]
 
 
 async def test_full_update_cycle(make_client) -> None:
     client, backend, _ = await make_client()
     async with client:
-        assert (await client.get("/mooncake/status")).json()["state"] == "serving"
-        assert (await client.post("/mooncake/drain", json={"mode": "wait"})).json()[
-            "state"
-        ] == "drained"
-        assert (await client.post("/mooncake/prepare", json=prepare_body())).json()[
-            "pending_generation"
-        ] == 2
+        status = (await client.get("/mooncake/status")).json()
+        assert (status["state"], status["ready"], status["session"]) == ("serving", True, None)
+        drained = (await client.post("/mooncake/drain", json=drain_body(mode="wait"))).json()
+        assert drained["state"] == "drained"
+        assert (drained["session"]["id"], drained["session"]["holder"]) == (S1, "coordinator-a")
+        prepared = (await client.post("/mooncake/prepare", json=prepare_body())).json()
+        assert prepared["pending_generation"] == 2 and prepared["session"]["stages"] == 2
         for stage in (0, 1):
-            response = await client.post(
-                "/mooncake/apply", json={"generation": 2, "stage": stage, "peers": {}}
-            )
+            response = await client.post("/mooncake/apply", json=apply_body(stage))
             assert response.json()["state"] == "applied"
-        status = (await client.post("/mooncake/commit", json={"generation": 2})).json()
-        assert (status["state"], status["generation"], status["pending_generation"]) == (
-            "serving",
-            2,
-            None,
-        )
+        status = (await client.post("/mooncake/commit", json=commit_body())).json()
+    assert (status["state"], status["generation"], status["pending_generation"]) == (
+        "serving",
+        2,
+        None,
+    )
+    assert status["session"] is None
+    assert status["last_session"] == {
+        "id": S1,
+        "holder": "coordinator-a",
+        "outcome": "committed",
+        "generation": 2,
+    }
     assert backend.calls == ["drain:wait", "prepare:2", "apply:2:0", "apply:2:1", "commit:2"]
 
 
 @pytest.mark.parametrize(
-    "steps,expected_status,expected_error",
+    "setup,path,body,expected_status,expected_error",
     [
+        ([], "apply", apply_body(0), 409, "no_session"),
+        ([], "prepare", prepare_body(), 409, "no_session"),
+        ([], "commit", commit_body(), 409, "no_session"),
+        ([], "renew", {"session": S1}, 409, "no_session"),
+        ([("drain", drain_body())], "prepare", prepare_body(1), 409, "stale_generation"),
+        ([("drain", drain_body())], "apply", apply_body(0), 409, "wrong_state"),
+        (UPDATE, "apply", apply_body(0, generation=4), 409, "generation_mismatch"),
+        (UPDATE, "apply", apply_body(1), 409, "stage_out_of_order"),
+        (UPDATE, "apply", apply_body(2), 422, "stage_out_of_range"),
+        (UPDATE, "commit", commit_body(), 409, "wrong_state"),
+        ([*UPDATE, ("apply", apply_body(0))], "commit", commit_body(), 409, "stages_incomplete"),
+        # Another session: refused, naming the holder; nothing it sends changes anything.
+        ([("drain", drain_body())], "drain", drain_body(S2), 409, "session_held"),
+        (UPDATE, "prepare", prepare_body(session=S2), 409, "session_held"),
+        (UPDATE, "apply", apply_body(0, session=S2), 409, "session_held"),
+        (APPLIED, "commit", commit_body(session=S2), 409, "session_held"),
+        (APPLIED, "abort", {"session": S2}, 409, "session_held"),
+        (APPLIED, "renew", {"session": S2}, 409, "session_held"),
+        # Malformed: every field is typed and bounded.
+        ([], "drain", drain_body(mode="sideways"), 422, "invalid_request"),
+        ([], "drain", {"unknown": 1, **drain_body()}, 422, "invalid_request"),
+        ([], "drain", drain_body(session="not-hex"), 422, "invalid_request"),
+        ([], "drain", drain_body(ttl_s=10**9), 422, "invalid_request"),
+        ([], "drain", {"session": S1}, 422, "invalid_request"),
         (
-            [("post", "/mooncake/apply", {"generation": 2, "stage": 0, "peers": {}})],
-            409,
-            "wrong_state",
-        ),
-        ([("post", "/mooncake/prepare", prepare_body())], 409, "wrong_state"),
-        ([("post", "/mooncake/commit", {"generation": 2})], 409, "wrong_state"),
-        (
-            [("post", "/mooncake/drain", {}), ("post", "/mooncake/prepare", prepare_body(1))],
-            409,
-            "stale_generation",
-        ),
-        (
-            [
-                ("post", "/mooncake/drain", {}),
-                ("post", "/mooncake/prepare", prepare_body(3)),
-                ("post", "/mooncake/apply", {"generation": 4, "stage": 0, "peers": {}}),
-            ],
-            409,
-            "generation_mismatch",
-        ),
-        ([("post", "/mooncake/drain", {"mode": "sideways"})], 422, "invalid_request"),
-        ([("post", "/mooncake/drain", {"unknown": 1})], 422, "invalid_request"),
-        (
-            [
-                ("post", "/mooncake/drain", {}),
-                ("post", "/mooncake/prepare", {**prepare_body(), "generation": -1}),
-            ],
+            [("drain", drain_body())],
+            "prepare",
+            {**prepare_body(), "generation": -1},
             422,
             "invalid_request",
         ),
         (
-            [
-                ("post", "/mooncake/drain", {}),
-                ("post", "/mooncake/prepare", {**prepare_body(), "incarnation": "../etc"}),
-            ],
+            [("drain", drain_body())],
+            "prepare",
+            {**prepare_body(), "generation": 10**18},
             422,
             "invalid_request",
         ),
         (
-            [
-                ("post", "/mooncake/drain", {}),
-                ("post", "/mooncake/prepare", {**prepare_body(), "fence": 10**18}),
-            ],
+            [("drain", drain_body())],
+            "prepare",
+            {**prepare_body(), "generation": "3"},
             422,
             "invalid_request",
         ),
+        (
+            [("drain", drain_body())],
+            "prepare",
+            {**prepare_body(), "incarnation": "../etc"},
+            422,
+            "invalid_request",
+        ),
+        (
+            [("drain", drain_body())],
+            "prepare",
+            {**prepare_body(), "fence": 10**18},
+            422,
+            "invalid_request",
+        ),
+        (
+            [("drain", drain_body())],
+            "prepare",
+            {**prepare_body(), "workers": {"w0": {}}},
+            422,
+            "invalid_request",
+        ),
+        (
+            UPDATE,
+            "apply",
+            {**apply_body(0), "peers": {"w1": {"endpoint": "x"}}},
+            422,
+            "invalid_request",
+        ),
+        (UPDATE, "apply", {**apply_body(0), "peers": []}, 422, "invalid_request"),
     ],
 )
 async def test_bad_requests_are_refused_and_change_nothing(
-    make_client, steps: list, expected_status: int, expected_error: str
+    make_client, setup: list, path: str, body: Any, expected_status: int, expected_error: str
 ) -> None:
-    client, backend, receiver = await make_client()
+    client, backend, _receiver = await make_client()
     async with client:
-        *setup, (method, path, body) = steps
-        for m, p, b in setup:
-            assert (await client.request(m.upper(), p, json=b)).status_code == 200
-        before = (receiver.state, receiver.generation, receiver.pending, list(backend.calls))
-        response = await client.request(method.upper(), path, json=body)
-        assert response.status_code == expected_status
-        assert response.json()["error"] == expected_error and response.json()["detail"]
-        assert (receiver.state, receiver.generation, receiver.pending, backend.calls) == before
+        await run_steps(client, setup)
+        before = (await client.get("/mooncake/status")).json()
+        calls = list(backend.calls)
+        response = await client.post(f"/mooncake/{path}", json=body)
+        after = (await client.get("/mooncake/status")).json()
+    assert response.status_code == expected_status, response.json()
+    assert response.json()["error"] == expected_error and response.json()["detail"]
+    if expected_error == "session_held":
+        assert "coordinator-a" in response.json()["detail"] and S1 in response.json()["detail"]
+    for status in (before, after):  # the lease countdown is the only thing that moves
+        if status["session"]:
+            status["session"].pop("expires_in_s")
+    assert after == before and backend.calls == calls
 
 
 async def test_malformed_json_is_422(make_client) -> None:
@@ -203,65 +269,192 @@ async def test_malformed_json_is_422(make_client) -> None:
     assert receiver.state.value == "serving"
 
 
-async def test_token_guards_every_route(make_client) -> None:
+async def test_token_guards_every_route_but_readiness(make_client) -> None:
     client, backend, _ = await make_client(token="s3cret")
     async with client:
         for method, path in [
             ("GET", "/mooncake/status"),
+            ("GET", "/mooncake/placement"),
             ("POST", "/mooncake/drain"),
-            ("POST", "/mooncake/resume"),
+            ("POST", "/mooncake/abort"),
+            ("POST", "/mooncake/rebuild"),
         ]:
-            response = await client.request(method, path, json={})
+            response = await client.request(method, path, json=drain_body())
             assert response.status_code == 401 and response.json()["error"] == "unauthorized"
             wrong = await client.request(
-                method, path, json={}, headers={"authorization": "Bearer nope"}
+                method, path, json=drain_body(), headers={"authorization": "Bearer nope"}
             )
             assert wrong.status_code == 401
         ok = await client.get("/mooncake/status", headers={"authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+        ready = await client.get("/mooncake/ready")
+    assert ready.status_code == 200 and ready.json() == {"ready": True, "state": "serving"}
     assert backend.calls == []
 
 
-async def test_prepare_failure_resumes_old_generation(make_client) -> None:
+async def test_readiness_follows_the_state(make_client) -> None:
+    client, _, _ = await make_client()
+    async with client:
+        await run_steps(client, [("drain", drain_body())])
+        drained = await client.get("/mooncake/ready")
+        await run_steps(client, [("abort", {"session": S1})])
+        serving = await client.get("/mooncake/ready")
+    assert drained.status_code == 503 and drained.json() == {"ready": False, "state": "drained"}
+    assert serving.status_code == 200
+
+
+async def test_prepare_failure_keeps_the_session_and_abort_serves_the_old_generation(
+    make_client,
+) -> None:
     client, backend, receiver = await make_client()
     backend.fail_on.add("prepare:2")
     async with client:
-        await client.post("/mooncake/drain", json={})
+        await run_steps(client, [("drain", drain_body())])
         response = await client.post("/mooncake/prepare", json=prepare_body())
         assert response.status_code == 409 and response.json()["error"] == "prepare_failed"
         assert "prepare:2 exploded" in response.json()["detail"]
-        assert receiver.state.value == "drained"
-        assert (
-            await client.post("/mooncake/resume")
-        ).json() | {} and receiver.state.value == "serving"
-    assert receiver.generation == 1
-    assert backend.calls == ["drain:abort", "prepare:2", "abort", "resume"]
+        assert receiver.state.value == "drained" and receiver.session is not None
+        aborted = (await client.post("/mooncake/abort", json={"session": S1})).json()
+    assert (aborted["state"], aborted["generation"]) == ("serving", 1)
+    assert aborted["last_session"]["outcome"] == "aborted"
+    assert backend.calls == ["drain:abort", "prepare:2", "abort", "abort", "resume"]
 
 
-async def test_apply_failure_breaks_the_engine_for_rebuild(make_client) -> None:
+async def test_prepare_again_replaces_the_staged_plan(make_client) -> None:
+    """A coordinator that re-planned around a lost engine prepares the survivors again."""
+    client, backend, receiver = await make_client()
+    async with client:
+        await run_steps(client, [*UPDATE, ("prepare", prepare_body(stages=1))])
+        await run_steps(client, [("apply", apply_body(0)), ("commit", commit_body())])
+    assert receiver.generation == 2
+    assert backend.calls == [
+        "drain:abort",
+        "prepare:2",
+        "abort",
+        "prepare:2",
+        "apply:2:0",
+        "commit:2",
+    ]
+
+
+async def test_apply_failure_serves_the_old_generation(make_client) -> None:
+    """Apply writes only staging: its failure never costs the engine its generation."""
     client, backend, _ = await make_client()
     backend.fail_on.add("apply:2:0")
     async with client:
-        await client.post("/mooncake/drain", json={})
-        await client.post("/mooncake/prepare", json=prepare_body())
-        response = await client.post(
-            "/mooncake/apply", json={"generation": 2, "stage": 0, "peers": {}}
-        )
-        assert response.status_code == 500 and response.json()["error"] == "apply_failed"
-        for path in ("/mooncake/resume", "/mooncake/commit"):
-            refused = await client.post(path, json={"generation": 2})
-            assert refused.status_code == 409 and refused.json()["error"] == "wrong_state"
+        await run_steps(client, UPDATE)
+        response = await client.post("/mooncake/apply", json=apply_body(0))
+        assert response.status_code == 502 and response.json()["error"] == "apply_failed"
+        assert "serves generation 1 again" in response.json()["detail"]
+        late = await client.post("/mooncake/commit", json=commit_body())
         status = (await client.get("/mooncake/status")).json()
-    assert status["state"] == "broken" and status["generation"] == 1
-    assert "apply failed" in status["last_error"]
+    assert late.status_code == 409 and late.json()["error"] == "session_ended"
+    assert (status["state"], status["generation"], status["ready"]) == ("serving", 1, True)
+    assert status["last_session"]["outcome"] == "failed"
+    assert "apply stage 0 failed" in status["last_error"]
+    assert backend.calls[-3:] == ["apply:2:0", "abort", "resume"]
 
 
-async def test_abort_after_apply_never_serves_again(make_client) -> None:
+async def test_abort_after_apply_serves_the_old_generation(make_client) -> None:
+    client, backend, receiver = await make_client()
+    async with client:
+        await run_steps(client, APPLIED)
+        aborted = (await client.post("/mooncake/abort", json={"session": S1})).json()
+        again = await client.post("/mooncake/abort", json={"session": S1})
+    assert (aborted["state"], aborted["generation"]) == ("serving", 1)
+    assert again.status_code == 200 and again.json()["state"] == "serving"
+    assert backend.calls[-2:] == ["abort", "resume"] and receiver.generation == 1
+
+
+async def test_commit_is_idempotent_and_cannot_be_aborted(make_client) -> None:
+    """A coordinator whose commit response was lost retries it: same answer, no second
+    commit; an abort of the committed session is refused."""
+    client, backend, _ = await make_client()
+    async with client:
+        await run_steps(client, [*APPLIED, ("commit", commit_body())])
+        again = await client.post("/mooncake/commit", json=commit_body())
+        other = await client.post("/mooncake/commit", json=commit_body(3))
+        aborted = await client.post("/mooncake/abort", json={"session": S1})
+    assert again.status_code == 200 and again.json()["already"] == "committed"
+    assert again.json()["generation"] == 2
+    assert other.status_code == 409 and other.json()["error"] == "session_ended"
+    assert aborted.status_code == 409 and aborted.json()["error"] == "session_committed"
+    assert backend.calls.count("commit:2") == 1
+
+
+async def test_an_expired_session_frees_the_engine_by_itself(make_client) -> None:
+    """The coordinator died after apply: no further call arrives, yet the engine serves its
+    old generation again once the lease ran out, and the next coordinator gets through."""
+    client, backend, receiver = await make_client()
+    async with client:
+        await run_steps(
+            client,
+            [
+                ("drain", drain_body(ttl_s=1)),
+                ("prepare", prepare_body()),
+                ("apply", apply_body(0)),
+                ("apply", apply_body(1)),
+            ],
+        )
+        assert receiver.state.value == "applied"
+        deadline = asyncio.get_running_loop().time() + 5
+        while receiver.state.value != "serving":
+            assert asyncio.get_running_loop().time() < deadline, receiver.status()
+            await asyncio.sleep(0.05)
+        status = (await client.get("/mooncake/status")).json()
+        late = await client.post("/mooncake/commit", json=commit_body())
+        await run_steps(client, [("drain", drain_body(S2)), ("abort", {"session": S2})])
+    assert (status["generation"], status["last_session"]["outcome"]) == (1, "expired")
+    assert "expired while applied" in status["last_error"]
+    assert late.status_code == 409 and late.json()["error"] == "session_ended"
+    assert backend.calls[4:6] == ["abort", "resume"]
+
+
+async def test_renewal_keeps_a_slow_session_alive(make_client) -> None:
     client, _, receiver = await make_client()
     async with client:
-        await client.post("/mooncake/drain", json={})
-        await client.post("/mooncake/prepare", json=prepare_body())
-        await client.post("/mooncake/apply", json={"generation": 2, "stage": 0, "peers": {}})
-        assert (await client.post("/mooncake/abort")).json()["state"] == "broken"
-        assert (await client.post("/mooncake/resume")).status_code == 409
-    assert receiver.generation == 1
+        await run_steps(client, [("drain", drain_body(ttl_s=1))])
+        for _ in range(6):
+            await asyncio.sleep(0.3)
+            await run_steps(client, [("renew", {"session": S1})])
+        assert receiver.state.value == "drained"
+        reused = await client.post("/mooncake/drain", json=drain_body())
+        await run_steps(client, [("abort", {"session": S1})])
+        ended = await client.post("/mooncake/drain", json=drain_body())
+    assert reused.status_code == 200  # the holder's own drain again just renews
+    assert ended.status_code == 409 and ended.json()["error"] == "session_ended"
+
+
+async def test_commit_failure_breaks_then_rebuilds_from_the_store(make_client) -> None:
+    client, backend, receiver = await make_client()
+    backend.fail_on.add("commit:2")
+    async with client:
+        await run_steps(client, APPLIED)
+        response = await client.post("/mooncake/commit", json=commit_body())
+        assert response.status_code == 500 and response.json()["error"] == "commit_failed"
+        deadline = asyncio.get_running_loop().time() + 5
+        while receiver.state.value != "serving":
+            assert asyncio.get_running_loop().time() < deadline, receiver.status()
+            await asyncio.sleep(0.05)
+        status = (await client.get("/mooncake/status")).json()
+    assert (status["generation"], status["fence"], status["rebuilds"]) == (7, 7, 1)
+    assert status["last_session"]["outcome"] == "broken"
+    assert backend.calls[-2:] == ["commit:2", "rebuild:m"]
+
+
+async def test_rebuild_on_request_when_automatic_rebuild_is_off(make_client) -> None:
+    client, backend, receiver = await make_client(auto_rebuild=False)
+    backend.fail_on.update({"commit:2", "rebuild:m"})
+    async with client:
+        refused = await client.post("/mooncake/rebuild")
+        await run_steps(client, APPLIED)
+        await client.post("/mooncake/commit", json=commit_body())
+        ready = await client.get("/mooncake/ready")
+        failed = await client.post("/mooncake/rebuild")
+        backend.fail_on.discard("rebuild:m")
+        rebuilt = await client.post("/mooncake/rebuild")
+    assert refused.status_code == 409 and refused.json()["error"] == "wrong_state"
+    assert ready.status_code == 503 and ready.json()["state"] == "broken"
+    assert failed.status_code == 502 and failed.json()["error"] == "rebuild_failed"
+    assert rebuilt.status_code == 200 and rebuilt.json()["state"] == "serving"
+    assert receiver.generation == 7

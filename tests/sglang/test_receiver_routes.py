@@ -28,7 +28,7 @@ from sglang.srt.utils.aio_rwlock import RWLock
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from engine_ext.sglang.plugins import EngineRoutes
 from tests.engine.test_receiver_routes import *  # noqa: F403 (the shared scenarios)
-from tests.engine.test_receiver_routes import Engine
+from tests.engine.test_receiver_routes import Engine, drain_body
 
 
 class _RecordingLock(RWLock):
@@ -79,29 +79,35 @@ class RecordingTokenizerManager:
     async def _communicate(self, request: MooncakeRLReqInput) -> list[MooncakeRLReqOutput]:
         args = json.loads(request.args)
         steps = {
-            "prepare": lambda: f"prepare:{args[1]}",
-            "apply": lambda: f"apply:{args[0]}:{args[1]}",
+            "prepare": lambda: f"prepare:{args[0]['generation']}",
+            "apply": lambda: f"apply:{args[0]['generation']}:{args[0]['stage']}",
             "commit": lambda: f"commit:{args[0]}",
             "abort": lambda: "abort",
+            "rebuild": lambda: f"rebuild:{args[0]}",
         }
         reply: dict[str, Any] = {"ok": True, "rank": 0}
         if request.method == "status":
             reply |= {"generation": 1, "model_name": None}
+        if request.method == "rebuild":
+            reply |= {"generation": 7, "fence": 7, "incarnation": "ab" * 8}
         if request.method in steps:
             try:
                 self.step(steps[request.method]())
             except RuntimeError as error:
                 reply = {"ok": False, "rank": 0, "error": str(error)}
-        self._committing = request.method == "commit" and reply["ok"]
+        # The resume that ends a commit or a rebuild is part of that step.
+        self._committing = request.method in ("commit", "rebuild") and reply["ok"]
         return [MooncakeRLReqOutput(replies=json.dumps([reply]))]
 
 
 @pytest.fixture
-def make_engine() -> Callable[[], Awaitable[Engine]]:
-    async def make() -> Engine:
+def make_engine() -> Callable[..., Awaitable[Engine]]:
+    async def make(auto_rebuild: bool = True) -> Engine:
         manager = RecordingTokenizerManager()
         routes = EngineRoutes("engine-under-test", "m", lambda: manager)
-        return routes.receiver, manager, await routes.receiver(None)
+        receiver = await routes.receiver(None)
+        receiver.auto_rebuild = auto_rebuild
+        return routes.receiver, manager, receiver
 
     return make
 
@@ -110,7 +116,7 @@ async def test_wait_drain_times_out_and_reopens_admission(make_client) -> None:
     client, manager, receiver = await make_client()
     await manager.model_update_lock.acquire_reader()  # a request still generating
     async with client:
-        response = await client.post("/mooncake/drain", json={"mode": "wait", "timeout_s": 0.2})
+        response = await client.post("/mooncake/drain", json=drain_body(mode="wait", timeout_s=0.2))
     assert response.status_code == 409 and response.json()["error"] == "drain_timeout"
     assert receiver.state.value == "serving" and manager.is_pause is False
     assert manager.calls == ["drain:wait", "resume"]
@@ -143,8 +149,8 @@ async def test_routes_mount_on_sglangs_own_app() -> None:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
         status = (await client.get("/mooncake/status")).json()
-        drained = await client.post("/mooncake/drain", json={"mode": "abort"})
-        malformed = await client.post("/mooncake/drain", json={"mode": "sideways"})
+        drained = await client.post("/mooncake/drain", json=drain_body(mode="abort"))
+        malformed = await client.post("/mooncake/drain", json=drain_body(mode="sideways"))
     assert (status["engine_id"], status["model"], status["generation"]) == (
         "127.0.0.1:30000",
         "tiny",
