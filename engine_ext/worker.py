@@ -6,7 +6,9 @@ fits), and touches live parameters only at commit, through the engine's own load
 paths (the subclass's :meth:`UpdateWorker.land_compat` / :meth:`UpdateWorker.land_direct`).
 Every call returns a JSON-able reply with ``ok`` instead of raising: at TP >= 2 a rank
 that raises leaves the other ranks' replies (and collectives) hanging, so the API side
-checks every rank.
+checks every rank. A call the worker refuses (:class:`RequestRefused`: a malformed request,
+or one the Store contradicts, see :mod:`engine_ext.admission`) changes nothing and says
+so in its reply, apart from failures.
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ from typing import Any
 
 import torch
 
-from engine_ext.loading import mark_served, served_by
+from engine_ext.admission import (
+    PeerBook,
+    RequestRefused,
+    advertise,
+    apply_request,
+    check_generation,
+    check_reads,
+    prepare_request,
+    withdraw,
+)
+from engine_ext.loading import mark_served, served_by, served_record, store_weights
 from engine_ext.placement import RegionSpec, assemble_regions
 from engine_ext.shards import ShardSpec
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
@@ -29,7 +41,6 @@ from mooncake_rl.apply.worker import (
     ApplyWorker,
     allocate_arena,
     arena_views,
-    peers_from,
     region_of,
 )
 from mooncake_rl.counters import COUNTERS
@@ -38,11 +49,12 @@ from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGI
 from mooncake_rl.settings import Settings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-METHODS = ("status", "describe", "prepare", "promote", "apply", "commit", "abort")
+METHODS = ("status", "describe", "prepare", "promote", "apply", "commit", "abort", "rebuild")
 
 
 class _UpdateState:
-    """One worker's pending update: its data-plane endpoint and staged regions."""
+    """One worker's pending update: its data-plane endpoint, staged regions, and how far
+    the update's session got (``stages`` declared at prepare, ``ran`` of them in order)."""
 
     def __init__(self, worker_id: str) -> None:
         self.apply = ApplyWorker(Settings().with_overrides(segment_bytes=0), worker_id)
@@ -54,6 +66,18 @@ class _UpdateState:
         self.layout: list[dict[str, Any]] = []
         self.fallback: list[dict[str, Any]] = []
         self.generation: int | None = None
+        self.session: str | None = None
+        self.stages = 0
+        self.ran = 0
+        self.peers: PeerBook | None = None
+
+    def drop(self) -> None:
+        """Forget the pending update: registrations rolled back, advertisement withdrawn."""
+        self.apply.rollback()
+        if self.session is not None:
+            withdraw(self.apply.store, self.session, self.apply.worker_id)
+        self.slice = self.generation = self.session = self.peers = None
+        self.stages = self.ran = 0
 
 
 class UpdateWorker(ABC):
@@ -100,13 +124,24 @@ class UpdateWorker(ABC):
 
     # -- the one entry point ----------------------------------------------------------
     def call(self, engine_id: str, method: str, *args: Any) -> dict[str, Any]:
-        """Run ``method`` and wrap its result (or error) in a reply; never raises."""
+        """Run ``method`` and wrap its result (or error) in a reply; never raises.
+
+        A refusal (nothing changed) replies ``refused: {status, code}`` beside ``error``, so
+        the API side can answer 4xx and keep the engine's state; anything else is a failure.
+        """
         rank = self.tp()[0]
         try:
             if method not in METHODS:
                 raise InvariantViolation(f"unknown worker method {method!r}")
             action: Callable[..., dict[str, Any]] = getattr(self, f"_{method}")
             return {"ok": True, "rank": rank, **action(engine_id, *args)}
+        except RequestRefused as refused:
+            return {
+                "ok": False,
+                "rank": rank,
+                "refused": {"status": refused.status, "code": refused.code},
+                "error": refused.detail,
+            }
         except Exception as error:  # reported to the API server, which checks every rank
             return {
                 "ok": False,
@@ -147,39 +182,31 @@ class UpdateWorker(ABC):
             "shards": [s.to_json() for s in shards],
         }
 
-    def _prepare(
-        self, engine_id: str, mode: str, generation: int, workers: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Allocate and register staging, validate the slice; live weights untouched."""
+    def _prepare(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Check the request against the Store, then allocate and register staging and
+        advertise it for the session; live weights untouched.
+
+        Everything that can refuse runs before the first allocation or registration.
+        """
         state = self._state(engine_id)
-        raw = workers.get(state.apply.worker_id)
-        if raw is None:
-            raise ValueError(f"no routing slice for worker {state.apply.worker_id}")
-        worker_slice = decode_slice(raw["slice"])
-        if worker_slice.read_keys and worker_slice.checksums is None:
-            raise ValueError(
-                "the routing slice carries no checksums for the objects it reads; refusing to "
-                "land unchecked bytes (the coordinator sends them with every update)"
+        call, raw = prepare_request(request, state.apply.worker_id)
+        try:
+            worker_slice = decode_slice(raw["slice"])
+        except (InvariantViolation, KeyError, TypeError) as error:
+            raise RequestRefused(422, "malformed_slice", str(error)) from error
+        if len(worker_slice.stages) > call.stages:
+            raise RequestRefused(
+                422,
+                "too_many_stages",
+                f"the routing slice has {len(worker_slice.stages)} stages, the update declares "
+                f"{call.stages}: its last stages would never be applied",
             )
-        if mode == "direct":
-            specs = {r.name: r for r in self.regions()[0]}
-            # A reader that consumes none of a chunk holds it in the planner's staging region;
-            # full tensors for the per-parameter fallback arrive in the fallback region.
-            planner_regions = {STAGING_REGION, FALLBACK_REGION}
-            unknown = sorted(set(worker_slice.regions) - set(specs) - planner_regions)
-            if unknown:
-                raise ValueError(f"slice names regions this worker does not have: {unknown[:3]}")
-            for name, nbytes in worker_slice.regions.items():
-                if name not in planner_regions and specs[name].nbytes != nbytes:
-                    raise ValueError(
-                        f"region {name} is {specs[name].nbytes} bytes, slice says {nbytes}"
-                    )
-            for name, stored in raw["region_dtypes"].items():
-                if specs[name].dtype != DTYPES[stored]:
-                    raise ValueError(
-                        f"direct mode needs stored dtype {stored} to equal parameter dtype; "
-                        f"{name} is {str(specs[name].dtype).removeprefix('torch.')}"
-                    )
+        if call.mode == "direct":
+            self._check_direct(worker_slice, raw.get("region_dtypes", {}))
+        check_generation(state.apply.store, call)
+        check_reads(state.apply.store, call.model, call.generation, worker_slice)
+        state.drop()  # this update replaces any pending one
+
         sizes = dict(worker_slice.regions)
         if state.arena is None or state.sizes != sizes:
             arena, regions = allocate_arena(sizes, reuse=state.arena)
@@ -190,34 +217,96 @@ class UpdateWorker(ABC):
         )
         state.arena, state.sizes = arena, sizes
         state.buffers = arena_views(arena, regions)
-        state.slice, state.mode = worker_slice, mode
+        state.slice, state.mode = worker_slice, call.mode
         state.layout = raw.get("layout", [])
         state.fallback = raw.get("fallback", [])
-        state.generation = generation
+        state.generation = call.generation
+        state.session, state.stages, state.ran = call.session, call.stages, 0
+        state.peers = PeerBook(state.apply.store, call.session)
+        described = state.apply.describe()
+        advertise(state.apply.store, call.session, described)
         fallback_bytes = sum(row["nbytes"] for row in state.fallback)
         direct_bytes = sum(
             n for r, n in sizes.items() if r not in (STAGING_REGION, FALLBACK_REGION, COMPAT_REGION)
         )
-        return {
-            **state.apply.describe(),
-            "direct_bytes": direct_bytes,
-            "fallback_bytes": fallback_bytes,
-        }
+        return {**described, "direct_bytes": direct_bytes, "fallback_bytes": fallback_bytes}
+
+    def _check_direct(self, worker_slice: WorkerSlice, region_dtypes: Mapping[str, str]) -> None:
+        """Direct mode lands bytes as they arrive: every region must be this worker's, at
+        its size and its parameter's dtype."""
+        specs = {r.name: r for r in self.regions()[0]}
+        # A reader that consumes none of a chunk holds it in the planner's staging region;
+        # full tensors for the per-parameter fallback arrive in the fallback region.
+        planner_regions = {STAGING_REGION, FALLBACK_REGION}
+        unknown = sorted(set(worker_slice.regions) - set(specs) - planner_regions)
+        if unknown:
+            raise RequestRefused(
+                409,
+                "placement_mismatch",
+                f"slice names regions this worker does not have: {unknown[:3]}; re-read "
+                "/mooncake/placement and plan again",
+            )
+        for name, nbytes in worker_slice.regions.items():
+            if name not in planner_regions and specs[name].nbytes != nbytes:
+                raise RequestRefused(
+                    409,
+                    "placement_mismatch",
+                    f"region {name} is {specs[name].nbytes} bytes, slice says {nbytes}",
+                )
+        for name, stored in region_dtypes.items():
+            if name not in specs:
+                raise RequestRefused(
+                    409, "placement_mismatch", f"slice gives a dtype for {name}, no region here"
+                )
+            if stored not in DTYPES:
+                raise RequestRefused(
+                    422,
+                    "unsupported_dtype",
+                    f"{name} is stored as {stored}; direct mode lands only {', '.join(DTYPES)}",
+                )
+            if specs[name].dtype != DTYPES[stored]:
+                raise RequestRefused(
+                    409,
+                    "dtype_mismatch",
+                    f"direct mode needs stored dtype {stored} to equal parameter dtype; "
+                    f"{name} is {str(specs[name].dtype).removeprefix('torch.')}",
+                )
 
     def _promote(self, engine_id: str) -> dict[str, Any]:
         self._state(engine_id).apply.promote()
         return {}
 
-    def _apply(
-        self, engine_id: str, generation: int, stage: int, peers: list[dict[str, Any]]
-    ) -> dict[str, Any]:
+    def _apply(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Run one stage, in order, pushing only into peers this session advertised."""
         state = self._state(engine_id)
-        if state.slice is None or state.generation != generation:
-            raise RuntimeError(f"apply of generation {generation}, prepared {state.generation}")
+        call = apply_request(request)
+        if state.slice is None or state.peers is None:
+            raise RequestRefused(409, "not_prepared", "apply before prepare: nothing is staged")
+        if (call.session, call.generation) != (state.session, state.generation):
+            raise RequestRefused(
+                409,
+                "generation_mismatch",
+                f"apply of generation {call.generation} in session {call.session}; prepared "
+                f"generation {state.generation} in session {state.session}",
+            )
+        if call.stage >= state.stages:
+            raise RequestRefused(
+                422,
+                "stage_out_of_range",
+                f"stage {call.stage} of an update prepared with {state.stages} stages",
+            )
+        if call.stage != state.ran:
+            raise RequestRefused(
+                409,
+                "stage_out_of_order",
+                f"stage {call.stage} sent; stages run in order and {state.ran} is next",
+            )
+        batches = state.slice.stages[call.stage] if call.stage < len(state.slice.stages) else ()
+        peers = state.peers.trusted(batches, {w: p.model_dump() for w, p in call.peers.items()})
         before = COUNTERS.snapshot()
         started = time.perf_counter()
-        batches = state.slice.stages[stage] if stage < len(state.slice.stages) else ()
-        result = state.apply.run_stage(batches, peers_from(peers))
+        result = state.apply.run_stage(batches, peers)
+        state.ran += 1
         delta = COUNTERS.snapshot() - before
         return {
             "worker_id": state.apply.worker_id,
@@ -235,7 +324,17 @@ class UpdateWorker(ABC):
         """Swap the staged generation into the live model through the engine's own paths."""
         state = self._state(engine_id)
         if state.generation != generation or state.slice is None:
-            raise RuntimeError(f"commit of generation {generation}, prepared {state.generation}")
+            raise RequestRefused(
+                409,
+                "generation_mismatch",
+                f"commit of generation {generation}, prepared {state.generation}",
+            )
+        if state.ran != state.stages:
+            raise RequestRefused(
+                409,
+                "stages_incomplete",
+                f"{state.ran} of {state.stages} stages ran; apply the rest first",
+            )
         started = time.perf_counter()
         if state.mode == "compat":
             self.land_compat(staged_tensors(state.layout, state.buffers))
@@ -251,7 +350,7 @@ class UpdateWorker(ABC):
             )
         # The receiver records the new fence; this mark is what a rebuilt receiver starts from.
         mark_served(self.model(), replace(served_by(self.model())[0], generation=generation))
-        state.slice, state.generation = None, None
+        state.drop()
         return {
             "seconds": time.perf_counter() - started,
             "land_seconds": landed - started,
@@ -277,10 +376,32 @@ class UpdateWorker(ABC):
         }
 
     def _abort(self, engine_id: str) -> dict[str, Any]:
-        state = self._state(engine_id)
-        state.apply.rollback()
-        state.slice, state.generation = None, None
+        self._state(engine_id).drop()
         return {}
+
+    def _rebuild(self, engine_id: str, model_name: str) -> dict[str, Any]:
+        """Reload the Store's active generation into the live model, as a fresh engine
+        loads it (``--load-format mooncake``): leased first, every byte checked against the
+        generation's checksums, landed through the engine's own loading path.
+
+        Drops any pending update first. Raises if loading fails (the engine stays broken
+        and the receiver tries again); each TP rank reads the full tensors and the model's
+        ``load_weights`` cuts its shards, as the loader does.
+        """
+        started = time.perf_counter()
+        if self._update is not None:
+            self._update.drop()
+        with store_weights(model_name, engine_id) as (record, tensors):
+            self.land_compat(tensors)
+        served = served_record(record)
+        mark_served(self.model(), served, model_name)
+        return {
+            "generation": served.generation,
+            "fence": served.fence,
+            "incarnation": served.incarnation,
+            "model_name": model_name,
+            "seconds": time.perf_counter() - started,
+        }
 
     # -- staged views ---------------------------------------------------------------------
     def staged_parameters(self) -> dict[str, torch.Tensor]:

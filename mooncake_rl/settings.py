@@ -51,6 +51,12 @@ class Settings(BaseSettings):
         "by itself (POST /mooncake/rebuild does it on request)",
     )
     staging_watermark_bytes: int = Field(256 * MiB, gt=0, description="staging bytes in flight")
+    rpc_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="how long an engine's API process waits for every worker rank to answer "
+        "one update call: a hung rank must not hold the receiver (and its session) forever",
+    )
 
     @field_validator("master")
     @classmethod

@@ -36,7 +36,13 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     "field,value",
-    [("master", "no-port"), ("master", "host:99999"), ("protocol", "udp"), ("segment_bytes", -1)],
+    [
+        ("master", "no-port"),
+        ("master", "host:99999"),
+        ("protocol", "udp"),
+        ("segment_bytes", -1),
+        ("rpc_timeout_s", 0),
+    ],
 )
 def test_bad_values_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValidationError):
@@ -46,3 +52,11 @@ def test_bad_values_are_refused(field: str, value: object) -> None:
 def test_watermark_must_admit_two_batches() -> None:
     with pytest.raises(ValidationError, match="two batches"):
         Settings(batch_bytes=8 << 20, staging_watermark_bytes=12 << 20)
+
+
+def test_rpc_timeout_defaults_to_ten_minutes_and_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings().rpc_timeout_s == 600.0
+    monkeypatch.setenv("MOONCAKE_RL_RPC_TIMEOUT_S", "42.5")
+    assert Settings().rpc_timeout_s == 42.5

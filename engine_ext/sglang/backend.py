@@ -18,23 +18,29 @@ from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGener
 from engine_ext.backend import WorkerBackend
 from engine_ext.protocol import DrainRequest
 from engine_ext.receiver import ReceiverError
+from engine_ext.rpc import within
 from engine_ext.sglang.ipc import MooncakeRLReqInput
+from mooncake_rl.settings import Settings
 
 COMMUNICATOR = "mooncake_rl"  # the TokenizerManager attribute is f"{COMMUNICATOR}_communicator"
 
 
 class SglangBackend(WorkerBackend):
-    def __init__(self, tokenizer_manager: Any, engine_id: str) -> None:
+    def __init__(
+        self, tokenizer_manager: Any, engine_id: str, rpc_timeout_s: float | None = None
+    ) -> None:
         self.tokenizer_manager = tokenizer_manager
         self.engine_id = engine_id
+        self.rpc_timeout_s = rpc_timeout_s or Settings().rpc_timeout_s
 
     async def call_workers(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        """Every scheduler's replies, within ``rpc_timeout_s`` (SGLang's communicator has
+        no deadline of its own; a timed-out call releases it for the next one)."""
         manager = self.tokenizer_manager
         manager.auto_create_handle_loop()
         communicator = getattr(manager, f"{COMMUNICATOR}_communicator")
-        outputs = await communicator(
-            MooncakeRLReqInput(engine_id=self.engine_id, method=method, args=json.dumps(args))
-        )
+        request = MooncakeRLReqInput(engine_id=self.engine_id, method=method, args=json.dumps(args))
+        outputs = await within(communicator(request), method, self.rpc_timeout_s)
         return [reply for output in outputs for reply in json.loads(output.replies)]
 
     async def drain(self, request: DrainRequest) -> None:

@@ -2,7 +2,8 @@
 
 vLLM's endpoint-plugin docs discourage reaching workers through ``collective_rpc``; the
 ``/mooncake/*`` routes must reach the worker extension anyway, so every worker call goes
-through :meth:`VllmBackend.call_workers` (one method, ``mooncake_call``).
+through :meth:`VllmBackend.call_workers` (one method, ``mooncake_call``), bounded by
+``rpc_timeout_s`` both here and in vLLM's executor (which then stops waiting for the rank).
 """
 
 from __future__ import annotations
@@ -11,17 +12,23 @@ from typing import Any
 
 from engine_ext.backend import WorkerBackend
 from engine_ext.protocol import DrainRequest
+from engine_ext.rpc import within
+from mooncake_rl.settings import Settings
 
 
 class VllmBackend(WorkerBackend):
-    def __init__(self, engine_client: Any, engine_id: str) -> None:
+    def __init__(
+        self, engine_client: Any, engine_id: str, rpc_timeout_s: float | None = None
+    ) -> None:
         self.engine_client = engine_client
         self.engine_id = engine_id
+        self.rpc_timeout_s = rpc_timeout_s or Settings().rpc_timeout_s
 
     async def call_workers(self, method: str, *args: Any) -> list[dict[str, Any]]:
-        return await self.engine_client.collective_rpc(
-            "mooncake_call", args=(self.engine_id, method, *args)
+        call = self.engine_client.collective_rpc(
+            "mooncake_call", timeout=self.rpc_timeout_s, args=(self.engine_id, method, *args)
         )
+        return await within(call, method, self.rpc_timeout_s)
 
     async def drain(self, request: DrainRequest) -> None:
         await self.engine_client.pause_generation(mode=request.mode, clear_cache=False)

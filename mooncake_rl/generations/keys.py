@@ -8,6 +8,7 @@ from mooncake_rl.errors import InvariantViolation
 
 NAMESPACE = "mooncake-rl"
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SESSION = re.compile(r"^[0-9a-f]{32}$")
 
 
 def check_model_name(model: str) -> str:
@@ -90,3 +91,19 @@ def lease_key(model: str, engine_id: str) -> str:
 
 def engines_key(model: str) -> str:
     return f"{model_prefix(model)}/engines"
+
+
+def check_session(session: str) -> str:
+    if not isinstance(session, str) or not _SESSION.match(session):
+        raise InvariantViolation(f"update session must be 32 lowercase hex digits, got {session!r}")
+    return session
+
+
+def session_prefix(session: str) -> str:
+    """Records of one update session; nothing outside the session reads them."""
+    return f"{NAMESPACE}/sessions/{check_session(session)}/"
+
+
+def advert_key(session: str, worker_id: str) -> str:
+    """Where a worker advertises, for one session, the regions peers may write into."""
+    return session_prefix(session) + worker_id

@@ -316,7 +316,8 @@ class GenerationRegistry:
         self.model = check_model_name(model)
 
     # -- readers -----------------------------------------------------------------------
-    def _fence(self, fence: int) -> ActiveRecord | None:
+    def fence_record(self, fence: int) -> ActiveRecord | None:
+        """Active record number ``fence``, or ``None`` if it was never written (or collected)."""
         try:
             record = ActiveRecord.decode(self.store.get_bytes(fence_key(self.model, fence)))
         except ObjectNotFound:
@@ -338,7 +339,7 @@ class GenerationRegistry:
         fence = record.fence if record else 0
         while self.store.exists([fence_key(self.model, fence + 1)])[0]:
             fence += 1
-            record = self._fence(fence)
+            record = self.fence_record(fence)
         return record
 
     def load_manifest(self, generation: int, expected_digest: str | None = None) -> WeightManifest:
@@ -375,7 +376,7 @@ class GenerationRegistry:
         current = self.active()
         newest = current.fence if current else 0
         start = max(stored.through_fence + 1, newest - FENCES_KEPT + 1, 1)
-        records = [r for f in range(start, newest + 1) if (r := self._fence(f)) is not None]
+        records = [r for f in range(start, newest + 1) if (r := self.fence_record(f)) is not None]
         return stored.with_records(records)
 
     def generations(self) -> list[GenerationInfo]:

@@ -90,7 +90,8 @@ def serve_tp_rank(
     outbox: Any,
 ) -> None:
     """One simulated SGLang TP rank. Commands: ("call", engine_id, method, args) -> reply;
-    ("compare", checkpoint_dir) -> mismatched parameter names; ("stop",)."""
+    ("compare", checkpoint_dir) -> mismatched parameter names; ("corrupt",) adds 1 to every
+    live parameter (what a half-landed update leaves); ("stop",)."""
     os.environ.update(env)
     from sglang.srt.plugins import load_plugins
 
@@ -113,6 +114,11 @@ def serve_tp_rank(
                 outbox.put(("ok", worker.call(engine_id, method, *args)))
             elif command[0] == "compare":
                 outbox.put(("ok", mismatched_parameters(model, load_model(command[1], "auto"))))
+            elif command[0] == "corrupt":
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.add_(1.0)
+                outbox.put(("ok", None))
             elif command[0] == "stop":
                 outbox.put(("ok", None))
                 return

@@ -12,8 +12,11 @@ SGLang loading the same checkpoint from disk at the same TP rank.
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,11 +33,15 @@ from safetensors.torch import load_file
 
 from engine_ext.backend import WorkerBackend
 from engine_ext.loading import served_by
+from engine_ext.protocol import ApplyRequest, PrepareRequest
 from engine_ext.receiver import DrainRequest, Receiver
 from engine_ext.routes import build_router
-from mooncake_rl.coordinator import Coordinator, UpdateFailed
+from mooncake_rl.coordinator import ADVERTISED, Coordinator, UpdateFailed
 from mooncake_rl.generations.commands import checkpoint_tensors
+from mooncake_rl.generations.keys import advert_key, group_id
 from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.plan.update import RoutingCache, plan_update
 from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import perturbed_copy
@@ -148,6 +155,15 @@ class World:
     def status(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/mooncake/status", timeout=30).json()
 
+    def call(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        """One worker call on every rank, past the receiver; the ranks' replies."""
+        return self.backend._call_all(method, args)
+
+    def corrupt(self) -> None:
+        for inbox, _ in self.ranks:
+            inbox.put(("corrupt",))
+        assert [_answer(outbox) for _, outbox in self.ranks] == [None, None]
+
     def close(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
@@ -238,6 +254,203 @@ def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
     assert result.store_read_bytes == result.unique_demand_bytes
     assert world.status()["generation"] == 3
     assert_every_parameter_checked(world, result)
+
+
+def prepare_body(world: World, fence: int | None = None) -> dict[str, Any]:
+    """The compat prepare body a coordinator sends for active record ``fence`` (default:
+    the newest), planned for this engine's placement."""
+    registry = GenerationRegistry(world.store, MODEL)
+    record = registry.active() if fence is None else registry.fence_record(fence)
+    assert record is not None
+    manifest = registry.load_manifest(record.generation, record.manifest_digest)
+    checksums = registry.load_checksums(record.generation, record.checksums_digest)
+    placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
+    plan = plan_update(
+        manifest, {world.url: placement}, "compat", 64 << 10, RoutingCache(), record.layout_digest
+    )
+    return {
+        "session": uuid.uuid4().hex,
+        "model": MODEL,
+        "generation": record.generation,
+        "manifest_digest": record.manifest_digest,
+        "fence": record.fence,
+        "incarnation": record.incarnation,
+        "mode": "compat",
+        "stages": plan.stages,
+        "workers": plan.engine_workers(world.url, checksums.objects),
+    }
+
+
+def wire(model: type[PrepareRequest | ApplyRequest], body: dict[str, Any]) -> dict[str, Any]:
+    """The body as the routes validate it and the backend forwards it to the workers."""
+    return model.model_validate_json(json.dumps(body)).model_dump(mode="json")
+
+
+def refusals(replies: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    return [reply.get("refused") for reply in replies]
+
+
+def first_read_changed(body: dict[str, Any], **change: Any) -> dict[str, Any]:
+    """The body with the first read of every worker's slice changed (``key``, a function
+    of the old key, and/or ``src_offset``); a renamed key keeps its checksum row."""
+    changed = copy.deepcopy(body)
+    for routing in changed["workers"].values():
+        sliced = routing["slice"]
+        read = next(b["reads"][0] for stage in sliced["stages"] for b in stage if b["reads"])
+        if "key" in change:
+            old, read[0] = read[0], change["key"](read[0])
+            sliced["checksums"][read[0]] = sliced["checksums"][old]
+        if "src_offset" in change:
+            read[1] = change["src_offset"]
+    return changed
+
+
+def first_read_keys(body: dict[str, Any]) -> list[str]:
+    return [
+        next(b["reads"][0][0] for stage in r["slice"]["stages"] for b in stage if b["reads"])
+        for r in body["workers"].values()
+    ]
+
+
+def test_prepare_refuses_what_the_store_contradicts(world: World) -> None:
+    """Each refusal names its cause and changes nothing: no staging, no advertisement."""
+    body = prepare_body(world)
+    assert body["generation"] == 3 and body["fence"] == 3
+    active, older = group_id(MODEL, 3) + "/", group_id(MODEL, 1) + "/"
+    sizes = {
+        k: row[0] for r in body["workers"].values() for k, row in r["slice"]["checksums"].items()
+    }
+    cases: list[tuple[dict[str, Any], int, str, str]] = [
+        ({**body, "generation": 999_999}, 409, "unknown_generation", "not an active record"),
+        ({**body, "fence": 0, "generation": 10**15}, 409, "unknown_generation", "[1, 10^12)"),
+        ({**body, "fence": 0, "generation": 999_999}, 409, "unknown_generation", "not an active"),
+        ({**body, "fence": 2}, 409, "unknown_generation", "record 2 names generation 2"),
+        ({**body, "incarnation": "0" * 16}, 409, "unknown_generation", "not an active record"),
+        ({**body, "manifest_digest": "0" * 64}, 409, "unknown_generation", "not an active"),
+        ({**body, "fence": 0, "manifest_digest": "0" * 64}, 409, "manifest_mismatch", "digest"),
+        (
+            first_read_changed(body, key=lambda key: key.replace(active, older)),
+            422,
+            "foreign_key",
+            f"not an object of generation 3 of {MODEL}",
+        ),
+        (
+            first_read_changed(body, key=lambda key: key + "-absent"),
+            409,
+            "object_missing",
+            "-absent is not held whole in the Store",
+        ),
+        (
+            first_read_changed(body, src_offset=max(sizes.values())),
+            409,
+            "object_missing",
+            "the slice reads bytes",
+        ),
+        ({**body, "stages": 0}, 422, "too_many_stages", "the update declares 0"),
+    ]
+    for case, status, code, detail in cases:
+        replies = world.call("prepare", wire(PrepareRequest, case))
+        assert refusals(replies) == [{"status": status, "code": code}] * 2, (code, replies)
+        assert all(detail in reply["error"] for reply in replies), (detail, replies)
+    malformed = world.call("prepare", {**body, "session": "not-a-session"})
+    assert refusals(malformed) == [{"status": 422, "code": "invalid_request"}] * 2
+    unplanned = world.call("prepare", wire(PrepareRequest, {**body, "workers": {}}))
+    assert refusals(unplanned) == [{"status": 422, "code": "no_slice"}] * 2
+
+    # An object of an announced generation that the Store lost (generation 2, record 2).
+    lost = prepare_body(world, fence=2)
+    keys = first_read_keys(lost)
+    assert world.store.remove(keys, force=True) == {}
+    replies = world.call("prepare", wire(PrepareRequest, lost))
+    assert refusals(replies) == [{"status": 409, "code": "object_missing"}] * 2
+    assert [reply["error"].split()[0] for reply in replies] == keys
+
+    adverts = [advert_key(body["session"], w) for w in body["workers"]]
+    assert world.store.exists(adverts) == [False, False]
+    status = world.status()
+    assert (status["state"], status["generation"]) == ("serving", 3)
+    assert world.compare(2) == [[], []]
+
+
+def test_apply_writes_only_into_peers_advertised_in_the_session(world: World) -> None:
+    body = prepare_body(world)
+    session, generation = body["session"], body["generation"]
+    assert body["stages"] >= 1
+    prepared = world.call("prepare", wire(PrepareRequest, body))
+    assert [r["ok"] for r in prepared] == [True, True], prepared
+    assert [r["ok"] for r in world.call("promote")] == [True, True]
+    peers = {r["worker_id"]: {k: r[k] for k in ADVERTISED} for r in prepared}
+    adverts = [advert_key(session, worker_id) for worker_id in peers]
+    assert [json.loads(world.store.get_bytes(key)) for key in adverts] == list(peers.values())
+    # In this plan each rank reads half the tensors and pushes them to the other, at once.
+    for routing in body["workers"].values():
+        assert any(b["pushes"] for b in routing["slice"]["stages"][0])
+
+    def apply(stage: int, peers: dict[str, Any], session: str = session) -> list[Any]:
+        request = {"session": session, "generation": generation, "stage": stage, "peers": peers}
+        return refusals(world.call("apply", wire(ApplyRequest, request)))
+
+    def refused(status: int, code: str) -> list[dict[str, Any]]:
+        return [{"status": status, "code": code}] * 2
+
+    elsewhere = {w: {**p, "endpoint": "127.0.0.1:1"} for w, p in peers.items()}
+    moved = {
+        w: {**p, "regions": {n: {**r, "base": r["base"] + 64} for n, r in p["regions"].items()}}
+        for w, p in peers.items()
+    }
+    assert apply(0, elsewhere) == refused(422, "untrusted_peer")
+    assert apply(0, moved) == refused(422, "untrusted_peer")
+    assert apply(0, {}) == refused(422, "untrusted_peer")
+    assert apply(body["stages"], peers) == refused(422, "stage_out_of_range")
+    assert apply(0, peers, session=uuid.uuid4().hex) == refused(409, "generation_mismatch")
+    assert refusals(world.call("commit", generation)) == refused(409, "stages_incomplete")
+    if body["stages"] > 1:
+        assert apply(1, peers) == refused(409, "stage_out_of_order")
+    for stage in range(body["stages"]):
+        assert apply(stage, peers) == [None, None]
+    assert apply(0, peers) == refused(409, "stage_out_of_order")
+    assert [r["ok"] for r in world.call("commit", generation)] == [True, True]
+    assert world.store.exists(adverts) == [False, False]
+    assert world.compare(2) == [[], []]
+
+    # A push past the end of the region its peer advertised is refused before it is sent.
+    body = prepare_body(world)
+    for routing in body["workers"].values():
+        push = next(p for b in routing["slice"]["stages"][0] for p in b["pushes"])
+        size = body["workers"][push[0]]["slice"]["regions"][push[3]]
+        push[4] = size - push[5] + 1
+    prepared = world.call("prepare", wire(PrepareRequest, body))
+    assert [r["ok"] for r in prepared] == [True, True], prepared
+    peers = {r["worker_id"]: {k: r[k] for k in ADVERTISED} for r in prepared}
+    request = {"session": body["session"], "generation": generation, "stage": 0, "peers": peers}
+    replies = world.call("apply", wire(ApplyRequest, request))
+    assert refusals(replies) == refused(422, "untrusted_peer")
+    assert all("which advertised" in r["error"] for r in replies)
+    assert [r["ok"] for r in world.call("abort")] == [True, True]
+    assert world.store.exists([advert_key(body["session"], w) for w in peers]) == [False] * 2
+    assert world.compare(2) == [[], []]
+
+
+def test_rebuild_restores_the_active_generation_byte_exactly(world: World) -> None:
+    """A rank whose live weights were partly written reloads the Store's active generation
+    through the loader's path, and drops the update it had pending."""
+    body = prepare_body(world)
+    assert [r["ok"] for r in world.call("prepare", wire(PrepareRequest, body))] == [True, True]
+    world.corrupt()
+    assert all(world.compare(2))
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None
+    replies = world.call("rebuild", MODEL)
+    assert [
+        (r["ok"], r["generation"], r["fence"], r["incarnation"], r["model_name"]) for r in replies
+    ] == [(True, record.generation, record.fence, record.incarnation, MODEL)] * 2
+    assert world.compare(2) == [[], []]
+    assert (
+        world.store.exists([advert_key(body["session"], w) for w in body["workers"]]) == [False] * 2
+    )
+    request = {"session": body["session"], "generation": 3, "stage": 0, "peers": {}}
+    not_prepared = world.call("apply", wire(ApplyRequest, request))
+    assert refusals(not_prepared) == [{"status": 409, "code": "not_prepared"}] * 2
 
 
 def test_prepare_failure_keeps_the_served_generation(world: World) -> None:
