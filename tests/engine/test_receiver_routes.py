@@ -23,6 +23,7 @@ from engine_ext.receiver import (
     ServedRecord,
 )
 from engine_ext.routes import ReceiverProvider, build_router
+from mooncake_rl.settings import Settings
 
 DIGEST = "ab" * 32
 
@@ -85,7 +86,9 @@ def make_client(make_engine: Callable[[], Awaitable[Engine]]) -> Callable[..., A
     async def make(token: str | None = None) -> tuple[httpx.AsyncClient, Any, Receiver]:
         get_receiver, recorder, receiver = await make_engine()
         app = FastAPI()
-        app.include_router(build_router(get_receiver, token))
+        app.include_router(
+            build_router(get_receiver, token, max_body_bytes=Settings().max_body_bytes)
+        )
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
         return client, recorder, receiver
 
