@@ -2,14 +2,15 @@
 
 Bodies are validated here rather than by FastAPI so that every failure has the project's
 error shape ``{"error": <code>, "detail": <text>}``: 401 for a missing or wrong bearer token
-(when one is configured), 409 for a wrong state or a stale generation, 422 for a malformed
-body. Nothing is changed by a refused request.
+(when one is configured), 409 for a wrong state or a stale generation, 413 for a body over
+``max_body_bytes`` (refused before it is parsed, so a client cannot make the engine buffer
+unbounded bytes), 422 for a malformed body. Nothing is changed by a refused request.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -32,24 +33,59 @@ def error_response(status: int, code: str, detail: str) -> JSONResponse:
     return JSONResponse({"error": code, "detail": detail}, status_code=status)
 
 
-def _authorized(request: Request, token: str | None) -> bool:
-    if not token:
+def _authorized(request: Request, tokens: tuple[str, ...]) -> bool:
+    if not tokens:
         return True
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
+    matches = [hmac.compare_digest(given.encode(), token.encode()) for token in tokens]
+    return scheme.lower() == "bearer" and any(matches)
 
 
-async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.body()
+def _too_large(limit: int) -> ReceiverError:
+    return ReceiverError(
+        413,
+        "body_too_large",
+        f"request body exceeds {limit} bytes; raise MOONCAKE_RL_MAX_BODY_BYTES on the engine "
+        "if a legitimate prepare body is this large",
+    )
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    """At most ``limit`` bytes: a declared length is checked first, and the stream is
+    counted too, since a chunked body declares none and a declared one can lie."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise _too_large(limit)
+    return bytes(raw)
+
+
+async def _body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    raw = await _read(request, limit)
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as error:
         raise ReceiverError(422, "invalid_request", error.json(include_url=False)) from error
 
 
-def build_router(get_receiver: ReceiverProvider, token: str | None) -> APIRouter:
-    """Routes bound to the engine's receiver; ``token`` guards them when set."""
+def build_router(
+    get_receiver: ReceiverProvider,
+    token: str | Sequence[str] | None,
+    *,
+    max_body_bytes: int,
+) -> APIRouter:
+    """Routes bound to the engine's receiver.
+
+    ``token``: one bearer token, several (any one passes: vLLM's ``--api-key`` takes a list),
+    or ``None``/empty for open routes. ``max_body_bytes``: the largest body a route reads.
+    """
+    tokens = (token,) if isinstance(token, str) else tuple(token or ())
+    tokens = tuple(t for t in tokens if t)
     router = APIRouter(prefix="/mooncake")
 
     def route(
@@ -59,10 +95,10 @@ def build_router(get_receiver: ReceiverProvider, token: str | None) -> APIRouter
         action: Callable[[Receiver, Any], Awaitable[dict[str, Any]]],
     ) -> None:
         async def handler(request: Request) -> JSONResponse:
-            if not _authorized(request, token):
+            if not _authorized(request, tokens):
                 return error_response(401, "unauthorized", "missing or invalid bearer token")
             try:
-                body = await _body(request, model) if model is not None else None
+                body = None if model is None else await _body(request, model, max_body_bytes)
                 receiver = await get_receiver(request)
                 return JSONResponse(await action(receiver, body))
             except ReceiverError as error:

@@ -28,6 +28,18 @@ class Settings(BaseSettings):
     hostname: str = Field("127.0.0.1", description="address other clients reach this one at")
     node: str = Field("node0", description="node label used for NIC accounting")
     auth_token: SecretStr | None = Field(None, description="bearer token for /mooncake/* routes")
+    insecure: bool = Field(
+        False,
+        description="let an engine bound beyond loopback serve /mooncake/* without a token",
+    )
+    max_body_bytes: int = Field(
+        256 * MiB,
+        gt=0,
+        description=(
+            "largest /mooncake/* request body an engine reads; a prepare body carries the "
+            "routing slices of every worker of the engine, so it grows with the model"
+        ),
+    )
     rdma_devices: str = Field("", description="comma-separated RDMA devices (rdma only)")
     segment_bytes: int = Field(
         256 * MiB, ge=0, description="memory this client lends the Store (0: lends none)"

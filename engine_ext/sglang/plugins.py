@@ -12,7 +12,8 @@ patching SGLang 0.5.23:
   ``Scheduler.init_request_dispatcher``) and awaited through a ``TokenizerManager``
   communicator declared in ``_COMMUNICATOR_SPECS``.
 - ``/mooncake/*`` on SGLang's own FastAPI app: a BEFORE hook on ``launch_server`` includes
-  the shared router (:func:`engine_ext.routes.build_router`).
+  the shared router (:func:`engine_ext.routes.build_router`), guarded as
+  :func:`sglang_tokens` decides; a refusal raises there, before any scheduler starts.
 - serving leases: the same hook exports the engine's id (``MOONCAKE_RL_ENGINE_ID``, else
   ``host:port``) before the schedulers start, so their loader leases under it, and wraps the
   app's lifespan so that, once the server runs, a task continues that lease on whatever
@@ -36,8 +37,10 @@ from engine_ext.leases import export_engine_identity, renew_leases
 from engine_ext.loading import LOAD_FORMAT, model_name_from
 from engine_ext.receiver import Receiver
 from engine_ext.routes import build_router
+from engine_ext.security import guard_tokens
 from engine_ext.sglang.backend import COMMUNICATOR, SglangBackend
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
+from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -87,14 +90,40 @@ def _attach_routes(*args: Any, **kwargs: Any) -> None:
     from sglang.srt.entrypoints.http_server import app, get_global_state
 
     server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
+    settings = Settings()
+    tokens = sglang_tokens(server_args, settings)
     routes = EngineRoutes(
         export_engine_identity(server_args.host, server_args.port),
         configured_model(server_args),
         lambda: get_global_state().tokenizer_manager,
     )
-    token = Settings().auth_token
-    app.include_router(build_router(routes.receiver, token.get_secret_value() if token else None))
+    app.include_router(
+        build_router(routes.receiver, tokens, max_body_bytes=settings.max_body_bytes)
+    )
     app.router.lifespan_context = routes.with_leases(app.router.lifespan_context)
+
+
+def sglang_tokens(server_args: Any, settings: Settings) -> tuple[str, ...]:
+    """The route tokens (:func:`engine_ext.security.route_tokens`) for SGLang's flags.
+
+    SGLang's ``--api-key`` middleware guards every route, ``/mooncake/*`` included, so a
+    different ``MOONCAKE_RL_AUTH_TOKEN`` would leave no header that passes both: refused.
+    """
+    api_key = server_args.api_key
+    secret = settings.auth_token.get_secret_value() if settings.auth_token else None
+    if api_key and secret and api_key != secret:
+        raise ConfigurationError(
+            "SGLang's --api-key guards /mooncake/* as well, so no request could carry both it "
+            "and a different MOONCAKE_RL_AUTH_TOKEN: unset MOONCAKE_RL_AUTH_TOKEN (the api key "
+            "then guards the routes) or give both the same value"
+        )
+    return guard_tokens(
+        server_args.host,
+        settings,
+        [api_key] if api_key else [],
+        tls=bool(server_args.ssl_certfile),
+        log=logger,
+    )
 
 
 def configured_model(server_args: Any) -> str:

@@ -5,12 +5,17 @@
   vLLM's own API server). Endpoint plugins load only when ``VLLM_PLUGINS`` names them, and
   that variable then filters general plugins too: set ``VLLM_PLUGINS=mooncake``, which
   names both.
+
+The endpoint plugin refuses to start a server it cannot serve safely (see
+:meth:`MooncakeEndpointPlugin.attach_router`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
+import logging
 from argparse import Namespace
 from typing import Any
 
@@ -19,8 +24,15 @@ from fastapi import FastAPI, Request
 from engine_ext.leases import engine_identity, renew_leases
 from engine_ext.receiver import Receiver
 from engine_ext.routes import build_router
+from engine_ext.security import guard_tokens
 from engine_ext.vllm.backend import VllmBackend
+from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.settings import Settings
+
+EXTENSION_FLAG = "--worker-extension-cls mooncake_rl.Ext"
+# Under vLLM's own logger: its handler prints this, while a record that reaches the root
+# logger in vLLM's API server was seen to print nothing.
+logger = logging.getLogger("vllm.mooncake_rl")
 
 
 def register_load_format() -> None:
@@ -39,9 +51,24 @@ class MooncakeEndpointPlugin:
         self._ready = asyncio.Event()
 
     def attach_router(self, app: FastAPI) -> None:
-        token = Settings().auth_token
+        """Check the launch, then add the routes; a refusal stops the server's startup.
+
+        vLLM calls this once the engine is up and before ``init_state`` reaches a worker,
+        with the parsed flags in ``app.state.args``.
+        """
+        args = app.state.args
+        require_worker_extension(args.worker_extension_cls)
+        settings = Settings()
+        # --uds serves a Unix socket instead of --host: reachable from this host only.
+        tokens = guard_tokens(
+            "localhost" if args.uds else args.host,
+            settings,
+            vllm_api_keys(args),
+            tls=bool(args.ssl_certfile),
+            log=logger,
+        )
         app.include_router(
-            build_router(self._get_receiver, token.get_secret_value() if token else None)
+            build_router(self._get_receiver, tokens, max_body_bytes=settings.max_body_bytes)
         )
 
     async def _get_receiver(self, request: Request) -> Receiver:
@@ -63,3 +90,32 @@ class MooncakeEndpointPlugin:
         self._ready.set()
         if served.generation > 0:  # served from the Store: keep the lease the loader took
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))
+
+
+def require_worker_extension(qualname: str | None) -> None:
+    """Refuse a server whose workers lack the Mooncake extension.
+
+    Without it the engine would serve but could never be updated: every ``/mooncake/*``
+    call fails, and an RL engine that cannot be updated silently serves a stale policy.
+    """
+    if not qualname:
+        raise ConfigurationError(
+            f"VLLM_PLUGINS=mooncake needs the worker extension: add {EXTENSION_FLAG} "
+            "(without it the engine serves but can never be updated: a stale policy)"
+        )
+    from engine_ext.vllm.worker import MooncakeWorkerExtension
+
+    module, _, name = qualname.rpartition(".")
+    extension = getattr(importlib.import_module(module), name, None) if module else None
+    if not (isinstance(extension, type) and issubclass(extension, MooncakeWorkerExtension)):
+        raise ConfigurationError(
+            f"--worker-extension-cls {qualname} is not the Mooncake worker extension; "
+            f"use {EXTENSION_FLAG} (or a subclass of it)"
+        )
+
+
+def vllm_api_keys(args: Namespace) -> list[str]:
+    """The keys vLLM itself takes on ``/v1``: ``--api-key`` (a list), else ``VLLM_API_KEY``."""
+    import vllm.envs as envs
+
+    return [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]

@@ -47,13 +47,17 @@ class VllmServer:
         load_from_store: bool = True,
         tensor_parallel_size: int = 1,
         log_dir: Path,
+        host: str = "127.0.0.1",
         token: str | None = None,
         plain: bool = False,
+        extension: bool = True,
         extra_env: dict[str, str] | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
         """``plain``: vLLM as shipped (no Mooncake plugin or extension) serving ``model_dir``
-        from disk, the reference that updated engines are compared with."""
+        from disk, the reference that updated engines are compared with. ``host``: the
+        address the server binds; ``url`` reaches it over loopback either way. ``extension``:
+        ``False`` leaves out ``--worker-extension-cls`` (a misconfigured launch, for tests)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -63,7 +67,7 @@ class VllmServer:
             "--model",
             str(model_dir),
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(self.port),
             "--dtype",
@@ -78,7 +82,7 @@ class VllmServer:
             str(tensor_parallel_size),
             *extra_args,
         ]
-        if not plain:
+        if extension and not plain:
             args += ["--worker-extension-cls", "mooncake_rl.Ext"]
         if name is not None and not plain:
             args += ["--model-loader-extra-config", json.dumps({"name": name})]

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from engine_ext.protocol import ApplyRequest, DrainRequest, PrepareRequest
 from engine_ext.receiver import Receiver, ServedRecord
 from engine_ext.routes import ReceiverProvider, build_router
+from mooncake_rl.settings import Settings
 
 DIGEST = "ab" * 32
 
@@ -87,7 +88,9 @@ def make_client(make_engine: Callable[..., Awaitable[Engine]]) -> Callable[..., 
     ) -> tuple[httpx.AsyncClient, Any, Receiver]:
         get_receiver, recorder, receiver = await make_engine(auto_rebuild)
         app = FastAPI()
-        app.include_router(build_router(get_receiver, token))
+        app.include_router(
+            build_router(get_receiver, token, max_body_bytes=Settings().max_body_bytes)
+        )
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
         return client, recorder, receiver
 

@@ -13,16 +13,20 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 pytest.importorskip("vllm")
 
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
+from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from tests.conftest import settings_for
+from tests.engine.route_fuzz import SESSIONS, calls
+from tests.faults.harness import DroppingProxy, start_coordinator, wait_converged
 
 pytestmark = pytest.mark.timeout(900)  # two vLLM servers start inside the module fixture
 MODEL = "tiny-e2e"
@@ -88,44 +92,92 @@ def test_engines_start_from_the_store(world: World) -> None:
 
 def test_bad_requests_get_4xx_and_change_nothing(world: World) -> None:
     a = world.engines["a"]
+    session = {"session": "c" * 32}
     anonymous = httpx.post(f"{a.url}/mooncake/drain", json={})
     assert anonymous.status_code == 401 and anonymous.json()["error"] == "unauthorized"
-    apply_first = a.mooncake("POST", "apply", {"generation": 2, "stage": 0, "peers": {}})
-    assert apply_first.status_code == 409 and apply_first.json()["error"] == "wrong_state"
+    apply_first = a.mooncake("POST", "apply", {**session, "generation": 2, "stage": 0, "peers": {}})
+    assert apply_first.status_code == 409 and apply_first.json()["error"] == "no_session"
     malformed = httpx.post(
         f"{a.url}/mooncake/drain",
         content=b"{oops",
         headers={**a.headers(), "content-type": "application/json"},
     )
     assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_request"
-    assert a.mooncake("POST", "drain", {"mode": "abort"}).status_code == 200
-    stale = a.mooncake(
-        "POST",
-        "prepare",
-        {
-            "model": MODEL,
-            "generation": 1,
-            "manifest_digest": "0" * 64,
-            "mode": "compat",
-            "workers": {},
-        },
-    )
+    drained = a.mooncake("POST", "drain", {**session, "holder": "test", "mode": "abort"})
+    assert drained.status_code == 200
+    assert httpx.get(f"{a.url}/mooncake/ready").status_code == 503
+    prepare = {
+        **session,
+        "model": MODEL,
+        "generation": 1,
+        "manifest_digest": "0" * 64,
+        "mode": "compat",
+        "stages": 0,
+        "workers": {},
+    }
+    stale = a.mooncake("POST", "prepare", prepare)
     assert stale.status_code == 409 and stale.json()["error"] == "stale_generation"
-    wrong_model = a.mooncake(
-        "POST",
-        "prepare",
-        {
-            "model": "other",
-            "generation": 9,
-            "manifest_digest": "0" * 64,
-            "mode": "compat",
-            "workers": {},
-        },
-    )
+    wrong_model = a.mooncake("POST", "prepare", {**prepare, "model": "other", "generation": 9})
     assert wrong_model.status_code == 409 and wrong_model.json()["error"] == "wrong_model"
-    assert a.mooncake("POST", "resume").json()["state"] == "serving"
+    assert a.mooncake("POST", "abort", session).json()["state"] == "serving"
+    assert httpx.get(f"{a.url}/mooncake/ready").status_code == 200
     assert a.complete(PROMPT) == world.refs[0]
     assert a.mooncake("GET", "status").json()["generation"] == 1
+
+
+def test_fuzzed_requests_get_no_5xx_and_refusals_change_nothing(world: World) -> None:
+    """Thousands of valid, mutated and hostile calls against a real TP=2 engine."""
+    b = world.engines["b"]
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None
+    codes: list[int] = []
+    client = httpx.Client(
+        base_url=f"{b.url}/mooncake",
+        timeout=120,
+        headers={"content-type": "application/json"},
+        limits=httpx.Limits(max_keepalive_connections=0),
+    )
+
+    def snapshot() -> tuple[float, dict]:
+        status = client.get("/status").json()
+        lease = status["session"].pop("expires_in_s") if status["session"] else float("inf")
+        return lease, status
+
+    @settings(
+        max_examples=450,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(calls(MODEL, record.generation, record.manifest_digest))
+    def case(steps: list[tuple[str, str, bytes]]) -> None:
+        try:
+            for method, route, body in steps:
+                lease, before = snapshot()
+                response = client.request(method, f"/{route}", content=body)
+                codes.append(response.status_code)
+                if route == "ready":
+                    ready = response.json()["ready"]
+                    assert response.status_code == (200 if ready else 503)
+                    continue
+                assert response.status_code < 500, (route, body, response.text)
+                assert response.status_code in (200, 409, 422), (route, body, response.text)
+                if response.status_code != 200 and lease > 2:
+                    assert snapshot()[1] == before, (route, body, response.json())
+        finally:
+            for session in SESSIONS:
+                assert client.post("/abort", json={"session": session}).status_code == 200
+
+    try:
+        case()
+    finally:
+        client.close()
+    assert len(codes) >= 2000, len(codes)
+    assert {200, 409, 422} <= set(codes)
+    status = b.mooncake("GET", "status").json()
+    assert (status["state"], status["generation"], status["session"]) == ("serving", 1, None)
+    assert b.complete(PROMPT) == world.refs[0]
 
 
 def test_compat_update_under_load_reads_each_byte_once(world: World) -> None:
@@ -203,10 +255,13 @@ def test_prepare_failure_keeps_every_engine_on_its_generation(world: World) -> N
     assert world.publish(3, dtype="bfloat16") == 4
     with world.coordinator() as coordinator, pytest.raises(UpdateFailed) as failed:
         coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
-    assert "prepare failed" in str(
-        failed.value
-    ) and "direct mode needs stored dtype bfloat16" in str(failed.value)
-    assert failed.value.result.rebuild == []
+    message = str(failed.value)
+    assert "prepare: only 0 of 2 engines" in message
+    assert "direct mode needs stored dtype bfloat16" in message
+    result = failed.value.result
+    assert result.rebuild == [] and sorted(result.failed) == sorted(
+        e.url for e in world.engines.values()
+    )
     for engine in world.engines.values():
         status = engine.mooncake("GET", "status").json()
         assert (status["state"], status["generation"]) == ("serving", 3)
@@ -232,3 +287,47 @@ def test_restarted_engine_serves_the_active_generation(world: World) -> None:
     assert restarted.mooncake("GET", "status").json()["generation"] == 4
     # Generation 4 is the bfloat16 copy of checkpoint 4: loaded and cast by vLLM itself.
     assert len(restarted.complete(PROMPT)) == 8
+
+
+def test_a_dead_coordinator_frees_its_engines_and_a_lost_commit_response_is_retried(
+    world: World,
+) -> None:
+    """The fault matrix's smoke (``make faults`` runs all of it): a coordinator SIGKILLed
+    after prepare leaves both engines held until its session lease runs out, then each
+    serves its generation again by itself; a commit whose response is dropped on the wire is
+    retried and committed once."""
+    served = {k: e.mooncake("GET", "status").json()["generation"] for k, e in world.engines.items()}
+    outputs = {served[k]: e.complete(PROMPT) for k, e in world.engines.items()}
+    active = world.publish(1)
+    outputs[active] = world.refs[1]
+
+    def reference(status: dict) -> list[int]:
+        return outputs[status["generation"]]
+
+    run = start_coordinator(
+        world.settings,
+        [e.url for e in world.engines.values()],
+        MODEL,
+        kill_at="prepare",
+        token=TOKEN,
+        session_ttl_s=2.0,
+        batch_bytes=64 << 10,
+    )
+    killed_at = run.killed()
+    held = {k: e.mooncake("GET", "status").json() for k, e in world.engines.items()}
+    assert {s["state"] for s in held.values()} == {"prepared"}, held
+    converged = wait_converged(world.engines, reference, killed_at, 2.0 + 12)
+    assert converged.generations == served
+
+    proxy = DroppingProxy(world.engines["b"].port)
+    try:
+        proxy.drop("/mooncake/commit")
+        urls = [world.engines["a"].url, proxy.url]
+        with Coordinator(world.store, urls, token=TOKEN) as coordinator:
+            result = coordinator.update(MODEL, batch_bytes=64 << 10)
+    finally:
+        proxy.close()
+    assert proxy.dropped == ["POST /mooncake/commit HTTP/1.1"]
+    assert sorted(result.committed) == sorted(urls) and result.failed == {}
+    converged = wait_converged(world.engines, reference, time.monotonic(), 10)
+    assert converged.generations == {"a": active, "b": active}

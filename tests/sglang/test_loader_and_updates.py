@@ -43,6 +43,7 @@ from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.update import RoutingCache, plan_update
 from mooncake_rl.services import EmbeddedMaster, free_port
+from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import perturbed_copy
 from tests.conftest import settings_for
@@ -134,7 +135,9 @@ class World:
             return self.receiver
 
         app = FastAPI()
-        app.include_router(build_router(get_receiver, None))
+        app.include_router(
+            build_router(get_receiver, None, max_body_bytes=Settings().max_body_bytes)
+        )
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -124,3 +125,73 @@ def test_scheduler_dispatch_answers_with_every_rank_reply() -> None:
         scheduler._request_dispatcher(MooncakeRLReqInput(engine_id="e", method="__init__")).replies
     )
     assert not refused["ok"] and "unknown worker method" in refused["error"]
+
+
+def server_args(*flags: str) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "/models/tiny", *flags]))
+
+
+@pytest.mark.parametrize(
+    "flags,env,named",
+    [
+        pytest.param(
+            ["--host", "0.0.0.0"],
+            {},
+            "refusing to serve /mooncake/* without a token: the engine's HTTP server binds "
+            "'0.0.0.0'",
+            id="open-beyond-loopback",
+        ),
+        pytest.param(
+            ["--api-key", "k3y"],
+            {"MOONCAKE_RL_AUTH_TOKEN": "other"},
+            "SGLang's --api-key guards /mooncake/* as well",
+            id="two-different-tokens",
+        ),
+    ],
+)
+def test_sglang_launch_refuses_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], env: dict[str, str], named: str
+) -> None:
+    """SGLang's own ``launch_server``, hooked: the refusal comes before its subprocesses."""
+    from sglang.srt.entrypoints import http_server
+
+    monkeypatch.delenv("MOONCAKE_RL_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("MOONCAKE_RL_INSECURE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    routes_before = list(http_server.app.router.routes)
+    with pytest.raises(ConfigurationError) as refused:
+        http_server.launch_server(server_args(*flags))
+    assert str(refused.value).startswith(named)
+    assert http_server.app.router.routes == routes_before  # nothing attached
+
+
+@pytest.mark.parametrize(
+    "flags,env,tokens",
+    [
+        pytest.param([], {}, (), id="loopback-open"),
+        pytest.param(["--host", "0.0.0.0", "--api-key", "k3y"], {}, ("k3y",), id="api-key"),
+        pytest.param(
+            ["--host", "0.0.0.0", "--api-key", "k3y"],
+            {"MOONCAKE_RL_AUTH_TOKEN": "k3y"},
+            ("k3y",),
+            id="same-token-twice",
+        ),
+        pytest.param(["--host", "0.0.0.0"], {"MOONCAKE_RL_INSECURE": "1"}, (), id="insecure"),
+    ],
+)
+def test_sglang_route_tokens(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], env: dict[str, str], tokens: tuple
+) -> None:
+    from engine_ext.sglang.plugins import sglang_tokens
+    from mooncake_rl.settings import Settings
+
+    monkeypatch.delenv("MOONCAKE_RL_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("MOONCAKE_RL_INSECURE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert sglang_tokens(server_args(*flags), Settings()) == tokens

@@ -144,6 +144,8 @@ async def test_routes_mount_on_sglangs_own_app() -> None:
         model_loader_extra_config='{"name": "tiny"}',
         served_model_name=None,
         model_path="/models/tiny",
+        api_key=None,
+        ssl_certfile=None,
     )
     _attach_routes(server_args=server_args)
     transport = httpx.ASGITransport(app=app)

@@ -1,0 +1,95 @@
+"""Launches the /mooncake/* routes refuse, and the guard they accept, on real vLLM servers.
+
+Three server starts, each serving a tiny Llama from disk (no Store is needed: a refused
+launch stops before any worker call, and the accepted one only reads its status).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_ext.vllm.server import VllmServer
+from mooncake_rl.errors import ServiceError
+from mooncake_rl.settings import Settings
+from mooncake_rl.tiny_model import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(600)
+API_KEY = "k3y"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("launch") / "model")
+
+
+@pytest.fixture(autouse=True)
+def no_guard_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servers inherit this environment: only what a test gives them may guard them."""
+    for name in ("MOONCAKE_RL_AUTH_TOKEN", "MOONCAKE_RL_INSECURE", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    "launch,named",
+    [
+        pytest.param(
+            {"extension": False},
+            "VLLM_PLUGINS=mooncake needs the worker extension: add "
+            "--worker-extension-cls mooncake_rl.Ext",
+            id="no-worker-extension",
+        ),
+        pytest.param(
+            {"host": "0.0.0.0"},
+            "refusing to serve /mooncake/* without a token: the engine's HTTP server binds "
+            "'0.0.0.0', which other hosts can reach, and these routes drain and rewrite the "
+            "engine. Set MOONCAKE_RL_AUTH_TOKEN (or give the engine --api-key), bind a "
+            "loopback --host, or set MOONCAKE_RL_INSECURE=1 to accept an open route",
+            id="open-beyond-loopback",
+        ),
+    ],
+)
+def test_misconfigured_launch_stops_at_startup(
+    model_dir: Path, tmp_path: Path, launch: dict, named: str
+) -> None:
+    server = VllmServer(model_dir, Settings(), load_from_store=False, log_dir=tmp_path, **launch)
+    try:
+        with pytest.raises(ServiceError, match="vLLM server exited early"):
+            server.start()
+    finally:
+        server.stop()
+    log = server.log_path.read_text()
+    assert f"mooncake_rl.errors.ConfigurationError: {named}" in log
+    assert "has no attribute 'mooncake_call'" not in log  # stopped before any worker call
+
+
+def test_api_key_guards_the_routes_beyond_loopback(model_dir: Path, tmp_path: Path) -> None:
+    with VllmServer(
+        model_dir,
+        Settings(),
+        load_from_store=False,
+        log_dir=tmp_path,
+        host="0.0.0.0",
+        extra_args=["--api-key", API_KEY],
+        extra_env={"MOONCAKE_RL_MAX_BODY_BYTES": "1024"},
+    ) as server:
+        status = f"{server.url}/mooncake/status"
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            refused = httpx.get(status, headers=headers, timeout=30)
+            assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+        key = {"authorization": f"Bearer {API_KEY}"}
+        served = httpx.get(status, headers=key, timeout=30)
+        assert served.status_code == 200
+        assert (served.json()["state"], served.json()["generation"]) == ("serving", 0)
+
+        too_large = httpx.post(
+            f"{server.url}/mooncake/drain", content=b" " * 1025, headers=key, timeout=30
+        )
+        assert too_large.status_code == 413 and too_large.json()["error"] == "body_too_large"
+        assert "1024 bytes" in too_large.json()["detail"]
+        assert httpx.get(status, headers=key, timeout=30).json()["state"] == "serving"
+    assert "bearer token crosses plain HTTP on 0.0.0.0" in server.log_path.read_text()
