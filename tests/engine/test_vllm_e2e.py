@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,7 +223,7 @@ def test_compat_update_under_load_reads_each_byte_once(world: World) -> None:
         == 3 * result.store_read_bytes - result.store_read_bytes
     )
     for engine in world.engines.values():
-        assert engine.complete(PROMPT) == world.refs[1]
+        assert engine.complete(PROMPT) == world.refs[2]
         assert engine.mooncake("GET", "status").json()["generation"] == 2
     assert_every_parameter_checked(world, result)
 
@@ -331,3 +332,59 @@ def test_a_dead_coordinator_frees_its_engines_and_a_lost_commit_response_is_retr
     assert sorted(result.committed) == sorted(urls) and result.failed == {}
     converged = wait_converged(world.engines, reference, time.monotonic(), 10)
     assert converged.generations == {"a": active, "b": active}
+
+
+def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: World) -> None:
+    """TP=1 and TP=2: a failed commit leaves the engine broken; it reloads the Store's active
+    generation in place, through the loader's path, and serves it without a restart."""
+    generation = world.publish(2)
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None and record.generation == generation
+    for engine in world.engines.values():
+        session = uuid.uuid4().hex
+        drained = engine.mooncake("POST", "drain", {"session": session, "holder": "test"})
+        assert drained.status_code == 200, drained.text
+        # Direct mode staging one region per worker and reading nothing: apply has nothing
+        # to do, and commit finds parameters never staged (it fails before landing any).
+        workers = engine.mooncake("GET", "placement").json()["workers"]
+        routing = {
+            w["worker_id"]: {
+                "slice": {
+                    "regions": dict([next((n, r["bytes"]) for n, r in w["regions"].items())]),
+                    "stages": [[]],
+                },
+                "layout": [],
+                "region_dtypes": {},
+                "fallback": [],
+            }
+            for w in workers
+        }
+        prepare = {
+            "session": session,
+            "model": MODEL,
+            "generation": generation,
+            "manifest_digest": record.manifest_digest,
+            "fence": record.fence,
+            "incarnation": record.incarnation,
+            "mode": "direct",
+            "stages": 1,
+            "workers": routing,
+        }
+        assert engine.mooncake("POST", "prepare", prepare).status_code == 200
+        apply = {"session": session, "generation": generation, "stage": 0, "peers": {}}
+        assert engine.mooncake("POST", "apply", apply).status_code == 200
+        commit = {"session": session, "generation": generation}
+        failed = engine.mooncake("POST", "commit", commit)
+        assert (failed.status_code, failed.json()["error"]) == (500, "commit_failed")
+        assert "direct commit lacks staged parameters" in failed.json()["detail"]
+    for engine in world.engines.values():
+        deadline = time.monotonic() + 120
+        while (status := engine.mooncake("GET", "status").json())["state"] != "serving":
+            assert time.monotonic() < deadline, f"{engine.url} did not rebuild: {status}"
+            time.sleep(0.5)
+        assert (status["generation"], status["fence"], status["rebuilds"]) == (
+            generation,
+            record.fence,
+            1,
+        )
+        assert engine.complete(PROMPT) == world.refs[2]
