@@ -18,7 +18,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from engine_ext.admission import (
 )
 from engine_ext.loading import mark_served, served_by, served_record, store_weights
 from engine_ext.placement import RegionSpec, assemble_regions
+from engine_ext.receiver import ServedRecord
 from engine_ext.shards import ShardSpec
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.apply.worker import (
@@ -66,6 +67,7 @@ class _UpdateState:
         self.layout: list[dict[str, Any]] = []
         self.fallback: list[dict[str, Any]] = []
         self.generation: int | None = None
+        self.record = ServedRecord()
         self.session: str | None = None
         self.stages = 0
         self.ran = 0
@@ -221,6 +223,7 @@ class UpdateWorker(ABC):
         state.layout = raw.get("layout", [])
         state.fallback = raw.get("fallback", [])
         state.generation = call.generation
+        state.record = ServedRecord(call.generation, call.fence, call.incarnation)
         state.session, state.stages, state.ran = call.session, call.stages, 0
         state.peers = PeerBook(state.apply.store, call.session)
         described = state.apply.describe()
@@ -348,8 +351,8 @@ class UpdateWorker(ABC):
                 f"generation {generation} did not land intact; the live model differs from a "
                 f"fresh load in {check['mismatched'][:5]}: never served, rebuild from the Store"
             )
-        # The receiver records the new fence; this mark is what a rebuilt receiver starts from.
-        mark_served(self.model(), replace(served_by(self.model())[0], generation=generation))
+        # What a receiver rebuilt on this engine (and its status) starts from.
+        mark_served(self.model(), state.record)
         state.drop()
         return {
             "seconds": time.perf_counter() - started,
@@ -376,7 +379,8 @@ class UpdateWorker(ABC):
         }
 
     def _abort(self, engine_id: str) -> dict[str, Any]:
-        self._state(engine_id).drop()
+        if self._update is not None:
+            self._update.drop()
         return {}
 
     def _rebuild(self, engine_id: str, model_name: str) -> dict[str, Any]:

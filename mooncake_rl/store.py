@@ -7,6 +7,7 @@ key; successful reads and puts add to :data:`mooncake_rl.counters.COUNTERS`.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import time
@@ -61,6 +62,8 @@ as there are segments, so no record depends on one segment when more than one ex
 DESCRIPTOR_BATCH = 4096  # keys per batch_get_replica_desc RPC
 READ_ATTEMPTS = 6  # ranged reads repeated after LEASE_EXPIRED
 LEASE_EXPIRED = -707
+UPSERT_ATTEMPTS = 8  # upserts repeated after a concurrent upsert of the same key
+ILLEGAL_CLIENT = -601
 
 
 def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
@@ -192,9 +195,20 @@ class StoreClient:
         COUNTERS.add(put=len(data))
 
     def upsert_bytes(self, key: str, data: bytes) -> None:
-        """Insert or replace a small record; readers see the old or the new value."""
+        """Insert or replace a small record; readers see the old or the new value.
+
+        Clients upserting one key at the same moment (the TP ranks of an engine renewing
+        its lease) collide: the master refuses to end an upsert that another client's
+        upsert of the key replaced (``ILLEGAL_CLIENT``). Such an upsert is simply repeated,
+        after a random pause so that the writers fall out of step: the last one wins.
+        """
         config = self._config(RECORD_REPLICAS, (), True)
-        _check(self._store.upsert(key, data, config), "upsert", f"key={key}")
+        for attempt in range(UPSERT_ATTEMPTS):
+            code = self._store.upsert(key, data, config)
+            if code != ILLEGAL_CLIENT:
+                break
+            time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+        _check(code, "upsert", f"key={key}")
         COUNTERS.add(put=len(data))
 
     def create_exclusive(self, key: str, data: bytes) -> None:

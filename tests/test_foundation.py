@@ -116,6 +116,39 @@ def read_ranges_worker(settings: Settings, reads: list[RangeRead]) -> tuple[list
         return buffer.tolist(), (COUNTERS.snapshot() - before).store_read_bytes
 
 
+def upsert_repeatedly(settings: Settings, key: str, value: bytes, times: int, start) -> int:
+    with StoreClient(settings) as client:
+        start.get(timeout=60)
+        for _ in range(times):
+            client.upsert_bytes(key, value)
+        return times
+
+
+def test_clients_upserting_one_key_at_once_all_succeed(master: EmbeddedMaster, holders) -> None:
+    """Mooncake refuses one of two concurrent upserts of a key (ILLEGAL_CLIENT); the client
+    repeats it, so ranks renewing one lease together never fail, and the last write wins."""
+    values = [b"a" * 200, b"b" * 200]
+    holders("node-upsert")  # lends the memory the records live in
+    with ProcessGroup() as group:
+        start = group.queue()
+        for node, value in zip(("node-a", "node-b"), values, strict=True):
+            group.start(
+                upsert_repeatedly,
+                settings_for(master, node, segment_bytes=0),
+                "race",
+                value,
+                150,
+                start,
+            )
+        time.sleep(3)  # both clients connected before either writes
+        start.put(1)
+        start.put(1)
+        assert group.results() == [150, 150]
+    with StoreClient(settings_for(master, "reader", segment_bytes=0)) as reader:
+        assert reader.get_bytes("race") in values
+        reader.remove(["race"], force=True)
+
+
 def test_transfer_engine_write_between_processes(master: EmbeddedMaster) -> None:
     settings = settings_for(master)
     source = pattern(7, 4096)

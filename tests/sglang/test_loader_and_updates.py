@@ -414,6 +414,8 @@ def test_apply_writes_only_into_peers_advertised_in_the_session(world: World) ->
     assert apply(0, peers) == refused(409, "stage_out_of_order")
     assert [r["ok"] for r in world.call("commit", generation)] == [True, True]
     assert world.store.exists(adverts) == [False, False]
+    served = [(r["generation"], r["fence"], r["incarnation"]) for r in world.call("status")]
+    assert served == [(generation, body["fence"], body["incarnation"])] * 2
     assert world.compare(2) == [[], []]
 
     # A push past the end of the region its peer advertised is refused before it is sent.
