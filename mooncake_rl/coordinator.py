@@ -343,12 +343,12 @@ class Coordinator:
         }
         ordered = sorted(targets)
         drained: list[str] = []
-        for group in (ordered[:1], ordered[1:]):
+        for group, untried in ((ordered[:1], ordered[1:]), (ordered[1:], [])):
             ok, failed = self._all(group, "POST", "drain", {u: body for u in group})
             session.held.update(ok)
             drained += ok
             _left_out(result, failed)
-            self._enough_or_release(session, result, drained, needed, "drain")
+            self._enough_or_release(session, result, [*drained, *untried], needed, "drain")
         return [u for u in targets if u in drained]
 
     def _prepare(
