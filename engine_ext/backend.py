@@ -39,7 +39,7 @@ class WorkerBackend(ABC):
         replies = await self.call_workers(method, *args)
         failed = [r for r in replies if not r.get("ok")]
         refused = [r for r in failed if r.get("refused")]
-        if refused and len(refused) == len(failed):
+        if refused and len(refused) == len(replies):  # no rank acted: nothing changed
             first = refused[0]["refused"]
             detail = "; ".join(f"rank {r['rank']}: {r['error']}" for r in refused)
             raise ReceiverError(int(first["status"]), str(first["code"]), detail)

@@ -323,7 +323,14 @@ class Receiver:
             if self._ended(request.session) is not None:
                 await self._own(request.session)  # raises session_ended
             self._require(ReceiverState.SERVING)
-            await self.backend.drain(request)
+            try:
+                await self.backend.drain(request)
+            except ReceiverError:
+                raise
+            except Exception as error:
+                raise ReceiverError(
+                    502, "drain_failed", f"the engine did not pause: {error}"
+                ) from error
             self.session = Session(
                 request.session,
                 request.holder,
@@ -370,6 +377,9 @@ class Receiver:
             except ReceiverError:
                 await self.backend.abort()
                 raise
+            except TimeoutError as error:
+                self._out_of_step(str(error))
+                raise ReceiverError(504, "worker_timeout", self.last_error or "") from error
             except Exception as error:  # prepare touches nothing live: the engine can resume
                 await self.backend.abort()
                 raise ReceiverError(409, "prepare_failed", str(error)) from error
@@ -407,6 +417,9 @@ class Receiver:
                     self.state = before
                     raise
                 error: Exception = refused
+            except TimeoutError as failure:
+                self._out_of_step(f"apply stage {request.stage}: {failure}")
+                raise ReceiverError(504, "worker_timeout", self.last_error or "") from failure
             except Exception as failure:
                 error = failure
             else:
@@ -444,6 +457,14 @@ class Receiver:
             self.state = ReceiverState.COMMITTING
             try:
                 committed = await self.backend.commit(request.generation)
+            except ReceiverError as refused:
+                if refused.status >= 500:
+                    raise
+                self.state = ReceiverState.APPLIED  # every rank refused before landing
+                raise
+            except TimeoutError as error:
+                self._out_of_step(f"commit of generation {request.generation}: {error}")
+                raise ReceiverError(504, "worker_timeout", self.last_error or "") from error
             except Exception as error:
                 self._end_session("broken")
                 self._break(f"commit of generation {request.generation} failed: {error}")
@@ -479,12 +500,22 @@ class Receiver:
             return self.status()
 
     # -- rebuild --------------------------------------------------------------------------
-    def _break(self, reason: str) -> None:
+    def _break(self, reason: str, *, rebuild: bool = True) -> None:
         self.state = ReceiverState.BROKEN
         self.last_error = reason
-        logger.error("mooncake: engine broken (%s); rebuilding from the Store", reason)
-        if self.auto_rebuild:
+        logger.error("mooncake: engine broken (%s)", reason)
+        if rebuild and self.auto_rebuild:
             self._spawn(self._rebuild_until_serving())
+
+    def _out_of_step(self, reason: str) -> None:
+        """A worker call timed out: its late reply may be taken for the next call's, so no
+        further worker call (not even a rebuild) can be trusted. Readiness stays 503 until
+        the engine is restarted (it then loads the active generation from the Store)."""
+        self._end_session("broken")
+        self._break(
+            f"{reason}; the engine's worker calls may be out of step: restart it",
+            rebuild=False,
+        )
 
     async def _rebuild_until_serving(self) -> None:
         attempt = 0

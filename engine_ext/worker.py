@@ -362,14 +362,21 @@ class UpdateWorker(ABC):
 
     def _verify(self, state: _UpdateState) -> dict[str, Any]:
         """Compare every live parameter with the generation's bytes for it, after landing."""
-        started = time.perf_counter()
         if state.mode == "direct":
             expected = self.staged_parameters()
             uncovered = sorted(r.name for r in self.regions()[0] if r.name not in expected)
-        else:
-            regions, shards = self.regions()
-            full = dict(staged_tensors(state.layout, state.buffers))
-            expected, uncovered = assemble_regions(regions, shards, full)
+            return self._compare(expected, uncovered)
+        return self._check_full(dict(staged_tensors(state.layout, state.buffers)))
+
+    def _check_full(self, full: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The live model against full checkpoint tensors (each rank's shards of them)."""
+        regions, shards = self.regions()
+        return self._compare(*assemble_regions(regions, shards, full))
+
+    def _compare(
+        self, expected: Mapping[str, torch.Tensor], uncovered: list[str]
+    ) -> dict[str, Any]:
+        started = time.perf_counter()
         compared = self.compare_live(expected)
         return {
             "checked": len(expected) - len(compared.unchecked),
@@ -388,15 +395,24 @@ class UpdateWorker(ABC):
         loads it (``--load-format mooncake``): leased first, every byte checked against the
         generation's checksums, landed through the engine's own loading path.
 
-        Drops any pending update first. Raises if loading fails (the engine stays broken
-        and the receiver tries again); each TP rank reads the full tensors and the model's
-        ``load_weights`` cuts its shards, as the loader does.
+        Drops any pending update first. Each TP rank reads the full tensors and the model's
+        ``load_weights`` cuts its shards, as the loader does; the landing is then checked
+        like a commit's (the tensors are kept until then: one model's worth of host memory,
+        on a path taken only to recover). Raises if loading or the check fails: the engine
+        stays broken and the receiver tries again.
         """
         started = time.perf_counter()
         if self._update is not None:
             self._update.drop()
+        full: dict[str, torch.Tensor] = {}
         with store_weights(model_name, engine_id) as (record, tensors):
-            self.land_compat(tensors)
+            self.land_compat(_kept(tensors, full))
+        check = self._check_full(full)
+        if check["mismatched"]:
+            raise LandingMismatch(
+                f"the rebuild of generation {record.generation} did not land intact; the live "
+                f"model differs from a fresh load in {check['mismatched'][:5]}"
+            )
         served = served_record(record)
         mark_served(self.model(), served, model_name)
         return {
@@ -405,6 +421,7 @@ class UpdateWorker(ABC):
             "incarnation": served.incarnation,
             "model_name": model_name,
             "seconds": time.perf_counter() - started,
+            "verify": check,
         }
 
     # -- staged views ---------------------------------------------------------------------
@@ -438,6 +455,15 @@ class LandingMismatch(RuntimeError):
 def same_bytes(live: torch.Tensor, expected: torch.Tensor) -> bool:
     """Exact equality in the live tensor's dtype (loaders cast the same way)."""
     return live.shape == expected.shape and torch.equal(live, expected.to(live.dtype))
+
+
+def _kept(
+    tensors: Iterator[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors``, each also kept in ``into`` (for the check after landing)."""
+    for name, tensor in tensors:
+        into[name] = tensor
+        yield name, tensor
 
 
 def staged_tensors(

@@ -11,8 +11,11 @@ post-landing check must refuse to serve.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 from safetensors.torch import load_file
 
@@ -24,6 +27,7 @@ from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
+from mooncake_rl.tiny_model import PROMPT
 from tests.conftest import settings_for
 
 pytestmark = pytest.mark.timeout(900)
@@ -100,12 +104,14 @@ def test_qwen3_moe_updates_exactly_and_a_stale_landing_is_never_served(
             pytest.raises(UpdateFailed) as failed,
         ):
             coordinator.update("qwen3_moe-untied-tp1", mode="compat", batch_bytes=64 << 10)
-        seen.update(
-            failed=failed.value,
-            status=engine.mooncake("GET", "status").json(),
-            resume=engine.mooncake("POST", "resume").status_code,
-            url=engine.url,
-        )
+        seen.update(failed=failed.value, url=engine.url, broken=status_of(engine))
+        # The engine rebuilds itself from the Store; while the fault lasts, the rebuild's own
+        # landing check refuses it too, and the engine stays out of service.
+        seen["refused"] = wait_for(engine, lambda s: "rebuild failed" in (s["last_error"] or ""))
+        seen["ready"] = httpx.get(f"{engine.url}/mooncake/ready").status_code
+        marker.unlink()
+        seen["rebuilt"] = wait_for(engine, lambda s: s["state"] == "serving")
+        seen["outputs"] = engine.complete(PROMPT)
 
     run = run_family(
         "qwen3_moe", False, 1, tmp_path, settings, client, engine_env=env, after=stale_experts
@@ -114,7 +120,22 @@ def test_qwen3_moe_updates_exactly_and_a_stale_landing_is_never_served(
 
     assert "did not land intact" in str(seen["failed"]) and "mlp.experts" in str(seen["failed"])
     assert seen["failed"].result.rebuild == [seen["url"]]
-    status = seen["status"]
-    assert (status["state"], status["generation"]) == ("broken", 3)
-    assert "did not land intact" in status["last_error"]
-    assert seen["resume"] == 409  # broken engines never serve again until rebuilt
+    broken = seen["broken"]
+    assert broken["state"] in ("broken", "rebuilding") and broken["generation"] == 3
+    assert "did not land intact" in seen["refused"]["last_error"]
+    assert seen["refused"]["state"] in ("broken", "rebuilding") and seen["ready"] == 503
+    rebuilt = seen["rebuilt"]
+    assert (rebuilt["generation"], rebuilt["rebuilds"], rebuilt["last_error"]) == (4, 1, None)
+    assert seen["outputs"] == run.compat.reference  # generation 4 holds the compat checkpoint
+
+
+def status_of(engine: VllmServer) -> dict:
+    return engine.mooncake("GET", "status").json()
+
+
+def wait_for(engine: VllmServer, done: Callable[[dict], bool], timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not done(status := status_of(engine)):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    return status

@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI
 
 from engine_ext.protocol import ApplyRequest, DrainRequest, PrepareRequest
-from engine_ext.receiver import Receiver, ServedRecord
+from engine_ext.receiver import Receiver, ReceiverError, ServedRecord
 from engine_ext.routes import ReceiverProvider, build_router
 from mooncake_rl.settings import Settings
 
@@ -30,11 +30,17 @@ class RecordingBackend:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.fail_on: set[str] = set()
+        self.refuse_on: set[str] = set()
+        self.time_out_on: set[str] = set()
 
     async def _step(self, name: str) -> dict[str, Any]:
         self.calls.append(name)
         if name in self.fail_on:
             raise RuntimeError(f"{name} exploded")
+        if name in self.refuse_on:  # as WorkerBackend reports every rank's refusal
+            raise ReceiverError(409, "stages_incomplete", f"{name} refused by every rank")
+        if name in self.time_out_on:  # as engine_ext.rpc.within reports a hung rank
+            raise TimeoutError(f"worker call {name!r} got no reply within 1s")
         return {}
 
     async def drain(self, request: DrainRequest) -> None:
@@ -461,3 +467,38 @@ async def test_rebuild_on_request_when_automatic_rebuild_is_off(make_client) -> 
     assert failed.status_code == 502 and failed.json()["error"] == "rebuild_failed"
     assert rebuilt.status_code == 200 and rebuilt.json()["state"] == "serving"
     assert receiver.generation == 7
+
+
+async def test_a_commit_every_rank_refused_keeps_the_engine_applied(make_client) -> None:
+    client, backend, receiver = await make_client()
+    backend.refuse_on.add("commit:2")
+    async with client:
+        await run_steps(client, APPLIED)
+        refused = await client.post("/mooncake/commit", json=commit_body())
+        backend.refuse_on.clear()
+        committed = await client.post("/mooncake/commit", json=commit_body())
+    assert refused.status_code == 409 and refused.json()["error"] == "stages_incomplete"
+    assert committed.status_code == 200 and receiver.generation == 2
+    assert "rebuild:m" not in backend.calls
+
+
+@pytest.mark.parametrize("step", ["prepare:2", "apply:2:0", "commit:2"])
+async def test_a_hung_worker_call_breaks_the_engine_without_a_rebuild(
+    make_client, step: str
+) -> None:
+    """After a timeout a late reply could pass for the next call's: nothing more is sent to
+    the workers (no abort, no rebuild); readiness stays 503 until the engine restarts."""
+    client, backend, receiver = await make_client()
+    backend.time_out_on.add(step)
+    async with client:
+        await run_steps(client, [("drain", drain_body())])
+        for path, body in [("prepare", prepare_body()), *APPLIED[2:], ("commit", commit_body())]:
+            response = await client.post(f"/mooncake/{path}", json=body)
+            if response.status_code != 200:
+                break
+        await asyncio.sleep(0.2)
+        ready = await client.get("/mooncake/ready")
+    assert response.status_code == 504 and response.json()["error"] == "worker_timeout"
+    assert "restart it" in response.json()["detail"]
+    assert ready.status_code == 503 and receiver.state.value == "broken"
+    assert backend.calls[-1] == step and receiver.session is None

@@ -48,6 +48,8 @@ class RecordingTokenizerManager:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.fail_on: set[str] = set()
+        self.refuse_on: set[str] = set()
+        self.time_out_on: set[str] = set()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
         self.model_update_lock = _RecordingLock(self)
@@ -91,10 +93,21 @@ class RecordingTokenizerManager:
         if request.method == "rebuild":
             reply |= {"generation": 7, "fence": 7, "incarnation": "ab" * 8}
         if request.method in steps:
+            name = steps[request.method]()
+            if name in self.time_out_on:  # as engine_ext.rpc.within reports a hung rank
+                self.calls.append(name)
+                raise TimeoutError(f"worker call {name!r} got no reply within 1s")
             try:
-                self.step(steps[request.method]())
+                self.step(name)
             except RuntimeError as error:
                 reply = {"ok": False, "rank": 0, "error": str(error)}
+            if name in self.refuse_on:
+                reply = {
+                    "ok": False,
+                    "rank": 0,
+                    "refused": {"status": 409, "code": "stages_incomplete"},
+                    "error": f"{name} refused",
+                }
         # The resume that ends a commit or a rebuild is part of that step.
         self._committing = request.method in ("commit", "rebuild") and reply["ok"]
         return [MooncakeRLReqOutput(replies=json.dumps([reply]))]
