@@ -119,3 +119,17 @@ class ApplyRequest(SessionRequest):
 
 class CommitRequest(SessionRequest):
     generation: Generation
+
+
+def stage_refusal(stage: int, stages: int, done: int) -> tuple[int, str, str] | None:
+    """Why stage ``stage`` may not run now (status, code, detail): stages run in order,
+    ``0 .. stages - 1``, and ``done`` of them ran. Receiver and workers both enforce it."""
+    if stage >= stages:
+        return 422, "stage_out_of_range", f"stage {stage} of an update with {stages} stages"
+    if stage != done:
+        return (
+            409,
+            "stage_out_of_order",
+            f"stage {stage} sent; stages run in order and {done} is next",
+        )
+    return None

@@ -38,6 +38,7 @@ from engine_ext.protocol import (
     DrainRequest,
     PrepareRequest,
     SessionRequest,
+    stage_refusal,
 )
 
 logger = logging.getLogger(__name__)
@@ -396,19 +397,9 @@ class Receiver:
             session = await self._own(request.session)
             self._require(ReceiverState.PREPARED, ReceiverState.APPLIED)
             self._require_pending(request.generation)
-            if request.stage >= session.stages:
-                raise ReceiverError(
-                    422,
-                    "stage_out_of_range",
-                    f"stage {request.stage} of an update with {session.stages} stages",
-                )
-            if request.stage != session.stages_done:
-                raise ReceiverError(
-                    409,
-                    "stage_out_of_order",
-                    f"stage {request.stage} sent; stages run in order and "
-                    f"{session.stages_done} is next",
-                )
+            refusal = stage_refusal(request.stage, session.stages, session.stages_done)
+            if refusal is not None:
+                raise ReceiverError(*refusal)
             before, self.state = self.state, ReceiverState.APPLYING
             try:
                 applied = await self.backend.apply(request)

@@ -35,6 +35,7 @@ from engine_ext.admission import (
 )
 from engine_ext.loading import mark_served, served_by, served_record, store_weights
 from engine_ext.placement import RegionSpec, assemble_regions
+from engine_ext.protocol import stage_refusal
 from engine_ext.receiver import ServedRecord
 from engine_ext.shards import ShardSpec
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
@@ -292,18 +293,9 @@ class UpdateWorker(ABC):
                 f"apply of generation {call.generation} in session {call.session}; prepared "
                 f"generation {state.generation} in session {state.session}",
             )
-        if call.stage >= state.stages:
-            raise RequestRefused(
-                422,
-                "stage_out_of_range",
-                f"stage {call.stage} of an update prepared with {state.stages} stages",
-            )
-        if call.stage != state.ran:
-            raise RequestRefused(
-                409,
-                "stage_out_of_order",
-                f"stage {call.stage} sent; stages run in order and {state.ran} is next",
-            )
+        refusal = stage_refusal(call.stage, state.stages, state.ran)
+        if refusal is not None:
+            raise RequestRefused(*refusal)
         batches = state.slice.stages[call.stage] if call.stage < len(state.slice.stages) else ()
         peers = state.peers.trusted(batches, {w: p.model_dump() for w, p in call.peers.items()})
         before = COUNTERS.snapshot()

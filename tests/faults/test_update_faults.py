@@ -169,15 +169,23 @@ def test_coordinator_killed(world: World, phase: str) -> None:
     )
 
 
-def test_engine_killed_after_prepare(world: World) -> None:
-    """A prepared engine dies: the coordinator re-plans around it (it was a reader) and
-    updates the rest; the restarted engine loads the active generation from the Store."""
+@pytest.mark.parametrize(
+    "phase,victim,outcome",
+    [
+        ("prepare", "b", "re-planned; survivor updated; restart loads active"),
+        ("apply", "a", "survivor committed; restart loads active"),
+    ],
+)
+def test_engine_killed(world: World, phase: str, victim: str, outcome: str) -> None:
+    """An engine dies after the phase. After prepare, the coordinator re-plans around it (it
+    was a reader) before apply; after apply, its commit fails. Either way the survivor ends
+    on the new generation, and the restarted engine loads it from the Store."""
     generation = world.publish()
     killed: list[float] = []
 
-    def progress(phase: str) -> None:
-        if phase == "prepare" and not killed:
-            kill_engine(world.engines["b"])
+    def progress(reached: str) -> None:
+        if reached == phase and not killed:
+            kill_engine(world.engines[victim])
             killed.append(time.monotonic())
 
     with (
@@ -185,46 +193,14 @@ def test_engine_killed_after_prepare(world: World) -> None:
         Coordinator(store, world.urls(), progress=progress) as coordinator,
     ):
         result = coordinator.update(MODEL, batch_bytes=BATCH, min_engines=1)
-    assert result.committed == [world.engines["a"].url]
-    assert list(result.failed) == [world.engines["b"].url]
-    world.engines["b"].start()
+    survivor = next(label for label in world.engines if label != victim)
+    assert result.committed == [world.engines[survivor].url]
+    assert list(result.failed) == [world.engines[victim].url]
+    world.engines[victim].start()
     converged = wait_converged(world.engines, world.reference, killed[0], RESTART_BOUND_S)
     assert converged.generations == {"a": generation, "b": generation}
     world.assert_nothing_lost()
-    record(
-        "engine killed after prepare",
-        "re-planned; survivor updated; restart loads active",
-        converged.seconds,
-        RESTART_BOUND_S,
-    )
-
-
-def test_engine_killed_after_apply(world: World) -> None:
-    generation = world.publish()
-    killed: list[float] = []
-
-    def progress(phase: str) -> None:
-        if phase == "apply" and not killed:
-            kill_engine(world.engines["a"])
-            killed.append(time.monotonic())
-
-    with (
-        world.store() as store,
-        Coordinator(store, world.urls(), progress=progress) as coordinator,
-    ):
-        result = coordinator.update(MODEL, batch_bytes=BATCH, min_engines=1)
-    assert result.committed == [world.engines["b"].url]
-    assert list(result.failed) == [world.engines["a"].url]
-    world.engines["a"].start()
-    converged = wait_converged(world.engines, world.reference, killed[0], RESTART_BOUND_S)
-    assert converged.generations == {"a": generation, "b": generation}
-    world.assert_nothing_lost()
-    record(
-        "engine killed after apply",
-        "survivor committed; restart loads active",
-        converged.seconds,
-        RESTART_BOUND_S,
-    )
+    record(f"engine killed after {phase}", outcome, converged.seconds, RESTART_BOUND_S)
 
 
 def test_transfer_engine_write_fails(world: World) -> None:

@@ -135,6 +135,14 @@ def server_args(*flags: str) -> Any:
     return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "/models/tiny", *flags]))
 
 
+def only_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """The route-security variables exactly as ``env`` sets them."""
+    monkeypatch.delenv("MOONCAKE_RL_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("MOONCAKE_RL_INSECURE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize(
     "flags,env,named",
     [
@@ -159,10 +167,7 @@ def test_sglang_launch_refuses_before_starting_anything(
     """SGLang's own ``launch_server``, hooked: the refusal comes before its subprocesses."""
     from sglang.srt.entrypoints import http_server
 
-    monkeypatch.delenv("MOONCAKE_RL_AUTH_TOKEN", raising=False)
-    monkeypatch.delenv("MOONCAKE_RL_INSECURE", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    only_env(monkeypatch, env)
     routes_before = list(http_server.app.router.routes)
     with pytest.raises(ConfigurationError) as refused:
         http_server.launch_server(server_args(*flags))
@@ -190,8 +195,5 @@ def test_sglang_route_tokens(
     from engine_ext.sglang.plugins import sglang_tokens
     from mooncake_rl.settings import Settings
 
-    monkeypatch.delenv("MOONCAKE_RL_AUTH_TOKEN", raising=False)
-    monkeypatch.delenv("MOONCAKE_RL_INSECURE", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    only_env(monkeypatch, env)
     assert sglang_tokens(server_args(*flags), Settings()) == tokens
