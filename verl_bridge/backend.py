@@ -222,9 +222,14 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                 self._coordinator.close()
             token = self.store.settings.auth_token
             self._coordinator = Coordinator(
-                self.store, urls, token=token.get_secret_value() if token else None
+                self.store,
+                urls,
+                token=token.get_secret_value() if token else None,
+                session_ttl_s=self.config.session_ttl_s,
             )
-        return self._coordinator.update(self.config.model, mode=self.config.mode)
+        return self._coordinator.update(
+            self.config.model, mode=self.config.mode, min_engines=self.config.min_engines
+        )
 
     async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """The Store's active generation, one tensor at a time: the Store is the cache."""

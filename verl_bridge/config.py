@@ -53,6 +53,11 @@ class BridgeConfig:
     """Copies of every published object (Mooncake ``replica_num``), each in another segment."""
     keep: int = 2
     """Generations retention keeps after each announce (plus the active and leased ones)."""
+    min_engines: int | None = None
+    """Engines that must end on each new generation (default all); the rest are reported and
+    catch up from the Store when they restart."""
+    session_ttl_s: float = 30.0
+    """How long engines stay held when the trainer stops renewing an update session."""
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> BridgeConfig:
@@ -84,6 +89,16 @@ class BridgeConfig:
             )
         if type(config.keep) is not int or config.keep < 1:
             raise ConfigurationError(f"keep must be an integer >= 1, got {config.keep!r}")
+        if config.min_engines is not None and (
+            type(config.min_engines) is not int or config.min_engines < 1
+        ):
+            raise ConfigurationError(
+                f"min_engines must be an integer >= 1 (or unset: all), got {config.min_engines!r}"
+            )
+        if not 1 <= config.session_ttl_s <= 3600:
+            raise ConfigurationError(
+                f"session_ttl_s must lie in 1..3600 seconds, got {config.session_ttl_s!r}"
+            )
         return config
 
     def settings(self) -> Settings:

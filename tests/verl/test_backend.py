@@ -75,6 +75,8 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "engine_urls": ["127.0.0.1:8000"]}, "must start with http"),
         ({"model": "m", "replica_num": 0}, "replica_num must be an integer >= 1, got 0"),
         ({"model": "m", "keep": "2"}, "keep must be an integer >= 1, got '2'"),
+        ({"model": "m", "min_engines": 0}, "min_engines must be an integer >= 1"),
+        ({"model": "m", "session_ttl_s": 0.5}, "session_ttl_s must lie in 1..3600 seconds"),
     ],
 )
 def test_bad_engine_kwargs_fail_at_construction(kwargs: dict, message: str) -> None:
