@@ -28,13 +28,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from engine_ext.protocol import ApplyRequest, PrepareRequest
 from mooncake_rl.apply.executor import Batch, Peer
 from mooncake_rl.apply.wire import WorkerSlice
 from mooncake_rl.apply.worker import peers_from
 from mooncake_rl.errors import InvariantViolation, MooncakeError, ObjectNotFound
 from mooncake_rl.generations.keys import advert_key, group_id, payload_prefix
 from mooncake_rl.generations.registry import FenceError, GenerationRegistry
+from mooncake_rl.protocol import ApplyRequest, PrepareRequest
 from mooncake_rl.store import StoreClient
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from engine_ext.protocol import ApplyRequest, DrainRequest, PrepareRequest
 from engine_ext.receiver import ReceiverError, ServedRecord
+from mooncake_rl.protocol import ApplyRequest, DrainRequest, PrepareRequest
 
 
 class WorkerBackend(ABC):

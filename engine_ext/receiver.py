@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
-from engine_ext.protocol import (
+from mooncake_rl.protocol import (
     ApplyRequest,
     CommitRequest,
     DrainRequest,

@@ -17,14 +17,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from engine_ext.protocol import (
+from engine_ext.receiver import Receiver, ReceiverError
+from mooncake_rl.protocol import (
     ApplyRequest,
     CommitRequest,
     DrainRequest,
     PrepareRequest,
     SessionRequest,
 )
-from engine_ext.receiver import Receiver, ReceiverError
 
 ReceiverProvider = Callable[[Request], Awaitable[Receiver]]
 

@@ -35,7 +35,6 @@ from engine_ext.admission import (
 )
 from engine_ext.loading import mark_served, served_by, served_record, store_weights
 from engine_ext.placement import RegionSpec, assemble_regions
-from engine_ext.protocol import stage_refusal
 from engine_ext.receiver import ServedRecord
 from engine_ext.shards import ShardSpec
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
@@ -48,6 +47,7 @@ from mooncake_rl.apply.worker import (
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
+from mooncake_rl.protocol import stage_refusal
 from mooncake_rl.settings import Settings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

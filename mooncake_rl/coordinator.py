@@ -43,6 +43,7 @@ from mooncake_rl.generations.registry import (
     require_active,
 )
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
+from mooncake_rl.protocol import MAX_TTL_S
 from mooncake_rl.store import StoreClient
 
 RETRIES = 4
@@ -141,6 +142,11 @@ class Coordinator:
         ``holder``: the name engines report for this coordinator (default host:pid)."""
         if not engines:
             raise MooncakeRLError("at least one engine URL is needed")
+        if not 1 <= session_ttl_s <= MAX_TTL_S:
+            raise MooncakeRLError(
+                f"the session TTL must lie in 1..{MAX_TTL_S:g} s (engines refuse others), "
+                f"got {session_ttl_s}"
+            )
         self.store = store
         self.engines = [url.rstrip("/") for url in engines]
         # No idle connection is reused: an engine's server closes idle keep-alive connections

@@ -16,10 +16,10 @@ from typing import Any
 from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
 from engine_ext.backend import WorkerBackend
-from engine_ext.protocol import DrainRequest
 from engine_ext.receiver import ReceiverError
 from engine_ext.rpc import within
 from engine_ext.sglang.ipc import MooncakeRLReqInput
+from mooncake_rl.protocol import DrainRequest
 from mooncake_rl.settings import Settings
 
 COMMUNICATOR = "mooncake_rl"  # the TokenizerManager attribute is f"{COMMUNICATOR}_communicator"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine_ext.backend import WorkerBackend
-from engine_ext.protocol import DrainRequest
 from engine_ext.rpc import within
+from mooncake_rl.protocol import DrainRequest
 from mooncake_rl.settings import Settings
 
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from engine_ext.protocol import ApplyRequest, DrainRequest, PrepareRequest
 from engine_ext.receiver import Receiver, ReceiverError, ServedRecord
 from engine_ext.routes import ReceiverProvider, build_router
+from mooncake_rl.protocol import ApplyRequest, DrainRequest, PrepareRequest
 from mooncake_rl.settings import Settings
 
 DIGEST = "ab" * 32

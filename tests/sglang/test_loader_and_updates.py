@@ -33,7 +33,6 @@ from safetensors.torch import load_file
 
 from engine_ext.backend import WorkerBackend
 from engine_ext.loading import served_by
-from engine_ext.protocol import ApplyRequest, PrepareRequest
 from engine_ext.receiver import DrainRequest, Receiver
 from engine_ext.routes import build_router
 from mooncake_rl.coordinator import ADVERTISED, Coordinator, UpdateFailed
@@ -42,6 +41,7 @@ from mooncake_rl.generations.keys import advert_key, group_id
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.update import RoutingCache, plan_update
+from mooncake_rl.protocol import ApplyRequest, PrepareRequest
 from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient

@@ -1,4 +1,4 @@
-"""The typed bodies of the ``/mooncake/*`` routes.
+"""The typed bodies of the ``/mooncake/*`` routes: the contract between coordinator and engines.
 
 Every field is bounded and checked here, before the receiver looks at its state: a body
 that does not validate is answered 422 and changes nothing. Models are strict (no string
