@@ -64,7 +64,9 @@ def parsed(model: type[M], request: Any) -> M:
     try:
         return model.model_validate(request)
     except ValidationError as error:
-        raise RequestRefused(422, "invalid_request", error.json(include_url=False)) from error
+        raise RequestRefused(
+            422, "invalid_request", error.json(include_url=False, include_input=False)
+        ) from error
 
 
 def prepare_request(request: Any, worker_id: str) -> tuple[PrepareRequest, Mapping[str, Any]]:

@@ -70,7 +70,9 @@ async def _body(request: Request, model: type[BaseModel], limit: int) -> BaseMod
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as error:
-        raise ReceiverError(422, "invalid_request", error.json(include_url=False)) from error
+        raise ReceiverError(
+            422, "invalid_request", error.json(include_url=False, include_input=False)
+        ) from error
 
 
 def build_router(

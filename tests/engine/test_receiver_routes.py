@@ -268,11 +268,12 @@ async def test_bad_requests_are_refused_and_change_nothing(
     assert after == before and backend.calls == calls
 
 
-async def test_malformed_json_is_422(make_client) -> None:
+@pytest.mark.parametrize("raw", [b"{not json", b"\x80", b'{"session": "\xff"}'])
+async def test_malformed_json_is_422(make_client, raw: bytes) -> None:
     client, _, receiver = await make_client()
     async with client:
         response = await client.post(
-            "/mooncake/drain", content=b"{not json", headers={"content-type": "application/json"}
+            "/mooncake/drain", content=raw, headers={"content-type": "application/json"}
         )
     assert response.status_code == 422 and response.json()["error"] == "invalid_request"
     assert receiver.state.value == "serving"
