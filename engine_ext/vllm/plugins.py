@@ -58,6 +58,7 @@ class MooncakeEndpointPlugin:
         """
         args = app.state.args
         require_worker_extension(args.worker_extension_cls)
+        log_through_vllm()
         settings = Settings()
         # --uds serves a Unix socket instead of --host: reachable from this host only.
         tokens = guard_tokens(
@@ -90,6 +91,17 @@ class MooncakeEndpointPlugin:
         self._ready.set()
         if served.generation > 0:  # served from the Store: keep the lease the loader took
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))
+
+
+def log_through_vllm() -> None:
+    """Print the adapter's own records (session expiry, rebuilds) with vLLM's handlers: in
+    vLLM's API server a record that reaches the root logger prints nothing."""
+    ours = logging.getLogger("engine_ext")
+    if not ours.handlers:
+        for handler in logging.getLogger("vllm").handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
 
 
 def require_worker_extension(qualname: str | None) -> None:

@@ -10,6 +10,7 @@ docs/reliability.md. The scenarios share one world and run in order.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -155,7 +156,7 @@ def test_coordinator_killed(world: World, phase: str) -> None:
     )
     killed_at = run.killed()
     held = world.statuses()
-    assert all(s["state"] != "serving" for s in held.values()), held
+    assert all(s["state"] != "serving" for s in held.values()), json.dumps(held, indent=1)
     converged = wait_converged(world.engines, world.reference, killed_at, LEASE_BOUND_S)
     assert converged.generations == served
     outcomes = {s["last_session"]["outcome"] for s in world.statuses().values()}
