@@ -315,13 +315,13 @@ def test_a_dead_coordinator_frees_its_engines_and_a_lost_commit_response_is_retr
         MODEL,
         kill_at="prepare",
         token=TOKEN,
-        session_ttl_s=2.0,
+        session_ttl_s=6.0,
         batch_bytes=64 << 10,
     )
     killed_at = run.killed()
     held = {k: e.mooncake("GET", "status").json() for k, e in world.engines.items()}
     assert {s["state"] for s in held.values()} == {"prepared"}, held
-    converged = wait_converged(world.engines, reference, killed_at, 2.0 + 12)
+    converged = wait_converged(world.engines, reference, killed_at, 6.0 + 12)
     assert converged.generations == served
 
     proxy = DroppingProxy(world.engines["b"].port)
