@@ -153,7 +153,7 @@ class DroppingProxy:
         if armed:  # let the engine answer, then hang up on the client instead
             upstream.recv(65536)
             for sock in (client, upstream):
-                sock.close()
+                _hang_up(sock)
             return
         _pump(upstream, client)
 
@@ -170,8 +170,15 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
         pass
     finally:
         for sock in (source, sink):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            _hang_up(sock)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """Shut down before closing: a close alone leaves the connection open while another
+    thread is blocked reading the socket, and the peer would wait for ever."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 @dataclass
