@@ -87,7 +87,7 @@ def calls(
 ) -> list[tuple[str, str, bytes]]:
     """A case: (method, route, body) calls, mostly on the update routes."""
     steps = []
-    for _ in range(draw(st.integers(1, 8))):
+    for _ in range(draw(st.integers(1, 12))):
         route = draw(st.sampled_from(ROUTES))
         if route not in MUTABLE:
             steps.append(

@@ -146,7 +146,7 @@ def test_fuzzed_requests_get_no_5xx_and_refusals_change_nothing(world: World) ->
         return lease, status
 
     @settings(
-        max_examples=450,
+        max_examples=300,
         deadline=None,
         derandomize=True,
         database=None,
