@@ -156,8 +156,8 @@ def test_served_record_orders_by_fence_within_an_incarnation() -> None:
 
     def request(generation: int, fence: int, incarnation: str | None) -> PrepareRequest:
         return PrepareRequest(
-            model="m", generation=generation, manifest_digest="ab" * 32, mode="compat",
-            workers={}, fence=fence, incarnation=incarnation,
+            session="a" * 32, model="m", generation=generation, manifest_digest="ab" * 32,
+            mode="compat", stages=0, workers={}, fence=fence, incarnation=incarnation,
         )  # fmt: skip
 
     assert served.superseded_by(request(4, 8, "0123456789abcdef"))  # activate moved back

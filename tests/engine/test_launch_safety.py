@@ -20,6 +20,7 @@ from mooncake_rl.tiny_model import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(600)
 API_KEY = "k3y"
+EAGER = ["--enforce-eager"]  # no graph compilation: the checks come after model load
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,9 @@ def no_guard_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_misconfigured_launch_stops_at_startup(
     model_dir: Path, tmp_path: Path, launch: dict, named: str
 ) -> None:
-    server = VllmServer(model_dir, Settings(), load_from_store=False, log_dir=tmp_path, **launch)
+    server = VllmServer(
+        model_dir, Settings(), load_from_store=False, log_dir=tmp_path, extra_args=EAGER, **launch
+    )
     try:
         with pytest.raises(ServiceError, match="vLLM server exited early"):
             server.start()
@@ -74,7 +77,7 @@ def test_api_key_guards_the_routes_beyond_loopback(model_dir: Path, tmp_path: Pa
         load_from_store=False,
         log_dir=tmp_path,
         host="0.0.0.0",
-        extra_args=["--api-key", API_KEY],
+        extra_args=[*EAGER, "--api-key", API_KEY],
         extra_env={"MOONCAKE_RL_MAX_BODY_BYTES": "1024"},
     ) as server:
         status = f"{server.url}/mooncake/status"
