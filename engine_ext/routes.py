@@ -118,6 +118,9 @@ def build_router(
     route("POST", "/apply", ApplyRequest, lambda r, b: r.apply(b))
     route("POST", "/commit", CommitRequest, lambda r, b: r.commit(b))
     route("POST", "/abort", SessionRequest, lambda r, b: r.abort(b))
+    # The contract's name for ending a session without commit (../shared/DESIGN.md): the
+    # same call as abort, which also resumes serving.
+    route("POST", "/resume", SessionRequest, lambda r, b: r.abort(b))
     route("POST", "/rebuild", None, lambda r, _: r.rebuild())
 
     async def ready(request: Request) -> JSONResponse:

@@ -503,3 +503,16 @@ async def test_a_hung_worker_call_breaks_the_engine_without_a_rebuild(
     assert "restart it" in response.json()["detail"]
     assert ready.status_code == 503 and receiver.state.value == "broken"
     assert backend.calls[-1] == step and receiver.session is None
+
+
+async def test_resume_ends_the_session_like_abort(make_client) -> None:
+    client, backend, receiver = await make_client()
+    async with client:
+        await run_steps(client, UPDATE)
+        other = await client.post("/mooncake/resume", json={"session": S2})
+        resumed = await client.post("/mooncake/resume", json={"session": S1})
+        malformed = await client.post("/mooncake/resume", json={})
+    assert other.status_code == 409 and other.json()["error"] == "session_held"
+    assert resumed.status_code == 200 and resumed.json()["state"] == "serving"
+    assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_request"
+    assert receiver.generation == 1 and backend.calls[-2:] == ["abort", "resume"]
