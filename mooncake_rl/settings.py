@@ -70,6 +70,38 @@ class Settings(BaseSettings):
         "one update call: a hung rank must not hold the receiver (and its session) forever",
     )
 
+    transport: Literal["store", "broadcast", "cpu_serialize", "auto"] = Field(
+        "store",
+        description="how updates reach engines: the Store path (default), NCCL/gloo "
+        "broadcast, CPU serialization, or auto (broadcast to engines disjoint from the "
+        "train pool, CPU serialization to colocated ones)",
+    )
+    gpu_ids: str = Field(
+        "",
+        description="this engine's physical GPU ids, one per rank in rank order, "
+        "comma-separated: declares the topology where CUDA cannot report UUIDs",
+    )
+    train_gpus: str = Field(
+        "", description="the train pool's physical GPU ids, comma-separated (trainer side)"
+    )
+    assert_mixed_transport: bool = Field(
+        False, description="an auto update must produce both broadcast and CPU legs"
+    )
+    cpu_handoff: Literal["auto", "shm", "http"] = Field(
+        "auto",
+        description="how CPU-serialized buckets reach an engine: shared memory when it runs "
+        "on this host (auto), or always one of shm / http",
+    )
+    rendezvous_port: int = Field(
+        29600, gt=1024, lt=65536, description="first port a broadcast group's TCP store claims"
+    )
+    broadcast_timeout_s: float = Field(
+        300.0, gt=0, description="how long a broadcast group waits for a member or a bucket"
+    )
+    claim_lease_s: float = Field(
+        60.0, ge=2, description="a rendezvous port claim's lease; its holder renews at 1/3"
+    )
+
     @field_validator("master")
     @classmethod
     def _host_port(cls, value: str) -> str:
