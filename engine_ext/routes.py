@@ -9,7 +9,9 @@ unbounded bytes), 422 for a malformed body. Nothing is changed by a refused requ
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -20,11 +22,14 @@ from pydantic import BaseModel, ValidationError
 from engine_ext.receiver import Receiver, ReceiverError
 from mooncake_rl.protocol import (
     ApplyRequest,
+    BucketUpload,
+    BucketWire,
     CommitRequest,
     DrainRequest,
     PrepareRequest,
     SessionRequest,
 )
+from mooncake_rl.transport.buckets import shm_name, write_shm
 
 ReceiverProvider = Callable[[Request], Awaitable[Receiver]]
 
@@ -122,6 +127,40 @@ def build_router(
     # same call as abort, which also resumes serving.
     route("POST", "/resume", SessionRequest, lambda r, b: r.abort(b))
     route("POST", "/rebuild", None, lambda r, _: r.rebuild())
+
+    async def bucket(request: Request) -> JSONResponse:
+        """A CPU-serialized bucket as the raw body (the coordinator runs on another host):
+        written to a shared-memory file of this host for the workers, then one apply."""
+        if not _authorized(request, tokens):
+            return error_response(401, "unauthorized", "missing or invalid bearer token")
+        try:
+            try:
+                query = BucketUpload.model_validate(dict(request.query_params), strict=False)
+            except ValidationError as error:
+                raise ReceiverError(
+                    422, "invalid_request", error.json(include_url=False, include_input=False)
+                ) from error
+            data = await _read(request, max_body_bytes)
+            receiver = await get_receiver(request)
+            name = shm_name(uuid.uuid4().hex, query.stage)
+            path = await asyncio.to_thread(write_shm, name, data)
+            try:
+                applied = await receiver.apply(
+                    ApplyRequest(
+                        session=query.session,
+                        generation=query.generation,
+                        stage=query.stage,
+                        peers={},
+                        bucket=BucketWire(shm=name, nbytes=max(1, len(data))),
+                    )
+                )
+            finally:
+                path.unlink(missing_ok=True)
+            return JSONResponse(applied)
+        except ReceiverError as error:
+            return error_response(error.status, error.code, error.detail)
+
+    router.add_api_route("/bucket", bucket, methods=["POST"], name="mooncake_bucket")
 
     async def ready(request: Request) -> JSONResponse:
         """Readiness for routers and orchestrators (no token: it tells only the state)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from mooncake_rl.transport.modes import parse_gpu_ids
 
 from engine_ext.admission import (
     PeerBook,
@@ -30,6 +31,7 @@ from engine_ext.admission import (
     apply_request,
     check_generation,
     check_reads,
+    parsed,
     prepare_request,
     withdraw,
 )
@@ -37,6 +39,13 @@ from engine_ext.loading import mark_served, served_by, served_record, store_weig
 from engine_ext.placement import RegionSpec, assemble_regions
 from engine_ext.receiver import ServedRecord
 from engine_ext.shards import ShardSpec
+from engine_ext.transport import (
+    RECEIVED_REGION,
+    Reception,
+    prepare_reception,
+    receive_broadcast,
+    receive_bucket,
+)
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.apply.worker import (
     ApplyWorker,
@@ -47,8 +56,10 @@ from mooncake_rl.apply.worker import (
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
-from mooncake_rl.protocol import stage_refusal
+from mooncake_rl.protocol import BucketWire, PrepareRequest, stage_refusal
 from mooncake_rl.settings import Settings
+from mooncake_rl.transport.buckets import this_host_id
+from mooncake_rl.transport.group import gpu_uuid
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 METHODS = ("status", "describe", "prepare", "promote", "apply", "commit", "abort", "rebuild")
@@ -73,13 +84,21 @@ class _UpdateState:
         self.stages = 0
         self.ran = 0
         self.peers: PeerBook | None = None
+        # A broadcast or CPU-serialized delivery (instead of a routing slice); its buffer is
+        # kept for the next one while the size fits.
+        self.reception: Reception | None = None
+        self.received: torch.Tensor | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.slice is not None or self.reception is not None
 
     def drop(self) -> None:
         """Forget the pending update: registrations rolled back, advertisement withdrawn."""
         self.apply.rollback()
-        if self.session is not None:
+        if self.session is not None and self.slice is not None:  # a Store-path advert
             withdraw(self.apply.store, self.session, self.apply.worker_id)
-        self.slice = self.generation = self.session = self.peers = None
+        self.slice = self.generation = self.session = self.peers = self.reception = None
         self.stages = self.ran = 0
 
 
@@ -178,12 +197,27 @@ class UpdateWorker(ABC):
             "node": state.apply.settings.node,
             "tp_rank": tp_rank,
             "tp_size": tp_size,
+            "gpu": self.gpu_id(),
+            "host_id": this_host_id(),
             "regions": {
                 r.name: {"bytes": r.nbytes, "dtype": str(r.dtype).removeprefix("torch.")}
                 for r in regions
             },
             "shards": [s.to_json() for s in shards],
         }
+
+    def gpu_id(self) -> str | None:
+        """The physical GPU this rank runs on: its CUDA UUID, else the declared id
+        (``MOONCAKE_RL_GPU_IDS``, one per rank), else ``None`` (topology unknown)."""
+        found = gpu_uuid(self.device())
+        if found is not None:
+            return found
+        declared = parse_gpu_ids(Settings().gpu_ids, "MOONCAKE_RL_GPU_IDS")
+        rank = self.tp()[0]
+        return declared[rank] if rank < len(declared) else None
+
+    def device(self) -> torch.device:
+        return next(self.model().parameters()).device
 
     def _prepare(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
         """Check the request against the Store, then allocate and register staging and
@@ -192,6 +226,8 @@ class UpdateWorker(ABC):
         Everything that can refuse runs before the first allocation or registration.
         """
         state = self._state(engine_id)
+        if isinstance(request, Mapping) and request.get("receive") is not None:
+            return self._prepare_reception(state, parsed(PrepareRequest, request))
         call, raw = prepare_request(request, state.apply.worker_id)
         try:
             worker_slice = decode_slice(raw["slice"])
@@ -234,6 +270,36 @@ class UpdateWorker(ABC):
             n for r, n in sizes.items() if r not in (STAGING_REGION, FALLBACK_REGION, COMPAT_REGION)
         )
         return {**described, "direct_bytes": direct_bytes, "fallback_bytes": fallback_bytes}
+
+    def _prepare_reception(self, state: _UpdateState, call: PrepareRequest) -> dict[str, Any]:
+        """A broadcast or CPU-serialized delivery: checked against the generation, its
+        buffer allocated; no Store or Transfer Engine registration, no advertisement."""
+        assert call.receive is not None
+        check_generation(state.apply.store, call)
+        group = call.receive.group
+        device = self.device() if group is not None and group.backend == "nccl" else None
+        reception = prepare_reception(
+            state.apply.store,
+            call,
+            self.tp()[0],
+            state.received,
+            device or torch.device("cpu"),
+        )
+        state.drop()
+        state.reception, state.received = reception, reception.buffer
+        state.mode, state.layout, state.fallback = "compat", reception.rows(), []
+        state.buffers = {RECEIVED_REGION: reception.buffer}
+        state.generation = call.generation
+        state.record = ServedRecord(call.generation, call.fence, call.incarnation)
+        state.session, state.stages, state.ran = call.session, call.stages, 0
+        return {
+            "worker_id": state.apply.worker_id,
+            "transport": call.receive.transport,
+            "rank": reception.rank,
+            "received_bytes": reception.layout.total_bytes,
+            "direct_bytes": 0,
+            "fallback_bytes": 0,
+        }
 
     def _check_direct(self, worker_slice: WorkerSlice, region_dtypes: Mapping[str, str]) -> None:
         """Direct mode lands bytes as they arrive: every region must be this worker's, at
@@ -284,7 +350,7 @@ class UpdateWorker(ABC):
         """Run one stage, in order, pushing only into peers this session advertised."""
         state = self._state(engine_id)
         call = apply_request(request)
-        if state.slice is None or state.peers is None:
+        if not state.pending:
             raise RequestRefused(409, "not_prepared", "apply before prepare: nothing is staged")
         if (call.session, call.generation) != (state.session, state.generation):
             raise RequestRefused(
@@ -296,6 +362,9 @@ class UpdateWorker(ABC):
         refusal = stage_refusal(call.stage, state.stages, state.ran)
         if refusal is not None:
             raise RequestRefused(*refusal)
+        if state.reception is not None:
+            return self._receive(state, call.stage, call.bucket)
+        assert state.slice is not None and state.peers is not None
         batches = state.slice.stages[call.stage] if call.stage < len(state.slice.stages) else ()
         peers = state.peers.trusted(batches, {w: p.model_dump() for w, p in call.peers.items()})
         before = COUNTERS.snapshot()
@@ -315,10 +384,31 @@ class UpdateWorker(ABC):
             "verify_seconds": result.verify_seconds,
         }
 
+    def _receive(
+        self, state: _UpdateState, stage: int, bucket: BucketWire | None
+    ) -> dict[str, Any]:
+        """One stage of a broadcast (everything) or CPU-serialized (one bucket) delivery."""
+        reception = state.reception
+        assert reception is not None
+        started = time.perf_counter()
+        if reception.wire.transport == "broadcast":
+            received = receive_broadcast(reception, state.apply.settings.hostname)
+        else:
+            received = receive_bucket(reception, stage, bucket)
+        state.ran += 1
+        return {
+            "worker_id": state.apply.worker_id,
+            "transport": reception.wire.transport,
+            "seconds": time.perf_counter() - started,
+            "store_read_bytes": 0,
+            "pushed_bytes": 0,
+            **received,
+        }
+
     def _commit(self, engine_id: str, generation: int) -> dict[str, Any]:
         """Swap the staged generation into the live model through the engine's own paths."""
         state = self._state(engine_id)
-        if state.generation != generation or state.slice is None:
+        if state.generation != generation or not state.pending:
             raise RequestRefused(
                 409,
                 "generation_mismatch",

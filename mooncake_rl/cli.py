@@ -9,6 +9,10 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.table import Table
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
 from mooncake_rl.services import (
@@ -20,6 +24,10 @@ from mooncake_rl.services import (
 )
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.modes import TransportMode
+
+EXIT_MIXED_INVALID = 3
+"""``update``: an auto update under MOONCAKE_RL_ASSERT_MIXED_TRANSPORT=1 lacked a leg."""
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +158,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mooncake_rl.coordinator import Coordinator, UpdateFailed
+    from mooncake_rl.transport.topology import MixedTransportInvalid
 
     console = Console(stderr=True)
     token = Settings().auth_token
@@ -171,12 +180,26 @@ def cmd_update(args: argparse.Namespace) -> int:
                 drain_mode=args.drain,
                 direct_fallback=args.direct_fallback,
                 min_engines=args.min_engines,
+                transport=args.transport,
+                train_gpus=args.train_gpus,
             )
         except UpdateFailed as failed:
             print(json.dumps(failed.result.to_json(), indent=2))
             return 1
+        except MixedTransportInvalid as invalid:
+            console.print(f"[bold red]INVALID[/]: {invalid}")
+            return EXIT_MIXED_INVALID
+    console.print(leg_table(result.legs))
     print(json.dumps(result.to_json(), indent=2))
     return 0
+
+
+def leg_table(legs: dict[str, dict[str, Any]]) -> Table:
+    """Per engine: how its bytes came, how many, how fast (the CLI summary)."""
+    table = Table("engine", "transport", "bytes", "seconds", title="delivery per engine")
+    for url, row in sorted(legs.items()):
+        table.add_row(url, row["transport"], f"{row['bytes']:,}", f"{row['seconds']:.3f}")
+    return table
 
 
 def _regex(value: str) -> str:
@@ -298,6 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="engines free themselves this long after this command stops renewing its session",
     )
+    update.add_argument(
+        "--transport",
+        choices=[m.value for m in TransportMode],
+        help="how the bytes travel (MOONCAKE_RL_TRANSPORT, default store): the Store path, "
+        "broadcast to every engine, CPU serialization to every engine, or auto (broadcast "
+        "to engines disjoint from the train pool, CPU serialization to colocated ones)",
+    )
+    update.add_argument(
+        "--train-gpus",
+        metavar="IDS",
+        help="the train pool's physical GPU ids, comma-separated (MOONCAKE_RL_TRAIN_GPUS); "
+        "needed by every transport but store",
+    )
     _client_flags(update)
     update.set_defaults(func=cmd_update)
 
@@ -330,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except MooncakeRLError as error:
         print(f"mooncake-rl: error: {error}", file=sys.stderr)
+        return 2
+    except ValidationError as error:  # a MOONCAKE_RL_* variable the settings refuse
+        print(f"mooncake-rl: error: invalid MOONCAKE_RL_* setting: {error}", file=sys.stderr)
         return 2
 
 

@@ -31,11 +31,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from mooncake_rl.errors import MooncakeRLError
+from mooncake_rl.errors import ConfigurationError, MooncakeRLError
 from mooncake_rl.generations.registry import (
     ActiveRecord,
     GenerationRegistry,
@@ -45,7 +45,16 @@ from mooncake_rl.generations.registry import (
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
 from mooncake_rl.protocol import MAX_TTL_S
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.legs import LegFailed, LegFigures, TransportLegs
+from mooncake_rl.transport.modes import TransportMode, parse_gpu_ids, resolve_mode
+from mooncake_rl.transport.topology import (
+    Classification,
+    classify,
+    require_mixed,
+    require_mixed_ran,
+)
 
+P = TypeVar("P")
 RETRIES = 4
 """Attempts at an idempotent call (commit, abort, renew) whose response never came."""
 RETRY_WAIT_S = 0.5
@@ -89,6 +98,10 @@ class UpdateResult:
     # Engines whose commit failed: they rebuild themselves from the Store's active generation.
     rebuild: list[str] = field(default_factory=list)
     session: str | None = None
+    # The transport mode, and per engine its transport, the bytes its ranks received and
+    # the seconds its delivery took.
+    transport: str = TransportMode.STORE.value
+    legs: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -173,13 +186,20 @@ class Coordinator:
     # -- HTTP ------------------------------------------------------------------------
     def _call(self, url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
         response = self._client.request(method, f"{url}/mooncake/{path}", json=body)
-        try:
-            payload = response.json()
-        except ValueError:
-            payload = response.text
-        if response.status_code != 200:
-            raise EngineRequestFailed(url, f"/mooncake/{path}", response.status_code, payload)
-        return payload
+        return _checked(url, path, response)
+
+    def call(self, url: str, path: str, body: Any) -> dict[str, Any]:
+        return self._call(url, "POST", path, body)
+
+    def upload(self, url: str, params: Mapping[str, Any], data: bytes) -> dict[str, Any]:
+        """A CPU-serialized bucket as the body of ``POST /mooncake/bucket``."""
+        response = self._client.post(
+            f"{url}/mooncake/bucket",
+            params=dict(params),
+            content=data,
+            headers={"content-type": "application/octet-stream"},
+        )
+        return _checked(url, "bucket", response)
 
     def _call_retrying(self, url: str, path: str, body: Any) -> dict[str, Any]:
         """An idempotent call, repeated while no response arrives (lost, reset, timed out)."""
@@ -236,22 +256,37 @@ class Coordinator:
         batch_bytes: int = 64 << 20,
         direct_fallback: str | None = None,
         min_engines: int | None = None,
+        transport: str | None = None,
+        train_gpus: str | Sequence[str] | None = None,
     ) -> UpdateResult:
         """``direct_fallback``: regex of parameter names direct mode lands through each
         engine's ``load_weights`` (full tensors) instead of its shard discovery.
         ``min_engines``: how many engines must end on the new generation (already serving
-        it counts); default all."""
+        it counts); default all. ``transport``: store (default: ``MOONCAKE_RL_TRANSPORT``),
+        broadcast, cpu_serialize or auto; the non-Store ones need ``train_gpus`` (default
+        ``MOONCAKE_RL_TRAIN_GPUS``) and deliver full tensors in buckets of ``batch_bytes``."""
         needed = len(self.engines) if min_engines is None else min_engines
         if not 1 <= needed <= len(self.engines):
             raise MooncakeRLError(
                 f"min_engines must lie in 1..{len(self.engines)} (the engines given), got {needed}"
             )
+        chosen = resolve_mode(transport)
+        if chosen is not TransportMode.STORE and mode != "compat":
+            raise ConfigurationError(
+                f"--mode {mode} is a Store-path mode; the {chosen.value} transport delivers "
+                "full tensors (compat): drop --mode or use --transport store"
+            )
+        train_pool = parse_gpu_ids(
+            train_gpus if train_gpus is not None else self.store.settings.train_gpus,
+            "the train pool's GPU ids (--train-gpus / MOONCAKE_RL_TRAIN_GPUS)",
+        )
         registry = GenerationRegistry(self.store, model)
         record = require_active(self.store, model, "cannot update engines")
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
         # One table load per update; each worker gets the rows of the objects it reads.
         checksums = registry.load_checksums(record.generation, record.checksums_digest)
         result = UpdateResult(model, record.generation, mode, list(self.engines))
+        result.transport = chosen.value
         clock = time.perf_counter()
 
         def phase(name: str) -> None:
@@ -273,6 +308,11 @@ class Coordinator:
                 result.error = problem
                 raise UpdateFailed(result)
         _require_enough(result, targets, needed, "placement")
+        # Before any drain: a topology the transport cannot serve changes nothing.
+        classification = classify(chosen, targets, engine_gpus(placements, targets), train_pool)
+        mixed = chosen is TransportMode.AUTO and self.store.settings.assert_mixed_transport
+        if mixed:
+            require_mixed(classification)
         phase("placement")
         if not targets:
             return result
@@ -289,38 +329,58 @@ class Coordinator:
 
         session = SessionLease(self, self.session_ttl_s)
         result.session = session.id
+
+        def base_body(url: str) -> dict[str, Any]:
+            return {
+                "session": session.id,
+                "model": model,
+                "generation": record.generation,
+                "manifest_digest": record.manifest_digest,
+                "fence": record.fence,
+                "incarnation": record.incarnation,
+                "mode": mode,
+            }
+
         try:
             members = self._drain(session, targets, drain_mode, needed, result)
             phase("drain")
-            members, plan, peers = self._prepare(
-                session,
-                members,
-                lambda urls: plan_update(
-                    manifest,
-                    {u: placements[u]["workers"] for u in urls},
-                    mode,
+            if chosen is TransportMode.STORE:
+                members, plan, prepared = self._prepare(
+                    session,
+                    members,
+                    lambda urls: plan_update(
+                        manifest,
+                        {u: placements[u]["workers"] for u in urls},
+                        mode,
+                        batch_bytes,
+                        self.cache,
+                        record.layout_digest,
+                        direct_fallback,
+                    ),
+                    lambda url, plan: {
+                        **base_body(url),
+                        "stages": plan.stages,
+                        "workers": plan.engine_workers(url, checksums.objects),
+                    },
+                    needed,
+                    result,
+                    phase,
+                )
+                _planned(result, plan)
+                self._apply(session, members, plan, _peers(prepared), record, result)
+            else:
+                members = self._deliver(
+                    session,
+                    members,
+                    classification,
+                    placements,
+                    record,
                     batch_bytes,
-                    self.cache,
-                    record.layout_digest,
-                    direct_fallback,
-                ),
-                lambda url, plan: {
-                    "session": session.id,
-                    "model": model,
-                    "generation": record.generation,
-                    "manifest_digest": record.manifest_digest,
-                    "fence": record.fence,
-                    "incarnation": record.incarnation,
-                    "mode": mode,
-                    "stages": plan.stages,
-                    "workers": plan.engine_workers(url, checksums.objects),
-                },
-                needed,
-                result,
-                phase,
-            )
-            _planned(result, plan)
-            self._apply(session, members, plan, peers, record, result)
+                    needed,
+                    result,
+                    phase,
+                    base_body,
+                )
             phase("apply")
             self._commit(session, members, record, needed, result)
             phase("commit")
@@ -329,7 +389,58 @@ class Coordinator:
             raise
         finally:
             session.stop()
+        if mixed:
+            require_mixed_ran(
+                {TransportMode(result.legs[u]["transport"]) for u in result.committed}
+            )
         return result
+
+    def _deliver(
+        self,
+        session: SessionLease,
+        members: list[str],
+        classification: Classification,
+        placements: Mapping[str, dict[str, Any]],
+        record: ActiveRecord,
+        bucket_bytes: int,
+        needed: int,
+        result: UpdateResult,
+        phase: Callable[[str], None],
+        base_body: Callable[[str], dict[str, Any]],
+    ) -> list[str]:
+        """Prepare and apply the broadcast and CPU legs (:mod:`mooncake_rl.transport.legs`)."""
+        legs = TransportLegs(
+            self,
+            self.store,
+            self.store.settings,
+            record,
+            classification,
+            placements,
+            session=session.id,
+            holder=f"{self.holder}/{session.id}",
+            bucket_bytes=bucket_bytes,
+        )
+        try:
+            members, plan, _ = self._prepare(
+                session,
+                members,
+                legs.plan_for,
+                lambda url, plan: legs.body_for(url, plan, base_body(url)),
+                needed,
+                result,
+                phase,
+            )
+            legs.apply(plan)
+        except LegFailed as error:
+            # Apply writes staging only: released engines serve their old generation.
+            session.release(sorted(session.held))
+            result.failed.update(error.failed)
+            result.error = f"{classification.mode.value} delivery failed: {error}"
+            raise UpdateFailed(result) from error
+        finally:
+            legs.close()
+            result.legs.update(legs.figures.rows)
+        return members
 
     def _drain(
         self,
@@ -361,12 +472,12 @@ class Coordinator:
         self,
         session: SessionLease,
         members: list[str],
-        plan_for: Callable[[Sequence[str]], UpdatePlan],
-        body_for: Callable[[str, UpdatePlan], dict[str, Any]],
+        plan_for: Callable[[Sequence[str]], P],
+        body_for: Callable[[str, P], dict[str, Any]],
         needed: int,
         result: UpdateResult,
         phase: Callable[[str], None],
-    ) -> tuple[list[str], UpdatePlan, dict[str, dict[str, Any]]]:
+    ) -> tuple[list[str], P, dict[str, dict[str, Any]]]:
         """Plan and prepare; engines that fail or stop answering are released and the rest
         re-planned without them (their pushes would never come) until all that remain are
         prepared and alive."""
@@ -385,12 +496,7 @@ class Coordinator:
                     members, "POST", "renew", {u: {"session": session.id} for u in members}
                 )
             if not failed:
-                peers = {
-                    w["worker_id"]: {k: w[k] for k in ADVERTISED}
-                    for reply in prepared.values()
-                    for w in reply["workers"]
-                }
-                return members, plan, peers
+                return members, plan, prepared
             session.release(sorted(failed))
             _left_out(result, failed)
             members = [u for u in members if u not in failed]
@@ -405,6 +511,8 @@ class Coordinator:
         record: ActiveRecord,
         result: UpdateResult,
     ) -> None:
+        figures = LegFigures()
+        received = plan.routing.received_bytes()
         for stage in range(plan.stages):
             body = {
                 "session": session.id,
@@ -413,11 +521,18 @@ class Coordinator:
                 "peers": peers,
             }
             applied, failed = self._all(members, "POST", "apply", {u: body for u in members})
-            for reply in applied.values():
+            for url, reply in applied.items():
                 for worker in reply["workers"]:
                     result.store_read_bytes += worker["store_read_bytes"]
                     result.store_reread_bytes += worker.get("store_reread_bytes", 0)
                     result.pushed_bytes += worker["pushed_bytes"]
+                figures.add(
+                    url,
+                    TransportMode.STORE.value,
+                    sum(received.get(w["worker_id"], 0) for w in reply["workers"] if not stage),
+                    max((w["seconds"] for w in reply["workers"]), default=0.0),
+                )
+            result.legs.update(figures.rows)
             if failed:
                 # Apply writes staging only: released engines serve their old generation.
                 session.release(sorted(session.held))
@@ -497,6 +612,36 @@ class SessionLease:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _peers(prepared: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Where each prepared worker takes pushes: the apply body's ``peers``."""
+    return {
+        w["worker_id"]: {k: w[k] for k in ADVERTISED}
+        for reply in prepared.values()
+        for w in reply["workers"]
+    }
+
+
+def engine_gpus(
+    placements: Mapping[str, Mapping[str, Any]], urls: Sequence[str]
+) -> dict[str, list[str] | None]:
+    """Each engine's physical GPU ids in rank order; ``None`` where a rank reports none."""
+    found: dict[str, list[str] | None] = {}
+    for url in urls:
+        gpus = [w.get("gpu") for w in placements[url].get("workers", [])]
+        found[url] = [g for g in gpus if g] if gpus and all(gpus) else None
+    return found
+
+
+def _checked(url: str, path: str, response: httpx.Response) -> dict[str, Any]:
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = response.text
+    if response.status_code != 200:
+        raise EngineRequestFailed(url, f"/mooncake/{path}", response.status_code, payload)
+    return payload
 
 
 def _left_out(result: UpdateResult, failed: Mapping[str, EngineRequestFailed]) -> None:

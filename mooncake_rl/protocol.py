@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_GENERATION = 2**53
 """Above any generation a Store will hand out; the workers bound it by the active record."""
@@ -29,6 +29,7 @@ Generation = Annotated[int, Field(gt=0, lt=MAX_GENERATION)]
 DtypeName = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")]
 Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 Hex16 = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+Host = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:\[\]-]+$")]
 
 
 class Wire(BaseModel):
@@ -84,6 +85,47 @@ class PeerWire(Wire):
     regions: dict[Name, RegionWire]
 
 
+# -- non-Store transports (mooncake_rl.transport) -------------------------------------------
+class GroupWire(Wire):
+    """The broadcast group an engine joins: the sender's TCP store and the engine's ranks."""
+
+    host: Host
+    port: int = Field(gt=1024, lt=65536)
+    world_size: int = Field(ge=2, le=1 << 20)
+    rank_offset: int = Field(ge=1, lt=1 << 20, description="rank of the engine's TP rank 0")
+    name: Hex32
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float = Field(gt=0, le=MAX_TTL_S)
+
+    @model_validator(mode="after")
+    def _inside(self) -> GroupWire:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} outside world {self.world_size}")
+        return self
+
+
+class ReceiveWire(Wire):
+    """Full tensors a non-Store transport delivers; the layout follows from the generation's
+    manifest and ``bucket_bytes`` (:func:`mooncake_rl.transport.layout.receive_layout`)."""
+
+    transport: Literal["broadcast", "cpu_serialize"]
+    bucket_bytes: int = Field(gt=0, le=1 << 40)
+    group: GroupWire | None = None
+
+    @model_validator(mode="after")
+    def _group_iff_broadcast(self) -> ReceiveWire:
+        if (self.group is not None) != (self.transport == "broadcast"):
+            raise ValueError("a broadcast delivery names its group; CPU serialization none")
+        return self
+
+
+class BucketWire(Wire):
+    """A CPU-serialized bucket in shared memory (``/dev/shm/<shm>``, safetensors)."""
+
+    shm: str = Field(pattern=r"^mooncake-rl-[0-9a-f]{32}-[0-9]{1,6}$")
+    nbytes: Length
+
+
 # -- requests -------------------------------------------------------------------------------
 class SessionRequest(Wire):
     """Names the update session a call belongs to (abort, renew)."""
@@ -109,12 +151,32 @@ class PrepareRequest(SessionRequest):
     workers: dict[WorkerId, WorkerRouting] = Field(max_length=4096)
     fence: int = Field(0, ge=0, lt=10**12, description="the active record's fence (0: none)")
     incarnation: Hex16 | None = Field(None, description="the Store incarnation of that record")
+    receive: ReceiveWire | None = Field(
+        None, description="a non-Store transport delivers full tensors (workers: empty)"
+    )
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> PrepareRequest:
+        if self.receive is not None and (self.workers or self.mode != "compat"):
+            raise ValueError(
+                "a broadcast or CPU-serialized delivery carries no routing slices and lands "
+                "full tensors (mode compat)"
+            )
+        return self
 
 
 class ApplyRequest(SessionRequest):
     generation: Generation
     stage: int = Field(ge=0, lt=MAX_STAGES)
     peers: dict[WorkerId, PeerWire] = Field(max_length=1 << 16)
+    bucket: BucketWire | None = Field(None, description="CPU serialization: this stage's bucket")
+
+
+class BucketUpload(SessionRequest):
+    """The query of ``POST /mooncake/bucket`` (its body is the bucket itself)."""
+
+    generation: Generation
+    stage: int = Field(ge=0, lt=MAX_STAGES)
 
 
 class CommitRequest(SessionRequest):

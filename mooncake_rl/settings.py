@@ -118,6 +118,15 @@ class Settings(BaseSettings):
             raise ValueError("staging_watermark_bytes must admit at least two batches")
         return value
 
+    def client_env(self) -> dict[str, str]:
+        """The ``MOONCAKE_RL_*`` variables that give a child process this Store client's
+        settings (the secret token stays out: children need no route access)."""
+        keys = ("master", "metadata", "protocol", "hostname", "node", "rdma_devices")
+        env = {f"MOONCAKE_RL_{k.upper()}": str(getattr(self, k)) for k in keys}
+        if self.local_segment:
+            env["MOONCAKE_RL_LOCAL_SEGMENT"] = self.local_segment
+        return env
+
     def with_overrides(self, **overrides: Any) -> Settings:
         """Return a copy with the non-``None`` overrides applied (how CLI flags win)."""
         given = {key: value for key, value in overrides.items() if value is not None}

@@ -228,7 +228,12 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                 session_ttl_s=self.config.session_ttl_s,
             )
         return self._coordinator.update(
-            self.config.model, mode=self.config.mode, min_engines=self.config.min_engines
+            self.config.model,
+            mode=self.config.mode,
+            min_engines=self.config.min_engines,
+            transport=self.config.transport,
+            # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.
+            train_gpus=self._outcome.train_gpus or self.config.train_gpus or None,
         )
 
     async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:

@@ -19,14 +19,20 @@ from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.keys import check_model_name
 from mooncake_rl.settings import Settings
+from mooncake_rl.transport.modes import parse_gpu_ids, resolve_mode
 
 MODES = ("compat", "direct")
 
 
+def _items(value: Any) -> list[str]:
+    """A list (or OmegaConf ListConfig) of strings, or one comma-separated string."""
+    items: Iterable[Any] = value.split(",") if isinstance(value, str) else value
+    return [str(item).strip() for item in items if str(item).strip()]
+
+
 def _urls(value: Any) -> tuple[str, ...]:
     """A list (or OmegaConf ListConfig) of URLs, or one comma-separated string."""
-    items: Iterable[Any] = value.split(",") if isinstance(value, str) else value
-    urls = tuple(str(url).strip().rstrip("/") for url in items if str(url).strip())
+    urls = tuple(url.rstrip("/") for url in _items(value))
     for url in urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigurationError(f"engine URL {url!r} must start with http:// or https://")
@@ -58,6 +64,10 @@ class BridgeConfig:
     catch up from the Store when they restart."""
     session_ttl_s: float = 30.0
     """How long engines stay held when the trainer stops renewing an update session."""
+    transport: str | None = None
+    """store, broadcast, cpu_serialize or auto (default: ``MOONCAKE_RL_TRANSPORT``, store)."""
+    train_gpus: tuple[str, ...] = ()
+    """The train pool's GPU ids where trainer ranks cannot report CUDA UUIDs (CPU runs)."""
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> BridgeConfig:
@@ -73,6 +83,11 @@ class BridgeConfig:
             )
         values = dict(kwargs)
         values["engine_urls"] = _urls(values.get("engine_urls") or ())
+        values["train_gpus"] = parse_gpu_ids(
+            _items(values.get("train_gpus") or ()), "engine_kwargs.mooncake_store.train_gpus"
+        )
+        if values.get("transport") is not None:
+            values["transport"] = resolve_mode(str(values["transport"])).value
         config = cls(**values)
         try:
             check_model_name(config.model)

@@ -34,6 +34,7 @@ from mooncake_rl.generations.publisher import (
 )
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.group import gpu_uuid
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -66,13 +67,16 @@ class SyncOutcome:
     tensors: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    train_gpus: tuple[str, ...] = ()
+    """The trainer ranks' CUDA UUIDs: the train pool non-Store transports classify by."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> SyncOutcome:
-        return cls(**json.loads(data))
+        body = json.loads(data)
+        return cls(**{**body, "train_gpus": tuple(body.get("train_gpus", ()))})
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Merged by VeRL's manager into the trainer's step metrics (same on every rank)."""
@@ -176,6 +180,7 @@ class TrainerSync:
         self.publisher: GenerationPublisher | None = None
         self.report: PublishReport | None = None
         self.errors: list[str] = []
+        self.train_gpus: tuple[str, ...] = ()
         self._started = time.monotonic()
 
     @property
@@ -186,7 +191,9 @@ class TrainerSync:
         """Agree on node labels and the generation number; raises on every rank alike."""
         proposal: tuple[int | None, str | None] = (None, None)
         try:
-            nodes = self.collective.gather(self.store.settings.node)
+            ranks = self.collective.gather((self.store.settings.node, gpu_uuid()))
+            nodes = [node for node, _ in ranks]
+            self.train_gpus = tuple(gpu for _, gpu in ranks if gpu is not None)
             if self.rank == 0:
                 try:
                     generation, self._attempt = start_attempt(self.store, self.model)
@@ -272,6 +279,7 @@ class TrainerSync:
             len(self.publisher.specs),
             sum(put for _, put in statuses),
             round(time.monotonic() - self._started, 4),
+            self.train_gpus,
         )
         self._record(outcome)
         return outcome

@@ -11,12 +11,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 pytest.importorskip("vllm")
+
+from mooncake_rl.transport.topology import MixedTransportInvalid, TopologyError
 
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
@@ -32,6 +35,7 @@ from tests.faults.harness import DroppingProxy, start_coordinator, wait_converge
 pytestmark = pytest.mark.timeout(900)  # two vLLM servers start inside the module fixture
 MODEL = "tiny-e2e"
 TOKEN = "s3cret"
+GPUS = {"a": ("gpu-a0",), "b": ("gpu-b0", "gpu-b1")}
 
 
 class World:
@@ -58,12 +62,15 @@ class World:
             tensor_parallel_size=tp,
             log_dir=self.root / "logs",
             token=token,
+            # The declared topology (no CUDA here): one physical GPU id per rank.
+            extra_env={"MOONCAKE_RL_GPU_IDS": ",".join(GPUS[label][:tp])},
         ).start()
         self.engines[label] = server
         return server
 
-    def coordinator(self) -> Coordinator:
-        return Coordinator(self.store, [e.url for e in self.engines.values()], token=TOKEN)
+    def coordinator(self, *labels: str, **kwargs: Any) -> Coordinator:
+        engines = [self.engines[k] for k in labels] if labels else self.engines.values()
+        return Coordinator(self.store, [e.url for e in engines], token=TOKEN, **kwargs)
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -393,3 +400,110 @@ def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: Wor
             1,
         )
         assert engine.complete(PROMPT) == world.refs[2]
+
+
+# -- transports beside the Store path (mooncake_rl.transport), on the same engines ----------
+def transport_store(world: World, **overrides: Any) -> StoreClient:
+    """A coordinator-side client with transport settings (the CLI reads them from env)."""
+    return StoreClient(world.settings.with_overrides(broadcast_timeout_s=60.0, **overrides))
+
+
+def test_a_topology_no_transport_can_serve_is_refused_before_any_drain(world: World) -> None:
+    """Strict broadcast with a colocated engine, a TP1 + TP2 broadcast set, and an auto
+    update that must be mixed but is not: each fails at classification, and every engine
+    still serves its generation with no session ever opened."""
+    before = {k: e.mooncake("GET", "status").json() for k, e in world.engines.items()}
+    outputs = {k: e.complete(PROMPT) for k, e in world.engines.items()}
+    world.publish(3)
+    with world.coordinator() as coordinator, pytest.raises(TopologyError) as colocated:
+        coordinator.update(MODEL, transport="broadcast", train_gpus="gpu-t0,gpu-b1")
+    with world.coordinator() as coordinator, pytest.raises(TopologyError) as uneven:
+        coordinator.update(MODEL, transport="broadcast", train_gpus="gpu-t0")
+    assert f"{world.engines['b'].url} shares gpu-b1" in str(colocated.value)
+    assert "Nothing was drained" in str(colocated.value)
+    assert "has 1" in str(uneven.value) and "has 2" in str(uneven.value)
+    urls = [world.engines["a"].url]
+    with (
+        transport_store(world, assert_mixed_transport=True) as store,
+        Coordinator(store, urls, token=TOKEN) as coordinator,
+        pytest.raises(MixedTransportInvalid, match="lacks a cpu_serialize leg"),
+    ):
+        coordinator.update(MODEL, transport="auto", train_gpus="gpu-t0")
+    for label, engine in world.engines.items():
+        status = engine.mooncake("GET", "status").json()
+        assert (status["state"], status["generation"]) == ("serving", before[label]["generation"])
+        assert status["last_session"] == before[label]["last_session"]
+        assert engine.complete(PROMPT) == outputs[label]
+
+
+def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: World) -> None:
+    """Over gloo, TP2 then TP1 broadcast receivers; CPU buckets by HTTP and by shared
+    memory; auto splits a declared mixed topology and passes the mixed assertion."""
+    b = world.engines["b"].url
+    a = world.engines["a"].url
+    generation = world.publish(3)  # strict broadcast to the TP=2 engine alone
+    with world.coordinator("b") as coordinator:
+        result = coordinator.update(MODEL, transport="broadcast", train_gpus="gpu-t0")
+    assert (result.transport, result.committed) == ("broadcast", [b])
+    model_bytes = result.legs[b]["bytes"] // 2  # each of the two ranks receives it all
+    assert result.legs[b]["transport"] == "broadcast" and model_bytes > 0
+    assert world.engines["b"].complete(PROMPT) == world.refs[3]
+    assert world.engines["b"].mooncake("GET", "status").json()["generation"] == generation
+
+    world.publish(1)  # CPU serialization to both, bucket bodies over HTTP
+    with (
+        transport_store(world, cpu_handoff="http") as store,
+        Coordinator(store, [a, b], token=TOKEN) as coordinator,
+    ):
+        result = coordinator.update(
+            MODEL, transport="cpu_serialize", train_gpus="gpu-t0", batch_bytes=64 << 10
+        )
+    assert {u: row["transport"] for u, row in result.legs.items()} == {
+        a: "cpu_serialize",
+        b: "cpu_serialize",
+    }
+    assert (result.legs[a]["bytes"], result.legs[b]["bytes"]) == (model_bytes, 2 * model_bytes)
+    for engine in world.engines.values():
+        assert engine.complete(PROMPT) == world.refs[1]
+
+    world.publish(2)  # auto: b shares the train GPUs (CPU, shared memory), a broadcasts
+    with (
+        transport_store(world, assert_mixed_transport=True) as store,
+        Coordinator(store, [a, b], token=TOKEN) as coordinator,
+    ):
+        result = coordinator.update(MODEL, transport="auto", train_gpus="gpu-b0,gpu-b1")
+    assert {u: row["transport"] for u, row in result.legs.items()} == {
+        a: "broadcast",
+        b: "cpu_serialize",
+    }
+    assert sorted(result.committed) == sorted([a, b])
+    for engine in world.engines.values():
+        assert engine.complete(PROMPT) == world.refs[2]
+    assert_every_parameter_checked(world, result)
+
+
+def test_two_concurrent_broadcast_syncs_on_one_host_take_distinct_ports(world: World) -> None:
+    """Two coordinators broadcast at once (one per engine): both hold their port claims
+    when they apply, so their groups' TCP stores can never share a port."""
+    world.publish(3)
+    both_prepared = threading.Barrier(2, timeout=120)
+    results: dict[str, Any] = {}
+
+    def sync(label: str) -> None:
+        def progress(phase: str) -> None:
+            if phase == "prepare":
+                both_prepared.wait()
+
+        with world.coordinator(label, progress=progress) as coordinator:
+            results[label] = coordinator.update(MODEL, transport="broadcast", train_gpus="gpu-t0")
+
+    threads = [threading.Thread(target=sync, args=(label,)) for label in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == ["a", "b"]
+    ports = {k: r.legs[world.engines[k].url]["port"] for k, r in results.items()}
+    assert ports["a"] != ports["b"], ports
+    for engine in world.engines.values():
+        assert engine.complete(PROMPT) == world.refs[3]

@@ -1,0 +1,307 @@
+"""The coordinator's side of the non-Store transports: one update's broadcast and CPU legs.
+
+The coordinator drains, prepares and commits exactly as on the Store path; only the bytes
+take another way. Prepare tells each engine how its tensors arrive (its group rank, or CPU
+buckets); apply then runs the legs side by side:
+
+- **broadcast**: the group's port is claimed in the Store first; every broadcast engine's
+  apply (which joins the group and receives) is sent before the sender starts, and the
+  claim is released only once the sender's teardown is acknowledged (its process exited).
+- **cpu_serialize**: the coordinator reads the generation once, packs each bucket once, and
+  hands it to every CPU engine: a shared-memory file on this host, an HTTP body otherwise.
+
+Any failure takes the Store path's apply-failure route: every engine drops its staging and
+serves its old generation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mooncake_rl.transport.claims import PortClaim, PortClaims
+from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
+from mooncake_rl.transport.modes import TransportMode
+from mooncake_rl.transport.topology import Classification
+
+from mooncake_rl.errors import MooncakeRLError
+from mooncake_rl.generations.registry import ActiveRecord
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.buckets import pack, shm_name, this_host_id, write_shm
+from mooncake_rl.transport.sender import SenderProcess, SenderSpec
+from mooncake_rl.transport.source import Source, read_buckets
+
+TEARDOWN_S = 30.0
+"""How long the sender may take to tear its group down after the last bucket."""
+
+
+class LegFailed(MooncakeRLError):
+    """A broadcast or CPU leg did not deliver to every engine of it."""
+
+    def __init__(self, failed: Mapping[str, str]) -> None:
+        self.failed = dict(failed)
+        super().__init__("; ".join(f"{url}: {why}" for url, why in self.failed.items()))
+
+
+class Caller(Protocol):
+    """What the legs need of the coordinator: one engine call, and a raw bucket upload."""
+
+    def call(self, url: str, path: str, body: Any) -> dict[str, Any]: ...
+    def upload(self, url: str, params: Mapping[str, Any], data: bytes) -> dict[str, Any]: ...
+
+
+def restricted(classification: Classification, kept: Sequence[str]) -> Classification:
+    """The classification of the engines still in the update (others failed to prepare)."""
+    broadcast = tuple(u for u in classification.broadcast if u in kept)
+    return Classification(
+        classification.mode,
+        {u: classification.legs[u] for u in kept},
+        broadcast,
+        tuple(u for u in classification.cpu if u in kept),
+        classification.per_engine if broadcast else 0,
+    )
+
+
+@dataclass(frozen=True)
+class LegPlan:
+    """The legs of one update over its current members (re-made when members drop out)."""
+
+    classification: Classification
+    source: Source
+    group: GroupLayout | None
+    port: int | None
+    group_name: str
+    backend: str
+    timeout_s: float
+    host: str
+
+    def stages(self, url: str, buckets: int) -> int:
+        return 1 if self.classification.legs[url] is TransportMode.BROADCAST else buckets
+
+    def receive(self, url: str) -> dict[str, Any]:
+        if self.classification.legs[url] is TransportMode.CPU_SERIALIZE:
+            return {"transport": "cpu_serialize", "bucket_bytes": self.source.bucket_bytes}
+        assert self.group is not None and self.port is not None
+        return {
+            "transport": "broadcast",
+            "bucket_bytes": self.source.bucket_bytes,
+            "group": {
+                "host": self.host,
+                "port": self.port,
+                "world_size": self.group.world_size,
+                "rank_offset": self.group.offsets[url],
+                "name": self.group_name,
+                "backend": self.backend,
+                "timeout_s": self.timeout_s,
+            },
+        }
+
+
+@dataclass
+class LegFigures:
+    """Per engine: its transport, the bytes its ranks received, and its seconds."""
+
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, url: str, transport: str, nbytes: int, seconds: float) -> None:
+        row = self.rows.setdefault(url, {"transport": transport, "bytes": 0, "seconds": 0.0})
+        row["bytes"] += nbytes
+        row["seconds"] = round(row["seconds"] + seconds, 4)
+
+
+class TransportLegs:
+    """Plan, prepare bodies and apply for the broadcast and CPU legs of one session."""
+
+    def __init__(
+        self,
+        caller: Caller,
+        store: StoreClient,
+        settings: Settings,
+        record: ActiveRecord,
+        classification: Classification,
+        placements: Mapping[str, Mapping[str, Any]],
+        *,
+        session: str,
+        holder: str,
+        bucket_bytes: int,
+    ) -> None:
+        self.caller = caller
+        self.store = store
+        self.settings = settings
+        self.record = record
+        self.classification = classification
+        self.placements = placements
+        self.session = session
+        self.source = Source.of(record, bucket_bytes)
+        self.buckets = 0
+        self.figures = LegFigures()
+        self.claim: PortClaim | None = None
+        if classification.broadcast:
+            claims = PortClaims(
+                store, settings.hostname, owner=holder, lease_s=settings.claim_lease_s
+            )
+            # Renewed from now on: held through prepare, then while the sender lives.
+            self.claim = claims.claim(settings.rendezvous_port, alive=lambda: True)
+
+    # -- plan and prepare (driven by Coordinator._prepare) --------------------------------
+    def plan_for(self, members: Sequence[str]) -> LegPlan:
+        kept = [u for u in self.classification.legs if u in members]
+        classification = restricted(self.classification, kept)
+        group = None
+        if classification.broadcast:
+            group = broadcast_group(classification.broadcast, classification.per_engine, kept)
+        return LegPlan(
+            classification,
+            self.source,
+            group,
+            self.claim.port if self.claim else None,
+            uuid.uuid4().hex,
+            "gloo",
+            self.settings.broadcast_timeout_s,
+            self.settings.hostname,
+        )
+
+    def body_for(self, url: str, plan: LegPlan, base: Mapping[str, Any]) -> dict[str, Any]:
+        if not self.buckets:
+            layout, _ = read_buckets(self.store, self.source)
+            self.buckets = len(layout.buckets)
+        return {
+            **base,
+            "mode": "compat",
+            "stages": plan.stages(url, self.buckets),
+            "workers": {},
+            "receive": plan.receive(url),
+        }
+
+    # -- apply -----------------------------------------------------------------------------
+    def apply(self, plan: LegPlan) -> None:
+        """Run both legs side by side; raise :class:`LegFailed` naming every engine that
+        did not receive its whole generation."""
+        legs: list[Callable[[], dict[str, str]]] = []
+        if plan.classification.broadcast:
+            legs.append(lambda: self._broadcast(plan))
+        if plan.classification.cpu:
+            legs.append(lambda: self._cpu(plan))
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            failed: dict[str, str] = {}
+            for outcome in [pool.submit(leg) for leg in legs]:
+                failed.update(outcome.result())
+        if failed:
+            raise LegFailed(failed)
+
+    def close(self) -> None:
+        """Free the port claim of a broadcast that never started a sender."""
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
+
+    def _broadcast(self, plan: LegPlan) -> dict[str, str]:
+        assert plan.group is not None and plan.port is not None and self.claim is not None
+        engines = list(plan.classification.broadcast)
+        body = {"session": self.session, "generation": self.record.generation, "stage": 0}
+        started = time.perf_counter()
+        failed: dict[str, str] = {}
+        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+            # Receivers first: each apply joins the group and waits for the sender.
+            applies = {
+                pool.submit(self.caller.call, url, "apply", {**body, "peers": {}}): url
+                for url in engines
+            }
+            sender = SenderProcess(
+                SenderSpec(
+                    self.source,
+                    plan.host,
+                    plan.port,
+                    plan.group.world_size,
+                    plan.group_name,
+                    plan.timeout_s,
+                ),
+                self.settings.client_env(),
+            )
+            self.claim.hold(sender.alive)
+            pending: set[Future[Any]] = {*applies, sender.future}
+            while pending:
+                done, pending = wait(pending, return_when="FIRST_COMPLETED")
+                for future in done:
+                    error = future.exception()
+                    if error is None:
+                        if future in applies:
+                            seconds = time.perf_counter() - started
+                            replies = future.result().get("workers", [])
+                            nbytes = sum(w.get("received_bytes", 0) for w in replies)
+                            url = applies[future]
+                            self.figures.add(url, "broadcast", nbytes, seconds)
+                            self.figures.rows[url]["port"] = plan.port
+                        continue
+                    failed[applies.get(future, "sender")] = str(error)
+                    # Nobody waits out the group timeout for a member that is gone.
+                    sender.kill()
+        claim, self.claim = self.claim, None
+        if not claim.release_after(sender.future, teardown_timeout_s=TEARDOWN_S):
+            sender.kill()
+            claim.release_after(sender.future, teardown_timeout_s=TEARDOWN_S)
+        if "sender" in failed:
+            # The engines report why they stopped receiving; the sender's reason is the cause.
+            cause = failed.pop("sender")
+            failed = {u: f"{why} (sender: {cause})" for u, why in failed.items()} or {
+                u: f"sender: {cause}" for u in engines
+            }
+        return failed
+
+    def _cpu(self, plan: LegPlan) -> dict[str, str]:
+        engines = list(plan.classification.cpu)
+        handoff = {url: self._handoff(url) for url in engines}
+        _, buckets = read_buckets(self.store, self.source)
+        failed: dict[str, str] = {}
+        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+            for bucket, tensors in buckets:
+                data = pack(tensors)
+                name = shm_name(self.session, bucket.index)
+                path = write_shm(name, data) if "shm" in handoff.values() else None
+                body = {
+                    "session": self.session,
+                    "generation": self.record.generation,
+                    "stage": bucket.index,
+                    "peers": {},
+                }
+                try:
+                    calls = {}
+                    for url in engines:
+                        if url in failed:
+                            continue
+                        started = time.perf_counter()
+                        if handoff[url] == "shm":
+                            shm = {**body, "bucket": {"shm": name, "nbytes": len(data)}}
+                            call = pool.submit(self.caller.call, url, "apply", shm)
+                        else:
+                            params = {k: body[k] for k in ("session", "generation", "stage")}
+                            call = pool.submit(self.caller.upload, url, params, data)
+                        calls[call] = (url, started)
+                    for call, (url, started) in calls.items():
+                        try:
+                            replies = call.result().get("workers", [])
+                        except Exception as error:
+                            failed[url] = str(error)
+                            continue
+                        nbytes = sum(w.get("received_bytes", 0) for w in replies)
+                        seconds = time.perf_counter() - started
+                        self.figures.add(url, "cpu_serialize", nbytes, seconds)
+                finally:
+                    if path is not None:
+                        os.unlink(path)
+                if len(failed) == len(engines):
+                    break
+        return failed
+
+    def _handoff(self, url: str) -> str:
+        if self.settings.cpu_handoff != "auto":
+            return self.settings.cpu_handoff
+        workers = self.placements[url].get("workers", [])
+        same = workers and all(w.get("host_id") == this_host_id() for w in workers)
+        return "shm" if same and this_host_id() else "http"
