@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from mooncake_rl.transport.modes import parse_gpu_ids
 
 from engine_ext.admission import (
     PeerBook,
@@ -60,6 +59,7 @@ from mooncake_rl.protocol import BucketWire, PrepareRequest, stage_refusal
 from mooncake_rl.settings import Settings
 from mooncake_rl.transport.buckets import this_host_id
 from mooncake_rl.transport.group import gpu_uuid
+from mooncake_rl.transport.modes import parse_gpu_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 METHODS = ("status", "describe", "prepare", "promote", "apply", "commit", "abort", "rebuild")

@@ -24,18 +24,17 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mooncake_rl.transport.claims import PortClaim, PortClaims
-from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
-from mooncake_rl.transport.modes import TransportMode
-from mooncake_rl.transport.topology import Classification
-
 from mooncake_rl.errors import MooncakeRLError
 from mooncake_rl.generations.registry import ActiveRecord
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.buckets import pack, shm_name, this_host_id, write_shm
+from mooncake_rl.transport.claims import PortClaim, PortClaims
+from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
+from mooncake_rl.transport.modes import TransportMode
 from mooncake_rl.transport.sender import SenderProcess, SenderSpec
 from mooncake_rl.transport.source import Source, read_buckets
+from mooncake_rl.transport.topology import Classification
 
 TEARDOWN_S = 30.0
 """How long the sender may take to tear its group down after the last bucket."""

@@ -19,8 +19,6 @@ from hypothesis import HealthCheck, given, settings
 
 pytest.importorskip("vllm")
 
-from mooncake_rl.transport.topology import MixedTransportInvalid, TopologyError
-
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations import GenerationRegistry
@@ -28,6 +26,7 @@ from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
+from mooncake_rl.transport.topology import MixedTransportInvalid, TopologyError
 from tests.conftest import settings_for
 from tests.engine.route_fuzz import calls
 from tests.faults.harness import DroppingProxy, start_coordinator, wait_converged
