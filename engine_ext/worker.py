@@ -198,6 +198,7 @@ class UpdateWorker(ABC):
             "tp_rank": tp_rank,
             "tp_size": tp_size,
             "gpu": self.gpu_id(),
+            "device": str(self.device()),
             "host_id": this_host_id(),
             "regions": {
                 r.name: {"bytes": r.nbytes, "dtype": str(r.dtype).removeprefix("torch.")}

@@ -9,6 +9,7 @@ SGLang's ``init_weights_update_group`` and vLLM's NCCL weight-transfer backend).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -35,6 +36,30 @@ def gpu_uuid(device: torch.device | None = None) -> str | None:
 
 def backend_for(device: torch.device) -> Backend:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def sender_device(train_pool: Collection[str]) -> torch.device | None:
+    """A CUDA device of this host in the train pool, for an NCCL sender; ``None`` if none.
+
+    The sender must sit on a GPU none of the receivers use, and classification keeps every
+    broadcast engine off the train pool's GPUs."""
+    for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        device = torch.device("cuda", index)
+        if gpu_uuid(device) in train_pool:
+            return device
+    return None
+
+
+def group_backend(
+    receiver_devices: Iterable[str], train_pool: Collection[str]
+) -> tuple[Backend, str]:
+    """NCCL when every receiving rank is on CUDA and this host has a train-pool GPU to send
+    from; gloo otherwise (CPU buffers). Returns the backend and the sender's device."""
+    device = sender_device(train_pool)
+    on_cuda = all(d.startswith("cuda") for d in receiver_devices)
+    if on_cuda and device is not None:
+        return "nccl", str(device)
+    return "gloo", "cpu"
 
 
 @dataclass(frozen=True)

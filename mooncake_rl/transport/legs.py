@@ -31,6 +31,7 @@ from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.buckets import pack, shm_name, this_host_id, write_shm
 from mooncake_rl.transport.claims import PortClaim, PortClaims
 from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
+from mooncake_rl.transport.group import group_backend
 from mooncake_rl.transport.modes import TransportMode
 from mooncake_rl.transport.sender import SenderProcess, SenderSpec
 from mooncake_rl.transport.source import Source, read_buckets
@@ -77,6 +78,7 @@ class LegPlan:
     port: int | None
     group_name: str
     backend: str
+    sender_device: str
     timeout_s: float
     host: str
 
@@ -125,6 +127,7 @@ class TransportLegs:
         record: ActiveRecord,
         classification: Classification,
         placements: Mapping[str, Mapping[str, Any]],
+        train_pool: Sequence[str],
         *,
         session: str,
         holder: str,
@@ -136,6 +139,7 @@ class TransportLegs:
         self.record = record
         self.classification = classification
         self.placements = placements
+        self.train_pool = tuple(train_pool)
         self.session = session
         self.source = Source.of(record, bucket_bytes)
         self.buckets = 0
@@ -155,13 +159,20 @@ class TransportLegs:
         group = None
         if classification.broadcast:
             group = broadcast_group(classification.broadcast, classification.per_engine, kept)
+        devices = [
+            str(w.get("device", "cpu"))
+            for url in classification.broadcast
+            for w in self.placements[url].get("workers", [])
+        ]
+        backend, device = group_backend(devices, self.train_pool)
         return LegPlan(
             classification,
             self.source,
             group,
             self.claim.port if self.claim else None,
             uuid.uuid4().hex,
-            "gloo",
+            backend,
+            device,
             self.settings.broadcast_timeout_s,
             self.settings.hostname,
         )
@@ -220,6 +231,7 @@ class TransportLegs:
                     plan.group.world_size,
                     plan.group_name,
                     plan.timeout_s,
+                    plan.sender_device,
                 ),
                 self.settings.client_env(),
             )

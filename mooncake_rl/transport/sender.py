@@ -24,7 +24,7 @@ import torch
 from mooncake_rl.errors import MooncakeRLError
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from mooncake_rl.transport.group import BroadcastGroup, GroupSpec
+from mooncake_rl.transport.group import BroadcastGroup, GroupSpec, backend_for
 from mooncake_rl.transport.source import Source, read_buckets
 
 
@@ -45,14 +45,13 @@ class SenderSpec:
     device: str = "cpu"
 
     def group(self) -> GroupSpec:
-        backend = "nccl" if torch.device(self.device).type == "cuda" else "gloo"
         return GroupSpec(
             self.host,
             self.port,
             self.world_size,
             0,
             self.group_name,
-            backend,
+            backend_for(torch.device(self.device)),
             self.timeout_s,
         )
 

@@ -20,13 +20,17 @@ from hypothesis import HealthCheck, given, settings
 pytest.importorskip("vllm")
 
 from engine_ext.vllm.server import VllmServer
+from mooncake_rl.cli import main
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
-from mooncake_rl.transport.topology import MixedTransportInvalid, TopologyError
+from mooncake_rl.transport.buckets import pack
+from mooncake_rl.transport.claims import port_key
+from mooncake_rl.transport.source import Source, read_buckets
+from mooncake_rl.transport.topology import TopologyError
 from tests.conftest import settings_for
 from tests.engine.route_fuzz import calls
 from tests.faults.harness import DroppingProxy, start_coordinator, wait_converged
@@ -407,7 +411,9 @@ def transport_store(world: World, **overrides: Any) -> StoreClient:
     return StoreClient(world.settings.with_overrides(broadcast_timeout_s=60.0, **overrides))
 
 
-def test_a_topology_no_transport_can_serve_is_refused_before_any_drain(world: World) -> None:
+def test_a_topology_no_transport_can_serve_is_refused_before_any_drain(
+    world: World, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """Strict broadcast with a colocated engine, a TP1 + TP2 broadcast set, and an auto
     update that must be mixed but is not: each fails at classification, and every engine
     still serves its generation with no session ever opened."""
@@ -421,13 +427,13 @@ def test_a_topology_no_transport_can_serve_is_refused_before_any_drain(world: Wo
     assert f"{world.engines['b'].url} shares gpu-b1" in str(colocated.value)
     assert "Nothing was drained" in str(colocated.value)
     assert "has 1" in str(uneven.value) and "has 2" in str(uneven.value)
-    urls = [world.engines["a"].url]
-    with (
-        transport_store(world, assert_mixed_transport=True) as store,
-        Coordinator(store, urls, token=TOKEN) as coordinator,
-        pytest.raises(MixedTransportInvalid, match="lacks a cpu_serialize leg"),
-    ):
-        coordinator.update(MODEL, transport="auto", train_gpus="gpu-t0")
+    # Through the CLI: an auto update that would not be mixed exits with its own status.
+    monkeypatch.setenv("MOONCAKE_RL_ASSERT_MIXED_TRANSPORT", "1")
+    monkeypatch.setenv("MOONCAKE_RL_AUTH_TOKEN", TOKEN)
+    store = ["--master", world.settings.master, "--metadata", world.settings.metadata]
+    update = ["update", "--name", MODEL, "--engine", world.engines["a"].url, *store]
+    assert main([*update, "--transport", "auto", "--train-gpus", "gpu-t0"]) == 3
+    assert "INVALID" in capsys.readouterr().err
     for label, engine in world.engines.items():
         status = engine.mooncake("GET", "status").json()
         assert (status["state"], status["generation"]) == ("serving", before[label]["generation"])
@@ -506,3 +512,80 @@ def test_two_concurrent_broadcast_syncs_on_one_host_take_distinct_ports(world: W
     assert ports["a"] != ports["b"], ports
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[3]
+
+
+def test_a_sender_killed_mid_broadcast_leaves_every_engine_on_its_generation(
+    world: World, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The broadcast sender SIGKILLs itself after its first bucket: the receivers' apply
+    fails, each engine drops its staging and serves its old generation (the Store path's
+    apply-failure route), and the port claim is released once the sender is gone."""
+    marker = tmp_path / "kill-sender"
+    marker.touch()
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "faults"))
+    monkeypatch.setenv("MOONCAKE_RL_TEST_KILL_SENDER", str(marker))
+    outputs = {k: e.complete(PROMPT) for k, e in world.engines.items()}
+    served = {k: e.mooncake("GET", "status").json()["generation"] for k, e in world.engines.items()}
+    world.publish(1)
+    with world.coordinator("b") as coordinator, pytest.raises(UpdateFailed) as failed:
+        coordinator.update(MODEL, transport="broadcast", train_gpus="gpu-t0", batch_bytes=64 << 10)
+    b = world.engines["b"].url
+    assert "broadcast delivery failed" in str(failed.value)
+    assert "sender" in failed.value.result.failed[b] and "status -9" in str(failed.value)
+    status = world.engines["b"].mooncake("GET", "status").json()
+    assert (status["state"], status["generation"]) == ("serving", served["b"])
+    assert status["last_session"]["outcome"] == "failed"
+    assert world.engines["b"].complete(PROMPT) == outputs["b"]
+    ports = range(world.settings.rendezvous_port, world.settings.rendezvous_port + 64)
+    assert not any(world.store.exists([port_key("127.0.0.1", port) for port in ports]))
+
+
+def test_cpu_buckets_that_are_not_the_generation_change_nothing(world: World) -> None:
+    """Hostile buckets through ``POST /mooncake/bucket``: foreign tensor names are refused
+    (422, still prepared); bytes that differ from the published ones fail the checksum
+    (502), and the engine serves its old generation again."""
+    a = world.engines["a"]
+    before = a.complete(PROMPT)
+    served = a.mooncake("GET", "status").json()["generation"]
+    generation = world.publish(3)
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None and record.generation == generation
+    source = Source.of(record, 64 << 10)
+    layout, buckets = read_buckets(world.store, source)
+    bucket, tensors = next(buckets)
+    session = uuid.uuid4().hex
+    assert a.mooncake("POST", "drain", {"session": session, "holder": "test"}).status_code == 200
+    prepare = {
+        "session": session,
+        "model": MODEL,
+        "generation": generation,
+        "manifest_digest": record.manifest_digest,
+        "fence": record.fence,
+        "incarnation": record.incarnation,
+        "mode": "compat",
+        "stages": len(layout.buckets),
+        "workers": {},
+        "receive": {"transport": "cpu_serialize", "bucket_bytes": source.bucket_bytes},
+    }
+    prepared = a.mooncake("POST", "prepare", prepare)
+    assert prepared.status_code == 200, prepared.text
+    query = {"session": session, "generation": generation, "stage": bucket.index}
+
+    def upload(data: bytes) -> httpx.Response:
+        return httpx.post(
+            f"{a.url}/mooncake/bucket", params=query, content=data, headers=a.headers()
+        )
+
+    renamed = {f"x.{name}": t for name, t in tensors.items()}
+    foreign = upload(pack(renamed))
+    assert (foreign.status_code, foreign.json()["error"]) == (422, "malformed_bucket")
+    assert a.mooncake("GET", "status").json()["state"] == "prepared"
+    garbage = upload(b"\x00" * 64)
+    assert (garbage.status_code, garbage.json()["error"]) == (422, "malformed_bucket")
+    first = next(iter(tensors))
+    tampered = upload(pack({**tensors, first: tensors[first] + 1}))
+    assert (tampered.status_code, tampered.json()["error"]) == (502, "apply_failed")
+    assert "does not match its published checksum" in tampered.json()["detail"]
+    status = a.mooncake("GET", "status").json()
+    assert (status["state"], status["generation"]) == ("serving", served)
+    assert a.complete(PROMPT) == before

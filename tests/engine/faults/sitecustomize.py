@@ -9,12 +9,15 @@ file exists:
   the engine must never serve the result.
 - ``MOONCAKE_RL_TEST_FAIL_TE_WRITE``: every Transfer Engine batch write returns the
   engine's failure code, as a write to a peer that went away does.
+- ``MOONCAKE_RL_TEST_KILL_SENDER``: a broadcast sender SIGKILLs itself right after its
+  first bucket, as a sender whose node dies mid-sync does.
 """
 
 import os
 
 _stale_marker = os.environ.get("MOONCAKE_RL_TEST_STALE_EXPERTS")
 _write_marker = os.environ.get("MOONCAKE_RL_TEST_FAIL_TE_WRITE")
+_sender_marker = os.environ.get("MOONCAKE_RL_TEST_KILL_SENDER")
 
 if _stale_marker:
     import engine_ext.vllm.worker as _worker
@@ -49,3 +52,17 @@ if _write_marker:
         self._engine = _FailingWrites(self._engine)
 
     _engine.TransferEngineClient.__init__ = _init_with_failing_writes
+
+if _sender_marker:
+    import signal
+
+    import mooncake_rl.transport.group as _group
+
+    _broadcast = _group.BroadcastGroup.broadcast
+
+    def _broadcast_then_die(self, tensor):
+        _broadcast(self, tensor)
+        if self.spec.rank == 0 and os.path.exists(_sender_marker):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _group.BroadcastGroup.broadcast = _broadcast_then_die
