@@ -5,6 +5,8 @@ error shape ``{"error": <code>, "detail": <text>}``: 401 for a missing or wrong 
 (when one is configured), 409 for a wrong state or a stale generation, 413 for a body over
 ``max_body_bytes`` (refused before it is parsed, so a client cannot make the engine buffer
 unbounded bytes), 422 for a malformed body. Nothing is changed by a refused request.
+``POST /mooncake/bucket`` is the one route whose body is not JSON: a CPU-serialized bucket
+(safetensors), its session, generation and stage in the query.
 """
 
 from __future__ import annotations

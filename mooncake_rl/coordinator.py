@@ -6,6 +6,10 @@ prepare; 5. apply stage by stage (each stage is a barrier: consumers are passive
 worker's bytes have arrived once every worker returned); 6. commit, only after every apply
 succeeded.
 
+With ``transport`` other than ``store`` (:mod:`mooncake_rl.transport`), engines are
+classified by GPU topology before step 3, and steps 4-5 deliver full tensors by broadcast
+or CPU buckets (:mod:`mooncake_rl.transport.legs`); sessions, drain and commit are the same.
+
 Failures never leave an engine half-updated or paused:
 
 - Engines that fail to drain or prepare are released and reported; the update goes on with

@@ -20,6 +20,7 @@ from engine_ext.receiver import Receiver, ReceiverError, ServedRecord
 from engine_ext.routes import ReceiverProvider, build_router
 from mooncake_rl.protocol import ApplyRequest, DrainRequest, PrepareRequest
 from mooncake_rl.settings import Settings
+from mooncake_rl.transport.buckets import SHM_DIR
 
 DIGEST = "ab" * 32
 
@@ -288,6 +289,7 @@ async def test_token_guards_every_route_but_readiness(make_client) -> None:
             ("POST", "/mooncake/drain"),
             ("POST", "/mooncake/abort"),
             ("POST", "/mooncake/rebuild"),
+            ("POST", "/mooncake/bucket"),
         ]:
             response = await client.request(method, path, json=drain_body())
             assert response.status_code == 401 and response.json()["error"] == "unauthorized"
@@ -516,3 +518,61 @@ async def test_resume_ends_the_session_like_abort(make_client) -> None:
     assert resumed.status_code == 200 and resumed.json()["state"] == "serving"
     assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_request"
     assert receiver.generation == 1 and backend.calls[-2:] == ["abort", "resume"]
+
+
+def bucket_files() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("mooncake-rl-*")}
+
+
+async def test_an_uploaded_bucket_is_one_apply_stage_and_leaves_no_file(make_client) -> None:
+    """``POST /mooncake/bucket`` (CPU serialization from another host): the raw body becomes
+    a shared-memory file for the workers, one apply stage runs on it, the file goes."""
+    client, backend, _ = await make_client()
+    before = bucket_files()
+    async with client:
+        await run_steps(client, UPDATE)
+        for stage in (0, 1):
+            query = {"session": S1, "generation": 2, "stage": stage}
+            response = await client.post("/mooncake/bucket", params=query, content=b"x" * 64)
+            assert response.status_code == 200 and response.json()["state"] == "applied"
+        await run_steps(client, [("commit", commit_body())])
+    assert backend.calls[-3:] == ["apply:2:0", "apply:2:1", "commit:2"]
+    assert bucket_files() == before
+
+
+@pytest.mark.parametrize(
+    "query,status,error",
+    [
+        ({"session": S1, "generation": 2, "stage": -1}, 422, "invalid_request"),
+        ({"session": S1, "generation": "two", "stage": 0}, 422, "invalid_request"),
+        ({"generation": 2, "stage": 0}, 422, "invalid_request"),
+        ({"session": S2, "generation": 2, "stage": 0}, 409, "session_held"),
+        ({"session": S1, "generation": 3, "stage": 0}, 409, "generation_mismatch"),
+        ({"session": S1, "generation": 2, "stage": 1}, 409, "stage_out_of_order"),
+    ],
+)
+async def test_bad_bucket_uploads_are_refused_and_change_nothing(
+    make_client, query: dict[str, Any], status: int, error: str
+) -> None:
+    client, backend, receiver = await make_client()
+    before = bucket_files()
+    async with client:
+        await run_steps(client, UPDATE)
+        calls = list(backend.calls)
+        response = await client.post("/mooncake/bucket", params=query, content=b"x" * 64)
+    assert (response.status_code, response.json()["error"]) == (status, error)
+    assert backend.calls == calls and receiver.state.value == "prepared"
+    assert bucket_files() == before
+
+
+async def test_a_bucket_over_the_body_limit_is_refused_before_it_is_read(make_engine) -> None:
+    get_receiver, backend, receiver = await make_engine()
+    app = FastAPI()
+    app.include_router(build_router(get_receiver, None, max_body_bytes=1024))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
+    async with client:
+        await run_steps(client, UPDATE)
+        query = {"session": S1, "generation": 2, "stage": 0}
+        response = await client.post("/mooncake/bucket", params=query, content=b"x" * 1025)
+    assert (response.status_code, response.json()["error"]) == (413, "body_too_large")
+    assert receiver.state.value == "prepared" and backend.calls[-1] == "prepare:2"

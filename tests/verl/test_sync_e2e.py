@@ -81,7 +81,12 @@ def rollout(
     try:
         assert publish_checkpoint(store, MODEL, dirs[0], "float32").generation == 1
         engine = VllmServer(
-            dirs[0], settings, name=MODEL, log_dir=root / "logs", token=TOKEN
+            dirs[0],
+            settings,
+            name=MODEL,
+            log_dir=root / "logs",
+            token=TOKEN,
+            extra_env={"MOONCAKE_RL_GPU_IDS": "gpu-rollout-0"},  # declared topology (no CUDA)
         ).start()
         kwargs = {
             "model": MODEL,
@@ -242,3 +247,27 @@ def assert_previous_generation_kept(rollout: Rollout, run: SyncRun) -> None:
     status = rollout.engine.mooncake("GET", "status").json()
     assert (status["state"], status["generation"]) == ("serving", 2)
     assert rollout.engine.complete(PROMPT) == rollout.refs[1]
+
+
+def test_the_bridge_key_selects_a_transport_for_the_same_sync(
+    rollout: Rollout, trainers: Trainers
+) -> None:
+    """``transport: cpu_serialize`` with the train pool from the config (trainer ranks on CPU
+    report no CUDA UUID): the trainer publishes as always, the engine receives CPU buckets."""
+    import_external_libs("verl_bridge.backend")
+    kwargs = {**rollout.kwargs, "transport": "cpu_serialize", "train_gpus": "gpu-train-0"}
+    backend = CheckpointEngineRegistry.new("mooncake_store", bucket_size=BUCKET_BYTES, **kwargs)
+    previous, rollout.backend = rollout.backend, backend
+    try:
+        run = trainers.sync(rollout.dirs[2])
+    finally:
+        rollout.backend = previous
+        backend.close()
+    assert run.finalize_error is None
+    update = backend.last_update
+    assert update.transport == "cpu_serialize" and update.committed == [rollout.engine.url]
+    manifest = load_manifest(rollout.store, MODEL, update.generation)
+    row = update.legs[rollout.engine.url]
+    assert row["transport"] == "cpu_serialize"
+    assert row["bytes"] == sum(f.nbytes for f in manifest.fragments)
+    assert rollout.engine.complete(PROMPT) == hf_greedy(rollout.dirs[2])
