@@ -7,6 +7,7 @@ cursor (:func:`broadcast_group`) and rendezvous port claims in the Store
 drained; the engine-side receive lives in ``engine_ext/``.
 """
 
+from mooncake_rl.transport.claims import ClaimRecord, NoFreePort, PortClaim, PortClaims, port_key
 from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
 from mooncake_rl.transport.modes import TransportMode, parse_gpu_ids, resolve_mode
 from mooncake_rl.transport.topology import (
@@ -19,14 +20,19 @@ from mooncake_rl.transport.topology import (
 )
 
 __all__ = [
+    "ClaimRecord",
     "Classification",
     "GroupLayout",
     "MixedTransportInvalid",
+    "NoFreePort",
+    "PortClaim",
+    "PortClaims",
     "TopologyError",
     "TransportMode",
     "broadcast_group",
     "classify",
     "parse_gpu_ids",
+    "port_key",
     "require_mixed",
     "require_mixed_ran",
     "resolve_mode",
