@@ -15,26 +15,31 @@ can use it:
   sender may be live, and expires after that.
 - An expired claim may be taken over by exactly one contender: the takeover marker
   ``<claim key>/takeover/<nonce>/<k>`` (``nonce`` names the expired record) is created
-  exclusively, and only the marker's holder removes the record. A marker left by a taker
-  that died mid-way expires like a claim; the next contender uses marker ``k + 1``.
+  exclusively, and only the marker's holder removes the record, after reading it again.
+  A marker left by a taker that died mid-way expires like a claim; the next contender uses
+  marker ``k + 1``. Markers are removed only once the record they name is gone for good.
 
-Records are JSON. Timing assumptions are those of serving leases: synchronized wall
-clocks, and nobody acts on a lease with less than :data:`GUARD` of it left (a holder whose
-renewals fell that far behind considers its claim lost; a slow taker aborts).
+Records are JSON with a checksum (a read racing a re-creation of the key can be torn).
+Timing assumptions are those of serving leases: synchronized wall clocks, and nobody acts
+on a lease with less than :data:`GUARD` of it left (a holder whose renewals fell that far
+behind considers its claim lost; a slow taker aborts).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import errno
+import hashlib
 import ipaddress
 import json
 import logging
+import math
 import re
 import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
@@ -54,9 +59,13 @@ logger = logging.getLogger(__name__)
 GUARD = 1 / 6
 """Fraction of a lease left below which nobody acts on it: a holder renews every third of a
 lease, so one failed renewal is tolerated, and a takeover needs only a few RPCs."""
+READ_ATTEMPTS = 4
+"""Reads of a record that does not pass its checksum before it is judged foreign."""
 TAKEOVER_MARKERS = 4
 """Takeover markers of one expired claim tried (each left by a taker that died mid-way)
 before the port is skipped."""
+_CLIENT_LOCKS: weakref.WeakKeyDictionary[StoreClient, threading.Lock] = weakref.WeakKeyDictionary()
+_CLIENT_LOCKS_GUARD = threading.Lock()
 _HOST = re.compile(r"^[A-Za-z0-9._:-]{1,253}$")
 
 
@@ -84,24 +93,68 @@ class ClaimRecord:
     lease_s: float
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        """JSON with a checksum of its own content, so a torn read is told from a record."""
+        body = asdict(self)
+        return json.dumps({"record": body, "sha256": _digest(body)}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> ClaimRecord | None:
-        """The record, or None for bytes that are not one (never judged expired)."""
+        """The record, or None for bytes that are not one (torn, or foreign)."""
         try:
-            body = json.loads(data)
-            record = cls(**body)
-        except (ValueError, TypeError):
+            outer = json.loads(data)
+            if _digest(outer["record"]) != outer["sha256"]:
+                return None
+            record = cls(**outer["record"])
+        except (ValueError, KeyError, TypeError):
             return None
         numbers = (record.claimed_at, record.expires_at, record.lease_s)
         if not all(isinstance(n, int | float) for n in numbers):
+            return None
+        if not isinstance(record.owner, str) or not isinstance(record.nonce, str):
             return None
         return record
 
     def usable(self, now: float) -> bool:
         """Enough of the lease left to act on it (see :data:`GUARD`)."""
         return self.expires_at - now >= self.lease_s * GUARD
+
+
+def _digest(body: object) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+FOREIGN = ClaimRecord("unknown", "", 0.0, math.inf, 0.0)
+"""How bytes that stay unreadable as a claim record are judged: held by someone, forever."""
+
+
+def _read(store: StoreClient, key: str) -> ClaimRecord | None:
+    """The record at ``key``, or None when there is none.
+
+    A read racing a removal and re-creation of the key can return a mix of both records
+    (the checksum tells); it is read again. Bytes that stay unreadable count as held.
+    """
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            record = ClaimRecord.decode(store.get_bytes(key))
+        except ObjectNotFound:
+            return None
+        if record is not None:
+            return record
+        time.sleep(0.01 * (attempt + 1))
+    logger.warning(
+        "mooncake: %s is not a port claim record; the port is skipped (remove the key if "
+        "nothing uses it)",
+        key,
+    )
+    return FOREIGN
+
+
+def _client_lock(store: StoreClient) -> threading.Lock:
+    """Claims through one Store client go one at a time: two put sessions of one key started
+    concurrently from one client fail with INVALID_PARAMS, not OBJECT_ALREADY_EXISTS.
+    (Separate clients, like separate processes, race in the Store as they should.)"""
+    with _CLIENT_LOCKS_GUARD:
+        return _CLIENT_LOCKS.setdefault(store, threading.Lock())
 
 
 def _local_family(host: str) -> socket.AddressFamily | None:
@@ -163,6 +216,7 @@ class PortClaims:
         self.owner = owner
         self.lease_s = float(lease_s)
         self._family = _local_family(host)
+        self._claiming = _client_lock(store)
 
     def claim(
         self, start_port: int, *, attempts: int = 64, alive: Callable[[], bool] | None = None
@@ -182,7 +236,8 @@ class PortClaims:
             if self._family is not None and not _bindable(self._family, port):
                 bound += 1
                 continue
-            claim = self._try(port)
+            with self._claiming:
+                claim = self._try(port)
             if claim is None:
                 claimed += 1
                 continue
@@ -200,29 +255,13 @@ class PortClaims:
         now = time.time()
         return ClaimRecord(self.owner, uuid.uuid4().hex, now, now + self.lease_s, self.lease_s)
 
-    def _read(self, key: str) -> ClaimRecord | None:
-        """The record at ``key``; None when it is gone. A foreign record counts as live."""
-        try:
-            data = self.store.get_bytes(key)
-        except ObjectNotFound:
-            return None
-        record = ClaimRecord.decode(data)
-        if record is None:
-            logger.warning(
-                "mooncake: %s is not a port claim record; the port is skipped (remove the key "
-                "if nothing uses it)",
-                key,
-            )
-            return ClaimRecord("unknown", "", 0.0, float("inf"), 0.0)
-        return record
-
     def _try(self, port: int) -> PortClaim | None:
         key = port_key(self.host, port)
         record = self._record()
         try:
             self.store.create_exclusive(key, record.encode())
         except ObjectAlreadyExists:
-            current = self._read(key)
+            current = _read(self.store, key)
             if current is None or current.expires_at > time.time():
                 return None
             return self._take_over(key, port, current)
@@ -235,16 +274,16 @@ class PortClaims:
             try:
                 self.store.create_exclusive(takeover_key(key, stale.nonce, index), marker.encode())
             except ObjectAlreadyExists:
-                other = self._read(takeover_key(key, stale.nonce, index))
+                other = _read(self.store, takeover_key(key, stale.nonce, index))
                 if other is None or other.expires_at > time.time():
                     return None  # taken over already, or being taken over now
                 continue  # its taker died mid-way: try the next marker
-            current = self._read(key)
-            if current is None or current.nonce != stale.nonce:
+            current = _read(self.store, key)
+            if current is None or (current is not FOREIGN and current.nonce != stale.nonce):
                 self._forget(key, stale.nonce)  # record gone for good: its markers are moot
                 return None
             if current.expires_at > time.time() or not marker.usable(time.time()):
-                return None  # renewed after all, or this taker is too slow: marker expires
+                return None  # renewed, unreadable, or this taker is too slow: marker expires
             if self.store.remove([key], force=True):
                 return None
             self._forget(key, stale.nonce)
@@ -292,7 +331,7 @@ class PortClaim:
                     f"port {self.port} claim is {self._state}: claim a port again to hold one"
                 )
             self._alive = alive
-            if self._renewer is None:
+            if self._renewer is None or not self._renewer.is_alive():
                 self._renewer = threading.Thread(
                     target=self._renew_while_alive, name=f"port-claim-{self.port}", daemon=True
                 )
@@ -325,20 +364,14 @@ class PortClaim:
             if not self._record.usable(now):
                 return self._lose("its renewals fell behind its lease")
             try:
-                current = ClaimRecord.decode(self._store.get_bytes(self.key))
-            except ObjectNotFound:
-                return self._lose("its record is gone")
-            except MooncakeError:
-                logger.warning(
-                    "mooncake: renewing port %d's claim failed", self.port, exc_info=True
-                )
-                return True
-            if current is None or current.nonce != self._record.nonce:
-                return self._lose("another owner's record replaced it")
-            renewed = replace(self._record, expires_at=now + self._record.lease_s)
-            try:
+                current = _read(self._store, self.key)
+                if current is None:
+                    return self._lose("its record is gone")
+                if current.nonce != self._record.nonce:
+                    return self._lose("another owner's record replaced it")
+                renewed = replace(self._record, expires_at=now + self._record.lease_s)
                 self._store.upsert_bytes(self.key, renewed.encode())
-            except MooncakeError:
+            except MooncakeError:  # the Store may be briefly unreachable: next tick retries
                 logger.warning(
                     "mooncake: renewing port %d's claim failed", self.port, exc_info=True
                 )
@@ -375,22 +408,29 @@ class PortClaim:
                 )
                 return
             try:
-                current = ClaimRecord.decode(self._store.get_bytes(self.key))
-                if current is not None and current.nonce == self._record.nonce:
-                    markers = [
-                        takeover_key(self.key, current.nonce, index)
-                        for index in range(TAKEOVER_MARKERS)
-                    ]
-                    failed = self._store.remove([self.key, *markers], force=True)
-                    if failed:
-                        raise MooncakeError(next(iter(failed.values())), "remove", self.key)
-            except ObjectNotFound:
-                pass
-            except MooncakeError:
+                current = _read(self._store, self.key)
+                if current is None:
+                    return
+                if current.nonce != self._record.nonce:
+                    logger.warning(
+                        "mooncake: claim of port %d was replaced by %s's while held (clock "
+                        "skew between hosts?); left alone",
+                        self.port,
+                        current.owner,
+                    )
+                    return
+                markers = [
+                    takeover_key(self.key, current.nonce, index)
+                    for index in range(TAKEOVER_MARKERS)
+                ]
+                failed = self._store.remove([self.key, *markers], force=True)
+            except MooncakeError as error:
+                failed = {self.key: error.code}
+            if failed:
                 logger.warning(
-                    "mooncake: could not delete the claim of port %d; it expires by its lease",
+                    "mooncake: could not delete the claim of port %d (%s); it expires by its lease",
                     self.port,
-                    exc_info=True,
+                    failed,
                 )
 
     def release_after(
@@ -419,7 +459,7 @@ class PortClaim:
                 teardown_timeout_s,
                 "is renewed while the sender may be live, then expires"
                 if renewing
-                else f"expires at {self._record.expires_at:.0f}",
+                else f"expires in {self._record.expires_at - time.time():.0f}s",
             )
         return resolved
 

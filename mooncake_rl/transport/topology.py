@@ -93,6 +93,12 @@ def classify(
         )
     if not targets or mode == TransportMode.STORE:
         return Classification(mode, dict.fromkeys(targets, mode))
+    declared = (train_gpus, *(engine_gpus.get(url) for url in targets))
+    unparsed = [gpus for gpus in declared if isinstance(gpus, str)]
+    if unparsed:
+        raise InvariantViolation(
+            f"GPU ids must be split (parse_gpu_ids), got the string {unparsed[0]!r}"
+        )
     train = frozenset(train_gpus or ())
     if not train:
         raise TopologyError(
