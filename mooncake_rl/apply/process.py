@@ -99,17 +99,28 @@ class WorkerCluster:
         """Send every command first (so workers run concurrently), then collect replies."""
         for worker_id, command in commands.items():
             self.inboxes[worker_id].put(command)
-        replies = {}
-        for worker_id in commands:
+        deadline = time.monotonic() + timeout_s
+        return {worker_id: self._reply(worker_id, deadline, timeout_s) for worker_id in commands}
+
+    def _reply(self, worker_id: str, deadline: float, timeout_s: float) -> tuple[str, Any]:
+        """The worker's reply; an error at once if its process died without one."""
+        outbox, process = self.outboxes[worker_id], self.processes[worker_id]
+        while True:
             try:
-                replies[worker_id] = self.outboxes[worker_id].get(timeout=timeout_s)
+                return outbox.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
-                alive = self.processes[worker_id].is_alive()
-                replies[worker_id] = (
-                    "error",
-                    f"no reply within {timeout_s}s (process alive: {alive})",
-                )
-        return replies
+                pass
+            if not process.is_alive():
+                try:  # a reply sent just before it exited may still be in the pipe
+                    return outbox.get(timeout=0.5)
+                except queue.Empty:
+                    return (
+                        "error",
+                        f"no reply: the worker exited with code {process.exitcode} "
+                        "(process alive: False)",
+                    )
+            if time.monotonic() >= deadline:
+                return "error", f"no reply within {timeout_s}s (process alive: True)"
 
     def close(self) -> None:
         for worker_id, process in self.processes.items():

@@ -57,7 +57,11 @@ class World:
     def publish(self, index: int, dtype: str = "float32") -> int:
         return publish_checkpoint(self.store, MODEL, self.dirs[index], dtype).generation
 
-    def start(self, label: str, tp: int, token: str | None = None) -> VllmServer:
+    def start(
+        self, label: str, tp: int, token: str | None = None, eager: bool = False
+    ) -> VllmServer:
+        """``eager``: no graph compilation (half the start); the first engines keep the
+        compiled path covered."""
         server = VllmServer(
             self.dirs[0],
             self.settings.with_overrides(node=f"node-{label}"),
@@ -67,6 +71,7 @@ class World:
             token=token,
             # The declared topology (no CUDA here): one physical GPU id per rank.
             extra_env={"MOONCAKE_RL_GPU_IDS": ",".join(GPUS[label][:tp])},
+            extra_args=["--enforce-eager"] if eager else [],
         ).start()
         self.engines[label] = server
         return server
@@ -299,7 +304,7 @@ def test_engines_hold_leases_on_what_they_serve(world: World) -> None:
 
 def test_restarted_engine_serves_the_active_generation(world: World) -> None:
     world.engines.pop("a").stop()
-    restarted = world.start("a", 1, token=TOKEN)
+    restarted = world.start("a", 1, token=TOKEN, eager=True)
     assert restarted.mooncake("GET", "status").json()["generation"] == 4
     # Generation 4 is the bfloat16 copy of checkpoint 4: loaded and cast by vLLM itself.
     assert len(restarted.complete(PROMPT)) == 8

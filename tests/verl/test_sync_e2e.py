@@ -87,6 +87,7 @@ def rollout(
             log_dir=root / "logs",
             token=TOKEN,
             extra_env={"MOONCAKE_RL_GPU_IDS": "gpu-rollout-0"},  # declared topology (no CUDA)
+            extra_args=["--enforce-eager"],  # half the start; e2e keeps compiled covered
         ).start()
         kwargs = {
             "model": MODEL,
