@@ -1,12 +1,14 @@
-"""``--load-format mooncake`` and both update modes through SGLang's model-loader stack.
+"""``--load-format mooncake``, both Store-path update modes and the transports beside the
+Store (broadcast, CPU serialization, auto) through SGLang's model-loader stack.
 
 A real ``mooncake_master`` and segment holder; generations published with
 ``publish_local``; models built and loaded by SGLang's ``get_model_loader`` /
 ``load_model`` from SGLang parallel layers. Two processes simulate TP=2 ranks (node labels
 ``node-a``/``node-b``) and are driven by the real coordinator over the shared
-``/mooncake/*`` routes; only the transport to the ranks (SGLang's scheduler IPC) and the
-API-side drain/resume/cache calls are the test's. Every comparison is byte-exact against
-SGLang loading the same checkpoint from disk at the same TP rank.
+``/mooncake/*`` routes; a third is a TP=1 engine that the transports' two-engine topologies
+need. Only the transport to the ranks (SGLang's scheduler IPC) and the API-side
+drain/resume/cache calls are the test's. Every comparison is byte-exact against SGLang
+loading the same checkpoint from disk at the same TP rank.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import perturbed_copy
+from mooncake_rl.transport.layout import receive_layout
+from mooncake_rl.transport.topology import MixedTransportInvalid, TopologyError
 from tests.conftest import settings_for
 from tests.procs import CTX
 from tests.sglang.harness import (
@@ -59,14 +63,15 @@ from tests.sglang.harness import (
 
 MODEL = "tiny-sglang"
 ENGINE = "sglang-under-test"
+SINGLE = "sglang-tp1"
 
 
 class QueueBackend(WorkerBackend):
     """The shared backend over queues to the simulated TP ranks (stands in for SGLang's
     scheduler IPC; the API-side drain/resume/cache calls are recorded)."""
 
-    def __init__(self, ranks: list[tuple[Any, Any]]) -> None:
-        self.engine_id = ENGINE
+    def __init__(self, engine_id: str, ranks: list[tuple[Any, Any]]) -> None:
+        self.engine_id = engine_id
         self.ranks = ranks
         self.events: list[str] = []
 
@@ -75,7 +80,7 @@ class QueueBackend(WorkerBackend):
 
     def _call_all(self, method: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
         for inbox, _ in self.ranks:
-            inbox.put(("call", ENGINE, method, list(args)))
+            inbox.put(("call", self.engine_id, method, list(args)))
         return [_answer(outbox) for _, outbox in self.ranks]
 
     async def drain(self, request: DrainRequest) -> None:
@@ -95,39 +100,46 @@ def _answer(outbox: Any) -> Any:
     return value
 
 
-class World:
-    """Two TP ranks serving one engine's /mooncake routes on a loopback port."""
+class Engine:
+    """One simulated SGLang engine: a rank process per node label (its TP rank), each
+    declaring its GPU id, behind the shared ``/mooncake`` routes on a loopback port. Every
+    request the routes receive is logged (method and path)."""
 
-    def __init__(self, root: Path, master: EmbeddedMaster, holder_segment: str) -> None:
-        self.root = root
+    def __init__(
+        self,
+        engine_id: str,
+        master: EmbeddedMaster,
+        nodes: tuple[str, ...],
+        gpus: tuple[str, ...],
+    ) -> None:
+        self.engine_id = engine_id
         self.master = master
-        self.dirs = [sglang_model_dir(root / "g1")]
-        for seed in (1, 2, 3):
-            self.dirs.append(perturbed_copy(self.dirs[0], root / f"g{seed + 1}", seed))
-        self.store = StoreClient(
-            settings_for(master, "coordinator", segment_bytes=0, local_segment=holder_segment)
-        )
+        self.nodes = nodes
+        self.gpus = gpus
         self.ranks: list[tuple[Any, Any]] = []
         self.processes: list[Any] = []
+        self.requests: list[str] = []
         self.server: uvicorn.Server | None = None
 
-    def publish(self, index: int, dtype: str = "float32") -> int:
-        tensors = checkpoint_tensors(self.dirs[index])
-        return publish_local(self.store, MODEL, tensors, dtype=dtype).generation
-
-    def start(self) -> None:
-        for rank, node in enumerate(("node-a", "node-b")):
+    def spawn(self, model_dir: Path) -> None:
+        """Start the rank processes; each loads the Store's active generation."""
+        for rank, node in enumerate(self.nodes):
             inbox, outbox = CTX.Queue(), CTX.Queue()
             env = settings_env(settings_for(self.master, node, segment_bytes=0))
+            env["MOONCAKE_RL_GPU_IDS"] = ",".join(self.gpus)
             process = CTX.Process(
-                target=serve_tp_rank, args=(env, 2, rank, self.dirs[0], MODEL, inbox, outbox)
+                target=serve_tp_rank,
+                args=(env, len(self.nodes), rank, model_dir, MODEL, inbox, outbox),
             )
             process.start()
             self.ranks.append((inbox, outbox))
             self.processes.append(process)
+
+    def serve(self) -> None:
+        """Once every rank is ready: the receiver and its routes."""
         for _, outbox in self.ranks:
             assert _answer(outbox) == "ready"
-        self.backend = QueueBackend(self.ranks)
+        self.backend = QueueBackend(self.engine_id, self.ranks)
         served, loaded = asyncio.run(self.backend.served())
         self.receiver = Receiver(self.backend, loaded or MODEL, served)
 
@@ -135,6 +147,12 @@ class World:
             return self.receiver
 
         app = FastAPI()
+
+        @app.middleware("http")
+        async def log(request: Any, call_next: Any) -> Any:
+            self.requests.append(f"{request.method} {request.url.path}")
+            return await call_next(request)
+
         app.include_router(
             build_router(get_receiver, None, max_body_bytes=Settings().max_body_bytes)
         )
@@ -149,14 +167,17 @@ class World:
             assert time.monotonic() < deadline, "route server did not start"
             time.sleep(0.05)
 
-    def compare(self, index: int) -> list[list[str]]:
-        """Per rank: parameters that differ from SGLang loading checkpoint ``index``."""
+    def compare(self, model_dir: Path) -> list[list[str]]:
+        """Per rank: parameters that differ from SGLang loading ``model_dir`` from disk."""
         for inbox, _ in self.ranks:
-            inbox.put(("compare", self.dirs[index]))
+            inbox.put(("compare", model_dir))
         return [_answer(outbox) for _, outbox in self.ranks]
 
     def status(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/mooncake/status", timeout=30).json()
+
+    def placement(self) -> list[dict[str, Any]]:
+        return httpx.get(f"{self.url}/mooncake/placement", timeout=30).json()["workers"]
 
     def call(self, method: str, *args: Any) -> list[dict[str, Any]]:
         """One worker call on every rank, past the receiver; the ranks' replies."""
@@ -165,7 +186,7 @@ class World:
     def corrupt(self) -> None:
         for inbox, _ in self.ranks:
             inbox.put(("corrupt",))
-        assert [_answer(outbox) for _, outbox in self.ranks] == [None, None]
+        assert [_answer(outbox) for _, outbox in self.ranks] == [None] * len(self.ranks)
 
     def close(self) -> None:
         if self.server is not None:
@@ -177,6 +198,59 @@ class World:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+class World:
+    """The engine under test (two TP ranks, ``gpu-s0``/``gpu-s1``) and a TP=1 engine
+    (``gpu-one0``) for the transports that take two engines; both start from the Store."""
+
+    def __init__(self, root: Path, master: EmbeddedMaster, holder_segment: str) -> None:
+        self.root = root
+        self.master = master
+        self.dirs = [sglang_model_dir(root / "g1")]
+        for seed in (1, 2, 3):
+            self.dirs.append(perturbed_copy(self.dirs[0], root / f"g{seed + 1}", seed))
+        self.store = StoreClient(
+            settings_for(master, "coordinator", segment_bytes=0, local_segment=holder_segment)
+        )
+        self.engine = Engine(ENGINE, master, ("node-a", "node-b"), ("gpu-s0", "gpu-s1"))
+        self.single = Engine(SINGLE, master, ("node-c",), ("gpu-one0",))
+
+    def publish(self, index: int, dtype: str = "float32") -> int:
+        tensors = checkpoint_tensors(self.dirs[index])
+        return publish_local(self.store, MODEL, tensors, dtype=dtype).generation
+
+    def start(self) -> None:
+        for engine in (self.engine, self.single):
+            engine.spawn(self.dirs[0])
+        for engine in (self.engine, self.single):
+            engine.serve()
+
+    # The engine under test, as the Store-path tests drive it.
+    @property
+    def url(self) -> str:
+        return self.engine.url
+
+    @property
+    def backend(self) -> QueueBackend:
+        return self.engine.backend
+
+    def compare(self, index: int) -> list[list[str]]:
+        """Per rank: parameters that differ from SGLang loading checkpoint ``index``."""
+        return self.engine.compare(self.dirs[index])
+
+    def status(self) -> dict[str, Any]:
+        return self.engine.status()
+
+    def call(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        return self.engine.call(method, *args)
+
+    def corrupt(self) -> None:
+        self.engine.corrupt()
+
+    def close(self) -> None:
+        for engine in (self.engine, self.single):
+            engine.close()
         self.store.close()
 
 
@@ -221,10 +295,10 @@ def test_tp2_ranks_start_from_the_store(world: World) -> None:
     assert (status["state"], status["generation"], status["model"]) == ("serving", 1, MODEL)
 
 
-def assert_every_parameter_checked(world: World, result: Any) -> None:
+def assert_every_parameter_checked(engine: Engine, result: Any) -> None:
     """The post-landing check compared every parameter of every rank, and all matched."""
-    placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
-    checks = [result.verified[f"{world.url}/tp{w['tp_rank']}"] for w in placement]
+    placement = engine.placement()
+    checks = [result.verified[f"{engine.url}/tp{w['tp_rank']}"] for w in placement]
     assert [c["checked"] for c in checks] == [len(w["regions"]) for w in placement]
     assert all(c["unchecked"] == [] and c["mismatched"] == [] for c in checks)
 
@@ -241,7 +315,7 @@ def test_compat_update_reads_each_byte_once(world: World) -> None:
     assert result.pushed_bytes == result.planned_pushed_bytes == result.store_read_bytes
     assert world.backend.events[-3:] == ["drain:abort", "reset_cache", "resume"]
     assert world.status()["generation"] == 2
-    assert_every_parameter_checked(world, result)
+    assert_every_parameter_checked(world.engine, result)
 
 
 def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
@@ -256,7 +330,7 @@ def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
         assert result.received_bytes[worker["worker_id"]] == parameter_bytes
     assert result.store_read_bytes == result.unique_demand_bytes
     assert world.status()["generation"] == 3
-    assert_every_parameter_checked(world, result)
+    assert_every_parameter_checked(world.engine, result)
 
 
 def prepare_body(world: World, fence: int | None = None) -> dict[str, Any]:
@@ -469,3 +543,160 @@ def test_prepare_failure_keeps_the_served_generation(world: World) -> None:
     status = world.status()
     assert (status["state"], status["generation"]) == ("serving", 3)
     assert world.compare(2) == [[], []]
+
+
+# -- transports beside the Store path (mooncake_rl.transport), on the same engines ----------
+TRAIN = "gpu-train0"
+"""The train pool's GPU: shared with neither engine unless a test adds one of theirs."""
+
+
+def transport_store(world: World, **overrides: Any) -> StoreClient:
+    """A coordinator-side client with transport settings (the CLI reads them from env)."""
+    return StoreClient(world.store.settings.with_overrides(broadcast_timeout_s=60.0, **overrides))
+
+
+def generation_bytes(model_dir: Path) -> int:
+    """The bytes of every tensor of the checkpoint (published as stored: float32)."""
+    return sum(t.numel() * t.element_size() for _, t in checkpoint_tensors(model_dir))
+
+
+def bucket_count(world: World, batch_bytes: int) -> int:
+    """Buckets of the active generation: one CPU-serialized apply stage each."""
+    registry = GenerationRegistry(world.store, MODEL)
+    record = registry.active()
+    assert record is not None
+    manifest = registry.load_manifest(record.generation, record.manifest_digest)
+    return len(receive_layout(manifest, batch_bytes).buckets)
+
+
+def posts(engine: Engine, since: int) -> dict[str, int]:
+    """The POSTs an engine's routes received after request ``since``, by path."""
+    counted: dict[str, int] = {}
+    for line in engine.requests[since:]:
+        method, path = line.split(" ", 1)
+        if method == "POST":
+            counted[path] = counted.get(path, 0) + 1
+    return counted
+
+
+def test_a_topology_no_transport_can_serve_is_refused_before_any_drain(world: World) -> None:
+    """Strict broadcast with a colocated engine, a TP2 + TP1 broadcast set, and an auto
+    update that must be mixed but is not: each fails at classification; both engines keep
+    serving their generation and no POST reached them."""
+    engines = (world.engine, world.single)
+    before = [(e.status(), list(e.backend.events), len(e.requests)) for e in engines]
+    world.publish(3)
+    urls = [e.url for e in engines]
+    with Coordinator(world.store, urls) as coordinator, pytest.raises(TopologyError) as colocated:
+        coordinator.update(MODEL, transport="broadcast", train_gpus=f"{TRAIN},gpu-s1")
+    assert f"{world.url} shares gpu-s1" in str(colocated.value)
+    assert "Nothing was drained" in str(colocated.value)
+    with Coordinator(world.store, urls) as coordinator, pytest.raises(TopologyError) as uneven:
+        coordinator.update(MODEL, transport="broadcast", train_gpus=TRAIN)
+    assert f"{world.url} has 2" in str(uneven.value)
+    assert f"{world.single.url} has 1" in str(uneven.value)
+    with (
+        transport_store(world, assert_mixed_transport=True) as store,
+        Coordinator(store, [world.single.url]) as coordinator,
+        pytest.raises(MixedTransportInvalid, match="lacks a cpu_serialize leg"),
+    ):
+        coordinator.update(MODEL, transport="auto", train_gpus=TRAIN)
+    for engine, (status, events, requests) in zip(engines, before, strict=True):
+        now = engine.status()
+        assert (now["state"], now["generation"]) == ("serving", status["generation"])
+        assert now["last_session"] == status["last_session"]
+        assert engine.backend.events == events
+        assert posts(engine, requests) == {}
+    assert world.engine.compare(world.dirs[2]) == [[], []]
+    assert world.single.compare(world.dirs[0]) == [[]]
+
+
+def test_broadcast_update_lands_what_sglang_loads_from_disk(world: World) -> None:
+    """Over gloo, both TP ranks join one group at ranks 1 and 2 and receive the whole
+    generation in one apply; commit lands it through SGLang's ``load_weights``."""
+    generation = world.publish(3)
+    since = len(world.engine.requests)
+    with (
+        transport_store(world) as store,
+        Coordinator(store, [world.url]) as coordinator,
+    ):
+        result = coordinator.update(MODEL, transport="broadcast", train_gpus=TRAIN)
+    assert (result.transport, result.committed, result.failed) == ("broadcast", [world.url], {})
+    leg = result.legs[world.url]
+    assert (leg["transport"], leg["bytes"]) == ("broadcast", 2 * generation_bytes(world.dirs[3]))
+    assert leg["port"] >= store.settings.rendezvous_port
+    assert (result.store_read_bytes, result.pushed_bytes) == (0, 0)
+    assert posts(world.engine, since) == {
+        f"/mooncake/{path}": 1 for path in ("drain", "prepare", "renew", "apply", "commit")
+    }
+    assert world.compare(3) == [[], []]
+    assert world.backend.events[-3:] == ["drain:abort", "reset_cache", "resume"]
+    status = world.status()
+    assert (status["state"], status["generation"]) == ("serving", generation)
+    assert_every_parameter_checked(world.engine, result)
+
+
+@pytest.mark.parametrize(
+    ("handoff", "index"), [("http", 1), ("auto", 2)], ids=["http", "shared-memory"]
+)
+def test_cpu_serialize_update_lands_what_sglang_loads_from_disk(
+    world: World, handoff: str, index: int
+) -> None:
+    """One safetensors bucket per apply stage to both engines: as the raw body of
+    ``POST /mooncake/bucket``, or (``auto`` on this host) as a ``/dev/shm`` file named in
+    ``POST /mooncake/apply``. Every rank receives the whole generation."""
+    generation = world.publish(index)
+    engines = (world.engine, world.single)
+    buckets = bucket_count(world, 64 << 10)
+    assert buckets > 1
+    since = [len(e.requests) for e in engines]
+    with (
+        transport_store(world, cpu_handoff=handoff) as store,
+        Coordinator(store, [e.url for e in engines]) as coordinator,
+    ):
+        result = coordinator.update(
+            MODEL, transport="cpu_serialize", train_gpus=TRAIN, batch_bytes=64 << 10
+        )
+    assert result.transport == "cpu_serialize"
+    assert sorted(result.committed) == sorted(e.url for e in engines)
+    model_bytes = generation_bytes(world.dirs[index])
+    assert {u: (row["transport"], row["bytes"]) for u, row in result.legs.items()} == {
+        world.url: ("cpu_serialize", 2 * model_bytes),
+        world.single.url: ("cpu_serialize", model_bytes),
+    }
+    delivered = "/mooncake/bucket" if handoff == "http" else "/mooncake/apply"
+    for engine, start in zip(engines, since, strict=True):
+        calls = posts(engine, start)
+        assert calls.pop(delivered) == buckets
+        assert calls == {f"/mooncake/{p}": 1 for p in ("drain", "prepare", "renew", "commit")}
+        status = engine.status()
+        assert (status["state"], status["generation"]) == ("serving", generation)
+        assert_every_parameter_checked(engine, result)
+    assert world.compare(index) == [[], []]
+    assert world.single.compare(world.dirs[index]) == [[]]
+    assert not list(Path("/dev/shm").glob(f"*{result.session}*"))
+
+
+def test_auto_update_splits_a_declared_mixed_topology(world: World) -> None:
+    """The TP=2 engine shares ``gpu-s1`` with the train pool: CPU buckets (shared memory);
+    the TP=1 engine is disjoint: broadcast. Both legs ran, so the mixed assertion passes."""
+    generation = world.publish(0)
+    with (
+        transport_store(world, assert_mixed_transport=True) as store,
+        Coordinator(store, [world.url, world.single.url]) as coordinator,
+    ):
+        result = coordinator.update(MODEL, transport="auto", train_gpus=f"{TRAIN},gpu-s1")
+    assert result.transport == "auto"
+    assert sorted(result.committed) == sorted([world.url, world.single.url])
+    model_bytes = generation_bytes(world.dirs[0])
+    assert {u: (row["transport"], row["bytes"]) for u, row in result.legs.items()} == {
+        world.url: ("cpu_serialize", 2 * model_bytes),
+        world.single.url: ("broadcast", model_bytes),
+    }
+    assert "port" in result.legs[world.single.url] and "port" not in result.legs[world.url]
+    assert world.compare(0) == [[], []]
+    assert world.single.compare(world.dirs[0]) == [[]]
+    for engine in (world.engine, world.single):
+        status = engine.status()
+        assert (status["state"], status["generation"]) == ("serving", generation)
+        assert_every_parameter_checked(engine, result)
