@@ -51,6 +51,7 @@ from mooncake_rl.protocol import MAX_TTL_S
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.legs import LegFailed, LegFigures, TransportLegs
 from mooncake_rl.transport.modes import TransportMode, parse_gpu_ids, resolve_mode
+from mooncake_rl.transport.sender import ChildLauncher, SenderLauncher
 from mooncake_rl.transport.topology import (
     Classification,
     classify,
@@ -262,13 +263,15 @@ class Coordinator:
         min_engines: int | None = None,
         transport: str | None = None,
         train_gpus: str | Sequence[str] | None = None,
+        sender: SenderLauncher | None = None,
     ) -> UpdateResult:
         """``direct_fallback``: regex of parameter names direct mode lands through each
         engine's ``load_weights`` (full tensors) instead of its shard discovery.
         ``min_engines``: how many engines must end on the new generation (already serving
         it counts); default all. ``transport``: store (default: ``MOONCAKE_RL_TRANSPORT``),
         broadcast, cpu_serialize or auto; the non-Store ones need ``train_gpus`` (default
-        ``MOONCAKE_RL_TRAIN_GPUS``) and deliver full tensors in buckets of ``batch_bytes``."""
+        ``MOONCAKE_RL_TRAIN_GPUS``) and deliver full tensors in buckets of ``batch_bytes``;
+        ``sender``: where a broadcast's sender runs (default: a child of this process)."""
         needed = len(self.engines) if min_engines is None else min_engines
         if not 1 <= needed <= len(self.engines):
             raise MooncakeRLError(
@@ -378,7 +381,7 @@ class Coordinator:
                     members,
                     classification,
                     placements,
-                    train_pool,
+                    sender or ChildLauncher(self.store.settings, train_pool),
                     record,
                     batch_bytes,
                     needed,
@@ -406,7 +409,7 @@ class Coordinator:
         members: list[str],
         classification: Classification,
         placements: Mapping[str, dict[str, Any]],
-        train_pool: Sequence[str],
+        launcher: SenderLauncher,
         record: ActiveRecord,
         bucket_bytes: int,
         needed: int,
@@ -422,7 +425,7 @@ class Coordinator:
             record,
             classification,
             placements,
-            train_pool,
+            launcher,
             session=session.id,
             holder=f"{self.holder}/{session.id}",
             bucket_bytes=bucket_bytes,

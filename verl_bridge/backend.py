@@ -43,6 +43,8 @@ from mooncake_rl.errors import InvariantViolation, MooncakeRLError
 from mooncake_rl.generations.publisher import PublishFailed
 from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.modes import TransportMode, resolve_mode
+from mooncake_rl.transport.rendezvous import SlotLauncher, serve_slot
 from verl_bridge import BACKEND_NAME
 from verl_bridge.config import BridgeConfig
 from verl_bridge.discovery import discover_engine_urls
@@ -148,14 +150,33 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
         self._outcome = self._receive_error = None
 
     def finalize(self) -> None:
-        """After every sender and receiver returned: rollout rank 0 updates the engines."""
+        """After every sender and receiver returned: rollout rank 0 updates the engines.
+
+        VeRL finalizes trainer and rollout ranks concurrently. With a transport that may
+        broadcast, trainer rank 0 is the broadcast's sender: it waits here until rollout
+        rank 0's coordinator posts the group to send to (or closes the sync's sender slot),
+        then reads the announced generation from the Store and broadcasts it from its GPU.
+        """
         try:
             if self._role == TRAINER:
                 self._drop_record()
+                if self._rank == 0 and self._may_broadcast():
+                    assert self._sync_id is not None
+                    serve_slot(
+                        self.store, self._sync_id, self.store.settings, self.config.timeout_s
+                    )
             elif self._role == ROLLOUT and self._rank == 0:
-                self.last_update = self.update_engines()
+                try:
+                    self.last_update = self.update_engines()
+                finally:  # ends trainer rank 0's wait, whatever happened here
+                    if self._may_broadcast():
+                        assert self._sync_id is not None
+                        SlotLauncher(self.store, self._sync_id).close()
         finally:
             self._role = self._sync_id = None
+
+    def _may_broadcast(self) -> bool:
+        return resolve_mode(self.config.transport) in (TransportMode.BROADCAST, TransportMode.AUTO)
 
     # -- trainer side --------------------------------------------------------------------
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
@@ -227,6 +248,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                 token=token.get_secret_value() if token else None,
                 session_ttl_s=self.config.session_ttl_s,
             )
+        assert self._sync_id is not None
         return self._coordinator.update(
             self.config.model,
             mode=self.config.mode,
@@ -234,6 +256,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
             transport=self.config.transport,
             # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.
             train_gpus=self._outcome.train_gpus or self.config.train_gpus or None,
+            sender=SlotLauncher(self.store, self._sync_id),  # trainer rank 0 (see finalize)
         )
 
     async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:

@@ -9,7 +9,7 @@ SGLang's ``init_weights_update_group`` and vLLM's NCCL weight-transfer backend).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -48,18 +48,6 @@ def sender_device(train_pool: Collection[str]) -> torch.device | None:
         if gpu_uuid(device) in train_pool:
             return device
     return None
-
-
-def group_backend(
-    receiver_devices: Iterable[str], train_pool: Collection[str]
-) -> tuple[Backend, str]:
-    """NCCL when every receiving rank is on CUDA and this host has a train-pool GPU to send
-    from; gloo otherwise (CPU buffers). Returns the backend and the sender's device."""
-    device = sender_device(train_pool)
-    on_cuda = all(d.startswith("cuda") for d in receiver_devices)
-    if on_cuda and device is not None:
-        return "nccl", str(device)
-    return "gloo", "cpu"
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from mooncake_rl.errors import MooncakeRLError
 from mooncake_rl.generations.registry import ActiveRecord
 from mooncake_rl.settings import Settings
@@ -31,9 +33,9 @@ from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.buckets import pack, shm_name, this_host_id, write_shm
 from mooncake_rl.transport.claims import PortClaim, PortClaims
 from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
-from mooncake_rl.transport.group import group_backend
+from mooncake_rl.transport.group import backend_for
 from mooncake_rl.transport.modes import TransportMode
-from mooncake_rl.transport.sender import SenderProcess, SenderSpec
+from mooncake_rl.transport.sender import SenderLauncher, SenderSpec
 from mooncake_rl.transport.source import Source, read_buckets
 from mooncake_rl.transport.topology import Classification
 
@@ -127,19 +129,21 @@ class TransportLegs:
         record: ActiveRecord,
         classification: Classification,
         placements: Mapping[str, Mapping[str, Any]],
-        train_pool: Sequence[str],
+        launcher: SenderLauncher,
         *,
         session: str,
         holder: str,
         bucket_bytes: int,
     ) -> None:
+        """``launcher``: where the broadcast sender runs (a child process of this one, or a
+        trainer rank met through the Store)."""
         self.caller = caller
         self.store = store
         self.settings = settings
         self.record = record
         self.classification = classification
         self.placements = placements
-        self.train_pool = tuple(train_pool)
+        self.launcher = launcher
         self.session = session
         self.source = Source.of(record, bucket_bytes)
         self.buckets = 0
@@ -159,19 +163,19 @@ class TransportLegs:
         group = None
         if classification.broadcast:
             group = broadcast_group(classification.broadcast, classification.per_engine, kept)
-        devices = [
-            str(w.get("device", "cpu"))
+        on_cuda = all(
+            str(w.get("device", "cpu")).startswith("cuda")
             for url in classification.broadcast
             for w in self.placements[url].get("workers", [])
-        ]
-        backend, device = group_backend(devices, self.train_pool)
+        )
+        device = self.launcher.device(on_cuda)
         return LegPlan(
             classification,
             self.source,
             group,
             self.claim.port if self.claim else None,
             uuid.uuid4().hex,
-            backend,
+            backend_for(torch.device(device)),
             device,
             self.settings.broadcast_timeout_s,
             self.settings.hostname,
@@ -223,7 +227,7 @@ class TransportLegs:
                 pool.submit(self.caller.call, url, "apply", {**body, "peers": {}}): url
                 for url in engines
             }
-            sender = SenderProcess(
+            sender = self.launcher.start(
                 SenderSpec(
                     self.source,
                     plan.host,
@@ -232,8 +236,7 @@ class TransportLegs:
                     plan.group_name,
                     plan.timeout_s,
                     plan.sender_device,
-                ),
-                self.settings.client_env(),
+                )
             )
             self.claim.hold(sender.alive)
             pending: set[Future[Any]] = {*applies, sender.future}

@@ -17,14 +17,14 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from mooncake_rl.errors import MooncakeRLError
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from mooncake_rl.transport.group import BroadcastGroup, GroupSpec, backend_for
+from mooncake_rl.transport.group import BroadcastGroup, GroupSpec, backend_for, sender_device
 from mooncake_rl.transport.source import Source, read_buckets
 
 
@@ -60,6 +60,8 @@ def send(spec: SenderSpec, settings: Settings) -> dict[str, Any]:
     """Broadcast every bucket of the generation to the group; returns byte and time figures."""
     started = time.perf_counter()
     device = torch.device(spec.device)
+    if device.type == "cuda" and device.index is None:  # the sending process's own GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     with StoreClient(settings.with_overrides(segment_bytes=0)) as store:
         layout, buckets = read_buckets(store, spec.source)
         group = BroadcastGroup(spec.group(), settings.hostname)
@@ -80,6 +82,44 @@ def send(spec: SenderSpec, settings: Settings) -> dict[str, Any]:
         "join_seconds": joined - started,
         "seconds": time.perf_counter() - started,
     }
+
+
+class Sender(Protocol):
+    """A running sender: ``future`` resolves when it is done (its teardown acknowledged)."""
+
+    future: Future[dict[str, Any]]
+
+    def alive(self) -> bool:
+        """Whether it may still host the group's TCP store (its port claim stays held)."""
+        ...
+
+    def kill(self) -> None: ...
+
+
+class SenderLauncher(Protocol):
+    """Where the sender runs: a child of the coordinator, or a trainer rank."""
+
+    def device(self, receivers_on_cuda: bool) -> str:
+        """The device it sends from (NCCL when CUDA, gloo otherwise)."""
+        ...
+
+    def start(self, spec: SenderSpec) -> Sender: ...
+
+
+@dataclass(frozen=True)
+class ChildLauncher:
+    """The CLI's sender: a child process of the coordinator, sending from a train-pool GPU
+    of this host when the receivers are on CUDA."""
+
+    settings: Settings
+    train_pool: tuple[str, ...]
+
+    def device(self, receivers_on_cuda: bool) -> str:
+        local = sender_device(self.train_pool)
+        return str(local) if receivers_on_cuda and local is not None else "cpu"
+
+    def start(self, spec: SenderSpec) -> Sender:
+        return SenderProcess(spec, self.settings.client_env())
 
 
 class SenderProcess:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from mooncake_rl.generations.registry import active_generation
 from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
+from mooncake_rl.transport.rendezvous import slot_key
 from tests.conftest import settings_for
 from tests.procs import ProcessGroup
 from tests.verl.trainer import BUCKET_BYTES, TIMEOUT_S, serve_trainer
@@ -149,14 +150,15 @@ class Trainers:
             self.alive = [0]
         live = [self.boxes[rank] for rank in self.alive]
         trainers = [outbox.get(timeout=TIMEOUT_S) for _, outbox in live]
-        for inbox, outbox in live:
+        for inbox, _ in live:  # VeRL finalizes trainer and rollout ranks at once
             inbox.put("finalize")
-            assert outbox.get(timeout=TIMEOUT_S) == "finalized"
         finalize_error = None
         try:
             world.backend.finalize()
         except MooncakeRLError as error:
             finalize_error = error
+        for _, outbox in live:
+            assert outbox.get(timeout=TIMEOUT_S) == "finalized"
         return SyncRun(rollout_kwargs["sync_id"][0], trainers, received, finalize_error)
 
     def stop(self) -> None:
@@ -250,25 +252,30 @@ def assert_previous_generation_kept(rollout: Rollout, run: SyncRun) -> None:
     assert rollout.engine.complete(PROMPT) == rollout.refs[1]
 
 
-def test_the_bridge_key_selects_a_transport_for_the_same_sync(
-    rollout: Rollout, trainers: Trainers
+def test_trainer_rank_0_is_the_broadcast_sender_when_the_bridge_selects_broadcast(
+    rollout: Rollout,
 ) -> None:
-    """``transport: cpu_serialize`` with the train pool from the config (trainer ranks on CPU
-    report no CUDA UUID): the trainer publishes as always, the engine receives CPU buckets."""
+    """``transport: broadcast`` (the train pool from the config: trainer ranks on CPU report
+    no CUDA UUID): the trainer publishes as always; in ``finalize``, which VeRL runs on both
+    sides at once, trainer rank 0 sends the announced generation to the engine's group."""
     import_external_libs("verl_bridge.backend")
-    kwargs = {**rollout.kwargs, "transport": "cpu_serialize", "train_gpus": "gpu-train-0"}
+    kwargs = {**rollout.kwargs, "transport": "broadcast", "train_gpus": "gpu-train-0"}
     backend = CheckpointEngineRegistry.new("mooncake_store", bucket_size=BUCKET_BYTES, **kwargs)
-    previous, rollout.backend = rollout.backend, backend
+    world = replace(rollout, backend=backend, kwargs=kwargs)
     try:
-        run = trainers.sync(rollout.dirs[2])
+        with ProcessGroup() as group:
+            trainers = Trainers(group, world)
+            run = trainers.sync(rollout.dirs[2])
+            trainers.stop()
     finally:
-        rollout.backend = previous
         backend.close()
     assert run.finalize_error is None
     update = backend.last_update
-    assert update.transport == "cpu_serialize" and update.committed == [rollout.engine.url]
+    assert update.transport == "broadcast" and update.committed == [rollout.engine.url]
     manifest = load_manifest(rollout.store, MODEL, update.generation)
     row = update.legs[rollout.engine.url]
-    assert row["transport"] == "cpu_serialize"
+    assert row["transport"] == "broadcast" and row["port"] >= 29600
     assert row["bytes"] == sum(f.nbytes for f in manifest.fragments)
     assert rollout.engine.complete(PROMPT) == hf_greedy(rollout.dirs[2])
+    records = ("spec", "beat", "outcome", "closed")
+    assert not any(rollout.store.exists([slot_key(run.sync_id, r) for r in records]))
