@@ -16,7 +16,9 @@ One sync, in the order VeRL's ``CheckpointEngineManager.update_weights`` runs it
   for the trainer's outcome.
 - ``finalize`` (all ranks, after every sender and receiver returned): rollout rank 0 drives
   every engine's drain/prepare/apply/commit through the coordinator, so the bytes move from
-  the Store into the engines over Transfer Engine, never through VeRL's IPC path.
+  the Store into the engines over Transfer Engine, never through VeRL's IPC path. With the
+  ``transport`` key set to ``broadcast`` or ``auto``, trainer rank 0 is the broadcast's
+  sender, met through a Store slot (:mod:`mooncake_rl.transport.rendezvous`).
 
 Why the engines are driven in ``finalize`` and not inside ``receive_weights``: VeRL's vLLM
 ``ServerAdapter.update_weights`` first starts ``update_weights_from_ipc`` on every engine

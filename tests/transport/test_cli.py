@@ -26,4 +26,3 @@ def test_an_invalid_transport_variable_fails_before_anything_is_touched(
     error = capsys.readouterr().err
     assert "invalid MOONCAKE_RL_* setting" in error and "transport" in error
     assert "'store', 'broadcast', 'cpu_serialize' or 'auto'" in error
-

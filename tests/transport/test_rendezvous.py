@@ -1,0 +1,137 @@
+"""The remote sender's slot in a real Store: a trainer that is not needed is released, a
+sender that never answers (or fails) fails the coordinator's future, and a real broadcast
+through the slot delivers the generation byte-exactly."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.services import EmbeddedMaster, free_port
+from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.group import BroadcastGroup, GroupSpec
+from mooncake_rl.transport.layout import receive_layout
+from mooncake_rl.transport.rendezvous import SlotLauncher, serve_slot, slot_key
+from mooncake_rl.transport.sender import SenderFailed, SenderSpec
+from mooncake_rl.transport.source import Source
+from tests.conftest import settings_for
+
+RECORDS = ("spec", "beat", "outcome", "closed")
+
+
+@pytest.fixture(scope="module")
+def store(master: EmbeddedMaster) -> Iterator[StoreClient]:
+    with StoreClient(settings_for(master)) as client:
+        yield client
+
+
+def slot_records(store: StoreClient, slot: str) -> list[bool]:
+    return store.exists([slot_key(slot, record) for record in RECORDS])
+
+
+def test_a_trainer_waits_until_the_slot_closes_when_no_sender_is_needed(
+    store: StoreClient, master: EmbeddedMaster
+) -> None:
+    slot = uuid.uuid4().hex
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(serve_slot, store, slot, settings_for(master), 30.0)
+        time.sleep(0.3)
+        assert not waiting.done()
+        SlotLauncher(store, slot).close()
+        assert waiting.result(timeout=10) is None
+    assert not any(slot_records(store, slot))  # the trainer reads last and clears
+
+
+def spec_for(record, port: int, world_size: int = 2, timeout_s: float = 20.0) -> SenderSpec:
+    return SenderSpec(
+        Source.of(record, 1 << 10), "127.0.0.1", port, world_size, uuid.uuid4().hex, timeout_s
+    )
+
+
+def published(store: StoreClient, model: str):
+    generator = torch.Generator().manual_seed(3)
+    tensors = {f"w{i}": torch.randn(64, 8, generator=generator) for i in range(5)}
+    publish_local(store, model, tensors.items(), dtype="float32")
+    record = GenerationRegistry(store, model).active()
+    assert record is not None
+    return record, tensors
+
+
+def test_a_sender_that_never_answers_fails_the_coordinators_future(store: StoreClient) -> None:
+    record, _ = published(store, "slot-silent")
+    slot = uuid.uuid4().hex
+    launcher = SlotLauncher(store, slot)
+    sender = launcher.start(spec_for(record, free_port(), timeout_s=1.0))
+    with pytest.raises(SenderFailed, match="stopped answering"):
+        sender.future.result(timeout=10)
+    assert not sender.alive()
+    launcher.close()
+
+
+def test_the_slot_carries_a_real_broadcast_and_its_outcome(
+    store: StoreClient, master: EmbeddedMaster
+) -> None:
+    """Trainer side in a thread, one gloo receiver in another: the bytes arrive exactly,
+    the coordinator's future resolves with the sender's report, the slot is cleared."""
+    record, tensors = published(store, "slot-broadcast")
+    manifest = GenerationRegistry(store, "slot-broadcast").load_manifest(record.generation)
+    layout = receive_layout(manifest, 1 << 10)
+    slot, port = uuid.uuid4().hex, free_port()
+    spec = spec_for(record, port)
+    received = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+
+    def receive() -> None:
+        member = BroadcastGroup(
+            GroupSpec("127.0.0.1", port, 2, 1, spec.group_name, "gloo", 20.0), "127.0.0.1"
+        )
+        for bucket in layout.buckets:
+            member.broadcast(received[bucket.start : bucket.end])
+        member.close()
+
+    launcher = SlotLauncher(store, slot)
+    with ThreadPoolExecutor(2) as pool:
+        trainer = pool.submit(serve_slot, store, slot, settings_for(master), 60.0)
+        receiver = threading.Thread(target=receive)
+        receiver.start()
+        sender = launcher.start(spec)
+        report = sender.future.result(timeout=60)
+        receiver.join()
+        launcher.close()
+        assert trainer.result(timeout=10) == report
+    assert report["sent_bytes"] == layout.total_bytes and report["buckets"] == len(layout.buckets)
+    for tensor in layout.tensors:
+        landed = received[tensor.offset : tensor.offset + tensor.nbytes]
+        assert torch.equal(landed, tensors[tensor.name].reshape(-1).view(torch.uint8))
+    assert not any(slot_records(store, slot))
+
+
+def test_a_failed_sender_posts_its_error(store: StoreClient, master: EmbeddedMaster) -> None:
+    """A spec naming a generation the Store does not hold: the sender fails before joining,
+    and the coordinator's future carries its error."""
+    record, _ = published(store, "slot-failing")
+    spec = spec_for(record, free_port())
+    wrong = SenderSpec(
+        Source("slot-failing", record.generation + 7, "0" * 64, "0" * 32, 1 << 10),
+        spec.host,
+        spec.port,
+        spec.world_size,
+        spec.group_name,
+        spec.timeout_s,
+    )
+    slot = uuid.uuid4().hex
+    launcher = SlotLauncher(store, slot)
+    with ThreadPoolExecutor(1) as pool:
+        trainer = pool.submit(serve_slot, store, slot, settings_for(master), 30.0)
+        sender = launcher.start(wrong)
+        with pytest.raises(SenderFailed, match="remote sender"):
+            sender.future.result(timeout=30)
+        launcher.close()
+        assert trainer.result(timeout=10) is None
