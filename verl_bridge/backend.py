@@ -46,7 +46,7 @@ from mooncake_rl.generations.publisher import PublishFailed
 from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.modes import TransportMode, resolve_mode
-from mooncake_rl.transport.rendezvous import SlotLauncher, serve_slot
+from mooncake_rl.transport.rendezvous import SlotLauncher, close_slot, serve_slot
 from verl_bridge import BACKEND_NAME
 from verl_bridge.config import BridgeConfig
 from verl_bridge.discovery import discover_engine_urls
@@ -173,7 +173,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                 finally:  # ends trainer rank 0's wait, whatever happened here
                     if self._may_broadcast():
                         assert self._sync_id is not None
-                        SlotLauncher(self.store, self._sync_id).close()
+                        close_slot(self.store, self._sync_id)
         finally:
             self._role = self._sync_id = None
 
@@ -258,7 +258,10 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
             transport=self.config.transport,
             # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.
             train_gpus=self._outcome.train_gpus or self.config.train_gpus or None,
-            sender=SlotLauncher(self.store, self._sync_id),  # trainer rank 0 (see finalize)
+            # Trainer rank 0 sends (see finalize), from its own address.
+            sender=SlotLauncher(
+                self.store, self._sync_id, self._outcome.sender_host or self.store.settings.hostname
+            ),
         )
 
     async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:

@@ -69,6 +69,8 @@ class SyncOutcome:
     seconds: float = 0.0
     train_gpus: tuple[str, ...] = ()
     """The trainer ranks' CUDA UUIDs: the train pool non-Store transports classify by."""
+    sender_host: str | None = None
+    """Trainer rank 0's address: a broadcast's sender (and its TCP store) runs there."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -280,6 +282,7 @@ class TrainerSync:
             sum(put for _, put in statuses),
             round(time.monotonic() - self._started, 4),
             self.train_gpus,
+            self.store.settings.hostname,
         )
         self._record(outcome)
         return outcome

@@ -150,9 +150,7 @@ class TransportLegs:
         self.figures = LegFigures()
         self.claim: PortClaim | None = None
         if classification.broadcast:
-            claims = PortClaims(
-                store, settings.hostname, owner=holder, lease_s=settings.claim_lease_s
-            )
+            claims = PortClaims(store, launcher.host, owner=holder, lease_s=settings.claim_lease_s)
             # Renewed from now on: held through prepare, then while the sender lives.
             self.claim = claims.claim(settings.rendezvous_port, alive=lambda: True)
 
@@ -178,7 +176,7 @@ class TransportLegs:
             backend_for(torch.device(device)),
             device,
             self.settings.broadcast_timeout_s,
-            self.settings.hostname,
+            self.launcher.host,
         )
 
     def body_for(self, url: str, plan: LegPlan, base: Mapping[str, Any]) -> dict[str, Any]:

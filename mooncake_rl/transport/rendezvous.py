@@ -52,6 +52,8 @@ class SlotLauncher:
 
     store: StoreClient
     slot: str
+    host: str
+    """The sender's address (trainer rank 0's ``MOONCAKE_RL_HOSTNAME``)."""
 
     def device(self, receivers_on_cuda: bool) -> str:
         return "cuda" if receivers_on_cuda else "cpu"  # "cuda": the sender's own GPU
@@ -60,11 +62,16 @@ class SlotLauncher:
         return RemoteSender(self.store, self.slot, spec)
 
     def close(self) -> None:
-        """End the slot: a waiting trainer returns; every record of the slot goes."""
-        try:
-            self.store.upsert_bytes(slot_key(self.slot, "closed"), b"{}")
-        except MooncakeError as error:
-            logger.warning("mooncake: could not close sender slot %s: %s", self.slot, error)
+        close_slot(self.store, self.slot)
+
+
+def close_slot(store: StoreClient, slot: str) -> None:
+    """End the slot (the coordinator, when the update ends): a waiting trainer returns and
+    removes the slot's records."""
+    try:
+        store.upsert_bytes(slot_key(slot, "closed"), b"{}")
+    except MooncakeError as error:
+        logger.warning("mooncake: could not close sender slot %s: %s", slot, error)
 
 
 class RemoteSender:

@@ -99,6 +99,11 @@ class Sender(Protocol):
 class SenderLauncher(Protocol):
     """Where the sender runs: a child of the coordinator, or a trainer rank."""
 
+    @property
+    def host(self) -> str:
+        """The address the sender's TCP store listens at (receivers dial it)."""
+        ...
+
     def device(self, receivers_on_cuda: bool) -> str:
         """The device it sends from (NCCL when CUDA, gloo otherwise)."""
         ...
@@ -113,6 +118,10 @@ class ChildLauncher:
 
     settings: Settings
     train_pool: tuple[str, ...]
+
+    @property
+    def host(self) -> str:
+        return self.settings.hostname
 
     def device(self, receivers_on_cuda: bool) -> str:
         local = sender_device(self.train_pool)

@@ -19,7 +19,7 @@ from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.group import BroadcastGroup, GroupSpec
 from mooncake_rl.transport.layout import receive_layout
-from mooncake_rl.transport.rendezvous import SlotLauncher, serve_slot, slot_key
+from mooncake_rl.transport.rendezvous import SlotLauncher, close_slot, serve_slot, slot_key
 from mooncake_rl.transport.sender import SenderFailed, SenderSpec
 from mooncake_rl.transport.source import Source
 from tests.conftest import settings_for
@@ -45,7 +45,7 @@ def test_a_trainer_waits_until_the_slot_closes_when_no_sender_is_needed(
         waiting = pool.submit(serve_slot, store, slot, settings_for(master), 30.0)
         time.sleep(0.3)
         assert not waiting.done()
-        SlotLauncher(store, slot).close()
+        close_slot(store, slot)
         assert waiting.result(timeout=10) is None
     assert not any(slot_records(store, slot))  # the trainer reads last and clears
 
@@ -68,7 +68,7 @@ def published(store: StoreClient, model: str):
 def test_a_sender_that_never_answers_fails_the_coordinators_future(store: StoreClient) -> None:
     record, _ = published(store, "slot-silent")
     slot = uuid.uuid4().hex
-    launcher = SlotLauncher(store, slot)
+    launcher = SlotLauncher(store, slot, "127.0.0.1")
     sender = launcher.start(spec_for(record, free_port(), timeout_s=1.0))
     with pytest.raises(SenderFailed, match="stopped answering"):
         sender.future.result(timeout=10)
@@ -96,7 +96,7 @@ def test_the_slot_carries_a_real_broadcast_and_its_outcome(
             member.broadcast(received[bucket.start : bucket.end])
         member.close()
 
-    launcher = SlotLauncher(store, slot)
+    launcher = SlotLauncher(store, slot, "127.0.0.1")
     with ThreadPoolExecutor(2) as pool:
         trainer = pool.submit(serve_slot, store, slot, settings_for(master), 60.0)
         receiver = threading.Thread(target=receive)
@@ -127,7 +127,7 @@ def test_a_failed_sender_posts_its_error(store: StoreClient, master: EmbeddedMas
         spec.timeout_s,
     )
     slot = uuid.uuid4().hex
-    launcher = SlotLauncher(store, slot)
+    launcher = SlotLauncher(store, slot, "127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
         trainer = pool.submit(serve_slot, store, slot, settings_for(master), 30.0)
         sender = launcher.start(wrong)
