@@ -120,8 +120,10 @@ def receive_broadcast(reception: Reception, local_address: str) -> dict[str, Any
     try:
         for bucket in reception.layout.buckets:
             member.broadcast(reception.buffer[bucket.start : bucket.end])
-    finally:
-        member.close()
+    except BaseException:
+        member.abort()
+        raise
+    member.close()
     received = time.perf_counter()
     for bucket in reception.layout.buckets:
         _check(reception, reception.layout.bucket_tensors(bucket))

@@ -77,7 +77,7 @@ class BroadcastGroup:
         address other members reach this one at (gloo connects members pairwise)."""
         timeout = timedelta(seconds=spec.timeout_s)
         self.spec = spec
-        self._store = dist.TCPStore(
+        self._store: dist.TCPStore | None = dist.TCPStore(
             spec.host,
             spec.port,
             spec.world_size,
@@ -113,5 +113,10 @@ class BroadcastGroup:
         try:
             self._group.barrier().wait()
         finally:
-            self._group = None
-            del self._store
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the group and the TCP store without waiting for anyone: after a failure,
+        the other members' connections close and their pending calls fail at once."""
+        self._group = None
+        self._store = None

@@ -62,11 +62,14 @@ def send(spec: SenderSpec, settings: Settings) -> dict[str, Any]:
     device = torch.device(spec.device)
     if device.type == "cuda" and device.index is None:  # the sending process's own GPU
         device = torch.device("cuda", torch.cuda.current_device())
-    with StoreClient(settings.with_overrides(segment_bytes=0)) as store:
-        layout, buckets = read_buckets(store, spec.source)
-        group = BroadcastGroup(spec.group(), settings.hostname)
-        joined = time.perf_counter()
-        try:
+    # The group first: once its TCP store is up, any failure of this process (the Store
+    # unreachable, an object missing) closes the receivers' connections and fails them at
+    # once, instead of leaving them to wait out the group timeout.
+    group = BroadcastGroup(spec.group(), settings.hostname)
+    joined = time.perf_counter()
+    try:
+        with StoreClient(settings.with_overrides(segment_bytes=0)) as store:
+            layout, buckets = read_buckets(store, spec.source)
             for bucket, tensors in buckets:
                 staged = torch.empty(bucket.nbytes, dtype=torch.uint8)
                 for tensor in layout.bucket_tensors(bucket):
@@ -74,8 +77,10 @@ def send(spec: SenderSpec, settings: Settings) -> dict[str, Any]:
                     raw = tensors[tensor.name].reshape(-1).view(torch.uint8)
                     staged[start : start + tensor.nbytes].copy_(raw)
                 group.broadcast(staged.to(device))
-        finally:
-            group.close()
+    except BaseException:
+        group.abort()
+        raise
+    group.close()
     return {
         "sent_bytes": layout.total_bytes,
         "buckets": len(layout.buckets),

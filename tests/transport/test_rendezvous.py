@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -113,25 +114,38 @@ def test_the_slot_carries_a_real_broadcast_and_its_outcome(
     assert not any(slot_records(store, slot))
 
 
-def test_a_failed_sender_posts_its_error(store: StoreClient, master: EmbeddedMaster) -> None:
-    """A spec naming a generation the Store does not hold: the sender fails before joining,
-    and the coordinator's future carries its error."""
+def test_a_sender_that_fails_after_joining_releases_its_receivers_at_once(
+    store: StoreClient, master: EmbeddedMaster
+) -> None:
+    """A spec naming a generation the Store does not hold: the sender joins the group, then
+    fails reading; the receiver's pending broadcast fails at once (not after the group
+    timeout), and the coordinator's future carries the sender's error."""
     record, _ = published(store, "slot-failing")
-    spec = spec_for(record, free_port())
-    wrong = SenderSpec(
-        Source("slot-failing", record.generation + 7, "0" * 64, "0" * 32, 1 << 10),
-        spec.host,
-        spec.port,
-        spec.world_size,
-        spec.group_name,
-        spec.timeout_s,
-    )
+    spec = spec_for(record, free_port(), timeout_s=60.0)
+    wrong = replace(spec, source=replace(spec.source, generation=record.generation + 7))
+    failures: list[float] = []
+
+    def receive() -> None:
+        member = BroadcastGroup(
+            GroupSpec("127.0.0.1", spec.port, 2, 1, spec.group_name, "gloo", 60.0), "127.0.0.1"
+        )
+        started = time.monotonic()
+        try:
+            member.broadcast(torch.empty(16, dtype=torch.uint8))
+        except RuntimeError:
+            failures.append(time.monotonic() - started)
+            member.abort()
+
     slot = uuid.uuid4().hex
     launcher = SlotLauncher(store, slot, "127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
-        trainer = pool.submit(serve_slot, store, slot, settings_for(master), 30.0)
+        trainer = pool.submit(serve_slot, store, slot, settings_for(master), 90.0)
+        receiver = threading.Thread(target=receive)
+        receiver.start()
         sender = launcher.start(wrong)
-        with pytest.raises(SenderFailed, match="remote sender"):
-            sender.future.result(timeout=30)
+        with pytest.raises(SenderFailed, match=r"remote sender: ObjectNotFound.*manifest"):
+            sender.future.result(timeout=60)
+        receiver.join(timeout=60)
         launcher.close()
         assert trainer.result(timeout=10) is None
+    assert len(failures) == 1 and failures[0] < 30, failures
