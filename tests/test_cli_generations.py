@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -9,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -35,6 +38,35 @@ def run_cli(
     )
 
 
+def cli(master: EmbeddedMaster, local_segment: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``run_cli`` in this process (``mooncake_rl.cli.main``): the same parsing, exit codes
+    and output, without a Python start per command. ``run_cli`` keeps the real entry point
+    covered."""
+    from mooncake_rl.cli import main
+
+    env = {
+        "MOONCAKE_RL_MASTER": master.master_address,
+        "MOONCAKE_RL_METADATA": master.metadata_url,
+        "MOONCAKE_RL_LOCAL_SEGMENT": local_segment,
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exited:  # argparse refusals
+                code = exited.code if isinstance(exited.code, int) else 2
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
 def write_checkpoint(directory: Path, scale: float) -> dict[str, torch.Tensor]:
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -45,11 +77,14 @@ def write_checkpoint(directory: Path, scale: float) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_publish_status_gc_round_trip(master: EmbeddedMaster, holders, tmp_path: Path) -> None:
+def test_publish_status_gc_round_trip(
+    master: EmbeddedMaster, holders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     holder = holders("cli-node")
     for scale in (1.0, 2.0, 3.0):
         tensors = write_checkpoint(tmp_path / f"ckpt{scale}", scale)
-        published = run_cli(
+        # The real entry point once (python -m mooncake_rl.cli), then in this process.
+        published = (run_cli if scale == 1.0 else cli)(
             master,
             holder.segment,
             "publish",
@@ -62,7 +97,7 @@ def test_publish_status_gc_round_trip(master: EmbeddedMaster, holders, tmp_path:
         assert published.returncode == 0, published.stderr
         assert published.stdout.strip() == str(int(scale))
 
-    status = run_cli(master, holder.segment, "status", "--name", "cli-model", "--json")
+    status = cli(master, holder.segment, "status", "--name", "cli-model", "--json")
     assert status.returncode == 0, status.stderr
     parsed = json.loads(status.stdout)
     assert parsed["active"] == 3
@@ -84,7 +119,7 @@ def test_publish_status_gc_round_trip(master: EmbeddedMaster, holders, tmp_path:
         == tensors["model.embed_tokens.weight"].numpy().tobytes()
     )
 
-    verified = run_cli(master, holder.segment, "verify", "--name", "cli-model")
+    verified = cli(master, holder.segment, "verify", "--name", "cli-model")
     assert verified.returncode == 0, verified.stderr
     report = json.loads(verified.stdout)
     assert (report["ok"], report["generation"], report["bytes"], report["problems"]) == (
@@ -94,14 +129,17 @@ def test_publish_status_gc_round_trip(master: EmbeddedMaster, holders, tmp_path:
         [],
     )
 
-    collected = run_cli(master, holder.segment, "gc", "--name", "cli-model", "--keep", "1")
+    # Retention alone: the retire grace (tests/test_generations.py) would spare 1 and 2 for
+    # 10 s after they stopped being active, and this test runs faster than that.
+    monkeypatch.setenv("MOONCAKE_RL_RETIRE_GRACE_S", "0")
+    collected = cli(master, holder.segment, "gc", "--name", "cli-model", "--keep", "1")
     assert collected.returncode == 0, collected.stderr
     assert json.loads(collected.stdout)["deleted"] == [1, 2]
     after = json.loads(
-        run_cli(master, holder.segment, "status", "--name", "cli-model", "--json").stdout
+        cli(master, holder.segment, "status", "--name", "cli-model", "--json").stdout
     )
     assert [g["generation"] for g in after["generations"]] == [3]
-    gone = run_cli(master, holder.segment, "verify", "--name", "cli-model", "--generation", "1")
+    gone = cli(master, holder.segment, "verify", "--name", "cli-model", "--generation", "1")
     assert gone.returncode == 2 and "OBJECT_NOT_FOUND (-704)" in gone.stderr
 
 
@@ -109,16 +147,16 @@ def test_cli_bad_input_is_refused_with_a_clear_error(
     master: EmbeddedMaster, holders, tmp_path: Path
 ) -> None:
     holder = holders("cli-node")
-    missing = run_cli(master, holder.segment, "publish", str(tmp_path / "nowhere"), "--name", "x")
+    missing = cli(master, holder.segment, "publish", str(tmp_path / "nowhere"), "--name", "x")
     assert missing.returncode == 2 and "no *.safetensors files" in missing.stderr
     write_checkpoint(tmp_path / "ok", 1.0)
-    bad_dtype = run_cli(
+    bad_dtype = cli(
         master, holder.segment, "publish", str(tmp_path / "ok"), "--name", "x", "--dtype", "int3"
     )
     assert bad_dtype.returncode == 2 and "unknown rollout dtype 'int3'" in bad_dtype.stderr
-    bad_name = run_cli(master, holder.segment, "publish", str(tmp_path / "ok"), "--name", "a/b")
+    bad_name = cli(master, holder.segment, "publish", str(tmp_path / "ok"), "--name", "a/b")
     assert bad_name.returncode == 2 and "model name" in bad_name.stderr
-    bad_regex = run_cli(
+    bad_regex = cli(
         master,
         holder.segment,
         "update",
@@ -133,12 +171,12 @@ def test_cli_bad_input_is_refused_with_a_clear_error(
     )
     assert bad_regex.returncode == 2
     assert "--direct-fallback: not a regular expression" in bad_regex.stderr
-    no_keep = run_cli(
+    no_keep = cli(
         master, holder.segment, "publish", str(tmp_path / "ok"), "--name", "x", "--keep", "0"
     )
     assert no_keep.returncode == 2
     assert "keep must be an integer >= 1, got 0; nothing published" in no_keep.stderr
-    unknown = run_cli(master, holder.segment, "status", "--name", "x", "--json")
+    unknown = cli(master, holder.segment, "status", "--name", "x", "--json")
     assert unknown.returncode == 1
     assert "model 'x' has no active generation" in unknown.stderr
     status = json.loads(unknown.stdout)
