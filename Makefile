@@ -71,10 +71,12 @@ demo: venv
 	$(VENV)/bin/mooncake-rl demo
 
 # Every approach side by side on this machine (JSON on stdout, PNG in out/), then the
-# cluster simulator's default 1T scenario; see docs/performance.md.
+# cluster simulator's default 1T scenario, then every update transport on two real vLLM CPU
+# engines (store, broadcast, cpu_serialize, auto; several minutes); see docs/performance.md.
 bench: venv
 	$(VENV)/bin/mooncake-rl bench --out out/bench-compare.png
 	$(VENV)/bin/mooncake-rl bench simulate --out out/bench-simulate.png
+	$(VENV)/bin/mooncake-rl bench transports
 
 # The model-family coverage matrix: every tiny family, tied and untied, direct and compat,
 # against plain vLLM (about 40 vLLM server starts; see docs/models.md).

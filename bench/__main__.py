@@ -2,6 +2,7 @@
 
 python -m bench [run] [--size 256MiB --workers 4 --nodes 2 --out out/bench-compare.png]
 python -m bench simulate [--model kimi-k2 --trainer-gpus 256 --instances 16 --tp 8 ...]
+python -m bench transports [--hidden 512 --layers 4 --repeats 3 --batch 8MiB --root DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.simulate import main as simulate
 
         return simulate(args[1:])
+    if args[:1] == ["transports"]:
+        os.environ.setdefault("GLOG_minloglevel", "2")  # before Mooncake's library loads
+        from bench.transports import main as transports
+
+        return transports(args[1:])
     if args[:1] == ["run"]:
         args = args[1:]
     from bench.compare import main as compare
