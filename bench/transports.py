@@ -72,10 +72,6 @@ class Case:
     def expected_legs(self) -> dict[str, str]:
         return dict(self.legs)
 
-    def sender_reads(self) -> bool:
-        """A broadcast leg's sender (a child process) reads the model too, uncounted."""
-        return "broadcast" in self.expected_legs().values()
-
 
 def _both(transport: str) -> tuple[tuple[str, str], ...]:
     return tuple((label, transport) for label in ENGINE_GPUS)
@@ -103,18 +99,13 @@ ACCOUNTING = {
     "update_seconds": "wall time of Coordinator.update(): placement, checks, drain, plan, "
     "prepare, apply, commit (the post-landing check and cache invalidation are in commit)",
     "engine_bytes": "per engine, bytes its ranks received (result.legs[url]['bytes'])",
-    "store_read_bytes": "bytes the engines read from the Store (result.store_read_bytes); "
-    "0 for the other transports, whose reads happen in the coordinator or its sender",
+    "store_read_bytes": "bytes read from the Store for the update (result.store_read_bytes): "
+    "the engines' reads on the Store path; the coordinator's CPU leg and the broadcast "
+    "sender otherwise (each reads the generation once, so auto reads it twice)",
     "pushed_bytes": "bytes engines pushed to engines over TE (result.pushed_bytes); the "
     "other transports' gloo sends and bucket handoffs are not counted there",
-    "coordinator_store_read_bytes": "bytes this process (the coordinator) read from the Store "
-    "during the update: records and manifests, plus the whole model for a CPU leg. The "
-    "broadcast sender is a child process: its read of the model is not in this figure",
-    "sender_reads_uncounted": "a broadcast leg's sender process reads the whole model from "
-    "the Store once more; the coordinator does not report it, so it is in no figure here",
     "ratios": "each transport's median over store_compat's median, same run; store_reads: "
-    "(engines' + coordinator process's Store reads) over store_compat's, null where a "
-    "sender's read is uncounted",
+    "store_read_bytes over store_compat's",
     "verified": "updates checked (commit, legs, post-landing check, greedy output vs "
     "transformers); a failed check stops the run",
 }
@@ -140,9 +131,7 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return round(value / base, 3)
 
 
-def sample_of(
-    result: Any, update_seconds: float, labels: Mapping[str, str], coordinator_read: int
-) -> dict[str, Any]:
+def sample_of(result: Any, update_seconds: float, labels: Mapping[str, str]) -> dict[str, Any]:
     """The figures of one update (an ``UpdateResult``); ``labels`` maps engine URL to label."""
     legs = {
         labels[url]: {
@@ -161,7 +150,6 @@ def sample_of(
         "store_read_bytes": int(result.store_read_bytes),
         "store_reread_bytes": int(result.store_reread_bytes),
         "pushed_bytes": int(result.pushed_bytes),
-        "coordinator_store_read_bytes": int(coordinator_read),
     }
 
 
@@ -208,18 +196,9 @@ def transport_row(case: Case, samples: Sequence[Mapping[str, Any]]) -> dict[str,
         "total_engine_bytes": sum(engine_bytes.values()),
         "bytes_vary_between_repeats": varying,
         **{key: _median_int([s[key] for s in samples]) for key in byte_keys},
-        "coordinator_store_read_bytes": _median_int(
-            [s["coordinator_store_read_bytes"] for s in samples]
-        ),
-        "sender_reads_uncounted": case.sender_reads(),
         "generations": [s["generation"] for s in samples],
         "verified": len(samples),
     }
-
-
-def store_reads(row: Mapping[str, Any]) -> int:
-    """Bytes read from the Store by the engines and the coordinator's process together."""
-    return row["store_read_bytes"] + row["coordinator_store_read_bytes"]
 
 
 def with_ratios(
@@ -239,9 +218,7 @@ def with_ratios(
                     row["update_seconds"]["median"], base["update_seconds"]["median"]
                 ),
                 "engine_bytes": ratio(row["total_engine_bytes"], base["total_engine_bytes"]),
-                "store_reads": None
-                if row["sender_reads_uncounted"] or base["sender_reads_uncounted"]
-                else ratio(store_reads(row), store_reads(base)),
+                "store_reads": ratio(row["store_read_bytes"], base["store_read_bytes"]),
             },
         }
     return out
@@ -539,11 +516,8 @@ class World:
 
     def update(self, case: Case, directory: Path, reference: list[int]) -> dict[str, Any]:
         """Publish ``directory``, update both engines with ``case``, check, return a sample."""
-        from mooncake_rl.counters import COUNTERS
-
         generation = self.publish(directory)
         coordinator = self.coordinators[case.handoff]
-        before = COUNTERS.snapshot()
         clock = time.perf_counter()
         result = coordinator.update(
             MODEL,
@@ -553,14 +527,13 @@ class World:
             batch_bytes=self.config.batch_bytes,
         )
         seconds = time.perf_counter() - clock
-        coordinator_read = (COUNTERS.snapshot() - before).store_read_bytes
         problems = [] if result.generation == generation else [f"updated to {result.generation}"]
         problems += update_problems(case, result, self.urls, workers=len(self.engines))
         problems += self.check_serving(generation, reference)
         if problems:
             raise BenchInvalid(f"{case.name} to generation {generation}: " + "; ".join(problems))
         labels = {url: label for label, url in self.urls.items()}
-        return sample_of(result, seconds, labels, coordinator_read)
+        return sample_of(result, seconds, labels)
 
     def handoff_on_this_host(self) -> bool:
         """What ``cpu_handoff="auto"`` resolves to here: shared memory when every engine

@@ -450,6 +450,7 @@ class Coordinator:
         finally:
             legs.close()
             result.legs.update(legs.figures.rows)
+            result.store_read_bytes = legs.store_read_bytes
         return members
 
     def _drain(

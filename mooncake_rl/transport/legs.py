@@ -148,6 +148,8 @@ class TransportLegs:
         self.source = Source.of(record, bucket_bytes)
         self.buckets = 0
         self.figures = LegFigures()
+        self.store_read_bytes = 0
+        """Read by the CPU leg (this process) and the broadcast sender: each once."""
         self.claim: PortClaim | None = None
         if classification.broadcast:
             claims = PortClaims(store, launcher.host, owner=holder, lease_s=settings.claim_lease_s)
@@ -258,6 +260,8 @@ class TransportLegs:
         if not claim.release_after(sender.future, teardown_timeout_s=TEARDOWN_S):
             sender.kill()
             claim.release_after(sender.future, teardown_timeout_s=TEARDOWN_S)
+        if sender.future.done() and sender.future.exception() is None:
+            self.store_read_bytes += int(sender.future.result().get("read_bytes", 0))
         if "sender" in failed:
             # The engines report why they stopped receiving; the sender's reason is the cause.
             cause = failed.pop("sender")
@@ -269,7 +273,8 @@ class TransportLegs:
     def _cpu(self, plan: LegPlan) -> dict[str, str]:
         engines = list(plan.classification.cpu)
         handoff = {url: self._handoff(url) for url in engines}
-        _, buckets = read_buckets(self.store, self.source)
+        layout, buckets = read_buckets(self.store, self.source)
+        self.store_read_bytes += sum(t.nbytes for t in layout.tensors)
         failed: dict[str, str] = {}
         with ThreadPoolExecutor(max_workers=len(engines)) as pool:
             for bucket, tensors in buckets:
@@ -283,26 +288,18 @@ class TransportLegs:
                     "peers": {},
                 }
                 try:
-                    calls = {}
-                    for url in engines:
-                        if url in failed:
-                            continue
-                        started = time.perf_counter()
-                        if handoff[url] == "shm":
-                            shm = {**body, "bucket": {"shm": name, "nbytes": len(data)}}
-                            call = pool.submit(self.caller.call, url, "apply", shm)
-                        else:
-                            params = {k: body[k] for k in ("session", "generation", "stage")}
-                            call = pool.submit(self.caller.upload, url, params, data)
-                        calls[call] = (url, started)
-                    for call, (url, started) in calls.items():
+                    calls = {
+                        pool.submit(self._hand, url, handoff[url], body, name, data): url
+                        for url in engines
+                        if url not in failed
+                    }
+                    for call, url in calls.items():
                         try:
-                            replies = call.result().get("workers", [])
+                            replies, seconds = call.result()
                         except Exception as error:
                             failed[url] = str(error)
                             continue
                         nbytes = sum(w.get("received_bytes", 0) for w in replies)
-                        seconds = time.perf_counter() - started
                         self.figures.add(url, "cpu_serialize", nbytes, seconds)
                 finally:
                     if path is not None:
@@ -310,6 +307,19 @@ class TransportLegs:
                 if len(failed) == len(engines):
                     break
         return failed
+
+    def _hand(
+        self, url: str, handoff: str, body: dict[str, Any], name: str, data: bytes
+    ) -> tuple[list[dict[str, Any]], float]:
+        """One bucket to one engine; its workers' replies and this engine's own seconds."""
+        started = time.perf_counter()
+        if handoff == "shm":
+            shm = {**body, "bucket": {"shm": name, "nbytes": len(data)}}
+            reply = self.caller.call(url, "apply", shm)
+        else:
+            params = {k: body[k] for k in ("session", "generation", "stage")}
+            reply = self.caller.upload(url, params, data)
+        return reply.get("workers", []), time.perf_counter() - started
 
     def _handoff(self, url: str) -> str:
         if self.settings.cpu_handoff != "auto":

@@ -83,6 +83,7 @@ def send(spec: SenderSpec, settings: Settings) -> dict[str, Any]:
     group.close()
     return {
         "sent_bytes": layout.total_bytes,
+        "read_bytes": sum(t.nbytes for t in layout.tensors),
         "buckets": len(layout.buckets),
         "join_seconds": joined - started,
         "seconds": time.perf_counter() - started,

@@ -457,6 +457,8 @@ def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: W
     assert (result.transport, result.committed) == ("broadcast", [b])
     model_bytes = result.legs[b]["bytes"] // 2  # each of the two ranks receives it all
     assert result.legs[b]["transport"] == "broadcast" and model_bytes > 0
+    read = result.store_read_bytes  # the sender read every object once (buffers are aligned)
+    assert 0.99 * model_bytes < read <= model_bytes
     assert world.engines["b"].complete(PROMPT) == world.refs[3]
     assert world.engines["b"].mooncake("GET", "status").json()["generation"] == generation
 
@@ -473,6 +475,7 @@ def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: W
         b: "cpu_serialize",
     }
     assert (result.legs[a]["bytes"], result.legs[b]["bytes"]) == (model_bytes, 2 * model_bytes)
+    assert result.store_read_bytes == read  # the coordinator read it once for every engine
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[1]
 
@@ -487,6 +490,7 @@ def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: W
         b: "cpu_serialize",
     }
     assert sorted(result.committed) == sorted([a, b])
+    assert result.store_read_bytes == 2 * read  # the sender and the CPU leg, once each
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[2]
     assert_every_parameter_checked(world, result)
