@@ -549,6 +549,7 @@ def test_a_sender_killed_mid_broadcast_leaves_every_engine_on_its_generation(
     assert not any(world.store.exists([port_key("127.0.0.1", port) for port in ports]))
 
 
+@pytest.mark.faults  # make faults; make test keeps the route-level bucket refusals
 def test_cpu_buckets_that_are_not_the_generation_change_nothing(world: World) -> None:
     """Hostile buckets through ``POST /mooncake/bucket``: foreign tensor names are refused
     (422, still prepared); bytes that differ from the published ones fail the checksum
