@@ -354,6 +354,19 @@ def test_a_dead_coordinator_frees_its_engines_and_a_lost_commit_response_is_retr
     assert converged.generations == {"a": active, "b": active}
 
 
+def prepare_body(session: str, record: Any, **fields: Any) -> dict[str, Any]:
+    """A prepare body naming ``record`` (an active record) in ``session``."""
+    return {
+        "session": session,
+        "model": MODEL,
+        "generation": record.generation,
+        "manifest_digest": record.manifest_digest,
+        "fence": record.fence,
+        "incarnation": record.incarnation,
+        **fields,
+    }
+
+
 def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: World) -> None:
     """TP=1 and TP=2: a failed commit leaves the engine broken; it reloads the Store's active
     generation in place, through the loader's path, and serves it without a restart."""
@@ -379,17 +392,7 @@ def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: Wor
             }
             for w in workers
         }
-        prepare = {
-            "session": session,
-            "model": MODEL,
-            "generation": generation,
-            "manifest_digest": record.manifest_digest,
-            "fence": record.fence,
-            "incarnation": record.incarnation,
-            "mode": "direct",
-            "stages": 1,
-            "workers": routing,
-        }
+        prepare = prepare_body(session, record, mode="direct", stages=1, workers=routing)
         assert engine.mooncake("POST", "prepare", prepare).status_code == 200
         apply = {"session": session, "generation": generation, "stage": 0, "peers": {}}
         assert engine.mooncake("POST", "apply", apply).status_code == 200
@@ -565,18 +568,14 @@ def test_cpu_buckets_that_are_not_the_generation_change_nothing(world: World) ->
     bucket, tensors = next(buckets)
     session = uuid.uuid4().hex
     assert a.mooncake("POST", "drain", {"session": session, "holder": "test"}).status_code == 200
-    prepare = {
-        "session": session,
-        "model": MODEL,
-        "generation": generation,
-        "manifest_digest": record.manifest_digest,
-        "fence": record.fence,
-        "incarnation": record.incarnation,
-        "mode": "compat",
-        "stages": len(layout.buckets),
-        "workers": {},
-        "receive": {"transport": "cpu_serialize", "bucket_bytes": source.bucket_bytes},
-    }
+    prepare = prepare_body(
+        session,
+        record,
+        mode="compat",
+        stages=len(layout.buckets),
+        workers={},
+        receive={"transport": "cpu_serialize", "bucket_bytes": source.bucket_bytes},
+    )
     prepared = a.mooncake("POST", "prepare", prepare)
     assert prepared.status_code == 200, prepared.text
     query = {"session": session, "generation": generation, "stage": bucket.index}
