@@ -84,18 +84,29 @@ def _die_with_parent() -> None:
 
 
 class ManagedProcess:
-    """A child in its own process group that dies with its parent; ``stop`` always reaps."""
+    """A child in its own process group that dies with its parent; ``stop`` always reaps.
+
+    Construct it, keep the reference, then :meth:`spawn` inside the ``try`` whose handler
+    calls ``stop``: whatever fails after the fork, the child is recorded here and reaped.
+    """
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
         self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
         self.returncode: int | None = None
-        with log_path.open("wb") as log:
-            self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
-                args,
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def spawn(self) -> None:
+        if self._process is not None or self.returncode is not None:
+            raise ServiceError(f"{self.args[0]} already spawned")
+        with self.log_path.open("wb") as log:
+            self._process = subprocess.Popen(
+                self.args,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
-                env={**os.environ, **(env or {})},
+                env=self.env,
             )
 
     @property
@@ -106,8 +117,10 @@ class ManagedProcess:
         return self._process is not None and self._process.poll() is None
 
     def wait_until(self, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Poll ``ready``; raise :class:`Stopped` once a stop signal was recorded."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            StopSignals.raise_if_stopped()
             if not self.is_running():
                 raise ServiceError(f"{what} exited early; see {self.log_path}")
             if ready():
@@ -232,34 +245,39 @@ class Stopped(BaseException):
 
 
 class StopSignals:
-    """SIGTERM and SIGINT as a flag that the main thread polls.
+    """SIGTERM and SIGINT as a flag that ordinary code polls.
 
-    A Python signal handler runs on the main thread between bytecodes, for example inside a
-    ``Popen.wait`` that holds subprocess's waitpid lock; stopping (and reaping) children from
-    there deadlocked ``mooncake-rl master`` (issue 14). So the handler never stops anything:
-    it records the signal, and, only while services are still starting (a start can take
-    seconds and nothing is being waited on yet), raises :class:`Stopped` once so the start is
-    abandoned and the caller's ``with`` blocks stop what did start.
+    The handler never raises or stops anything: a Python handler runs on the main thread
+    between any two bytecodes, for example inside ``Popen`` between fork and exec (the child
+    is then lost, unkilled and unreaped) or inside a ``Popen.wait`` that holds subprocess's
+    waitpid lock (stopping children from there deadlocked ``mooncake-rl master``, issue 14).
+    It records the signal; a start in progress sees it in :meth:`ManagedProcess.wait_until`,
+    which raises :class:`Stopped` so the caller's ``with`` blocks stop what did start, and a
+    running service sees it in :func:`serve_until_stopped`.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    _recorded: int | None = None
+    """The signal recorded by the active instance (there is one per process: the CLI's)."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
-        self._raise_once = True
         self._previous: dict[int, object] = {}
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum
-        if self._raise_once:
-            self._raise_once = False
-            raise Stopped(signum)
+    @property
+    def signum(self) -> int | None:
+        return StopSignals._recorded
 
-    def serving(self) -> None:
-        """From now on a signal only sets the flag (services stop outside the handler)."""
-        self._raise_once = False
+    @staticmethod
+    def _handle(signum: int, frame: FrameType | None) -> None:
+        StopSignals._recorded = signum
+
+    @staticmethod
+    def raise_if_stopped() -> None:
+        if StopSignals._recorded is not None:
+            raise Stopped(StopSignals._recorded)
 
     def __enter__(self) -> Self:
+        StopSignals._recorded = None
         for signum in self.SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -272,6 +290,7 @@ class StopSignals:
     ) -> bool:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)  # type: ignore[arg-type]
+        StopSignals._recorded = None
         return exc_type is Stopped  # a stop during startup is a clean stop
 
 
@@ -284,7 +303,6 @@ def serve_until_stopped(
     ``poll_s`` and the caller stops the services in ordinary code. A service that exits on its
     own raises :class:`ServiceError` naming its log; the caller's ``with`` stops the others.
     """
-    stop.serving()
     while stop.signum is None:
         for service in services:
             code = service.poll()
@@ -353,6 +371,7 @@ class EmbeddedMaster(_Service):
         log = _log_dir(self.config.log_dir) / f"mooncake_master.{self.rpc_port}.log"
         self._process = ManagedProcess(args, log)
         try:
+            self._process.spawn()
             self._process.wait_until(
                 lambda: _accepts(host, self.rpc_port) and self._metadata_answers(),
                 "mooncake_master",
@@ -429,6 +448,7 @@ class SegmentHolder(_Service):
         log = _log_dir(self.log_dir) / f"mooncake_client.{port}.log"
         self._process = ManagedProcess(args, log, env)
         try:
+            self._process.spawn()
             self._process.wait_until(self._ready, "mooncake_client", timeout_s)
         except BaseException:
             self.stop()

@@ -114,9 +114,7 @@ def test_rows_take_medians_and_ratios_are_against_store_compat() -> None:
 
 def test_a_row_says_when_bytes_differ_between_repeats() -> None:
     case = CASE["store_direct"]
-    varied = [
-        sample_of(result(case.expected_legs(), nbytes=n), 1.0, LABELS) for n in (10, 10, 12)
-    ]
+    varied = [sample_of(result(case.expected_legs(), nbytes=n), 1.0, LABELS) for n in (10, 10, 12)]
     row = transport_row(case, varied)
     assert row["bytes_vary_between_repeats"] and row["engine_bytes"]["e0"] == 10
 

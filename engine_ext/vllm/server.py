@@ -103,7 +103,12 @@ class VllmServer:
     def start(self, timeout_s: float = 300.0) -> VllmServer:
         self._process = ManagedProcess(self._args, self.log_path, self._env)
         started = time.monotonic()
-        self._process.wait_until(self._healthy, "vLLM server", timeout_s)
+        try:
+            self._process.spawn()
+            self._process.wait_until(self._healthy, "vLLM server", timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         self.startup_seconds = time.monotonic() - started
         return self
 
