@@ -7,7 +7,15 @@ cursor (:func:`broadcast_group`) and rendezvous port claims in the Store
 drained; the engine-side receive lives in ``engine_ext/``.
 """
 
-from mooncake_rl.transport.claims import ClaimRecord, NoFreePort, PortClaim, PortClaims, port_key
+from mooncake_rl.transport.claims import (
+    Claim,
+    ClaimRecord,
+    KeyClaims,
+    NoFreePort,
+    PortClaim,
+    PortClaims,
+    port_key,
+)
 from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
 from mooncake_rl.transport.modes import TransportMode, parse_gpu_ids, resolve_mode
 from mooncake_rl.transport.topology import (
@@ -20,9 +28,11 @@ from mooncake_rl.transport.topology import (
 )
 
 __all__ = [
+    "Claim",
     "ClaimRecord",
     "Classification",
     "GroupLayout",
+    "KeyClaims",
     "MixedTransportInvalid",
     "NoFreePort",
     "PortClaim",

@@ -42,7 +42,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from mooncake_rl.errors import (
     ConfigurationError,
@@ -67,6 +67,9 @@ before the port is skipped."""
 _CLIENT_LOCKS: weakref.WeakKeyDictionary[StoreClient, threading.Lock] = weakref.WeakKeyDictionary()
 _CLIENT_LOCKS_GUARD = threading.Lock()
 _HOST = re.compile(r"^[A-Za-z0-9._:-]{1,253}$")
+
+
+C = TypeVar("C", bound="Claim")
 
 
 class NoFreePort(ConfigurationError):
@@ -205,18 +208,12 @@ class PortClaims:
                 f"rendezvous host {host!r} must be a host name or IP address (letters, digits, "
                 "'.', '_', ':', '-')"
             )
-        if not owner:
-            raise ConfigurationError("a port claim needs an owner (who holds it, for the logs)")
-        if not lease_s > 0:
-            raise ConfigurationError(
-                f"claim lease must be positive, got {lease_s}; set MOONCAKE_RL_CLAIM_LEASE_S"
-            )
         self.store = store
         self.host = host
         self.owner = owner
         self.lease_s = float(lease_s)
+        self._keys = KeyClaims(store, owner=owner, lease_s=lease_s)
         self._family = _local_family(host)
-        self._claiming = _client_lock(store)
 
     def claim(
         self, start_port: int, *, attempts: int = 64, alive: Callable[[], bool] | None = None
@@ -236,8 +233,9 @@ class PortClaims:
             if self._family is not None and not _bindable(self._family, port):
                 bound += 1
                 continue
-            with self._claiming:
-                claim = self._try(port)
+            claim = self._keys.claim(
+                port_key(self.host, port), f"rendezvous port {port}", PortClaim
+            )
             if claim is None:
                 claimed += 1
                 continue
@@ -251,12 +249,32 @@ class PortClaims:
             f"(lease {self.lease_s:g}s)"
         )
 
+
+class KeyClaims:
+    """Exclusive, leased claims of Store keys on behalf of ``owner`` (see the module doc)."""
+
+    def __init__(self, store: StoreClient, *, owner: str, lease_s: float) -> None:
+        if not owner:
+            raise ConfigurationError("a claim needs an owner (who holds it, for the logs)")
+        if not lease_s > 0:
+            raise ConfigurationError(
+                f"claim lease must be positive, got {lease_s}; set MOONCAKE_RL_CLAIM_LEASE_S"
+            )
+        self.store = store
+        self.owner = owner
+        self.lease_s = float(lease_s)
+        self._claiming = _client_lock(store)
+
+    def claim(self, key: str, label: str, kind: type[C]) -> C | None:
+        """A ``kind`` claim of ``key`` (``label`` names it in logs); None while another holds it."""
+        with self._claiming:
+            return self._try(key, label, kind)
+
     def _record(self) -> ClaimRecord:
         now = time.time()
         return ClaimRecord(self.owner, uuid.uuid4().hex, now, now + self.lease_s, self.lease_s)
 
-    def _try(self, port: int) -> PortClaim | None:
-        key = port_key(self.host, port)
+    def _try(self, key: str, label: str, kind: type[C]) -> C | None:
         record = self._record()
         try:
             self.store.create_exclusive(key, record.encode())
@@ -264,10 +282,10 @@ class PortClaims:
             current = _read(self.store, key)
             if current is None or current.expires_at > time.time():
                 return None
-            return self._take_over(key, port, current)
-        return PortClaim(self.store, key, port, record)
+            return self._take_over(key, label, current, kind)
+        return kind(self.store, key, label, record)
 
-    def _take_over(self, key: str, port: int, stale: ClaimRecord) -> PortClaim | None:
+    def _take_over(self, key: str, label: str, stale: ClaimRecord, kind: type[C]) -> C | None:
         """Replace the expired record ``stale``, if this contender wins its takeover marker."""
         for index in range(TAKEOVER_MARKERS):
             marker = self._record()
@@ -287,13 +305,8 @@ class PortClaims:
             if self.store.remove([key], force=True):
                 return None
             self._forget(key, stale.nonce)
-            logger.info(
-                "mooncake: took over expired claim of port %d on %s from %s",
-                port,
-                self.host,
-                stale.owner,
-            )
-            return self._try(port)
+            logger.info("mooncake: took over the expired claim of %s from %s", label, stale.owner)
+            return self._try(key, label, kind)
         return None
 
     def _forget(self, key: str, nonce: str) -> None:
@@ -301,11 +314,11 @@ class PortClaims:
         self.store.remove(markers, force=True)
 
 
-class PortClaim:
-    """One claimed port: renewed while its sender may be live, deleted once it is done."""
+class Claim:
+    """One claimed key: renewed while its holder may be live, deleted once it is done."""
 
-    def __init__(self, store: StoreClient, key: str, port: int, record: ClaimRecord) -> None:
-        self.port = port
+    def __init__(self, store: StoreClient, key: str, label: str, record: ClaimRecord) -> None:
+        self.label = label
         self.key = key
         self.owner = record.owner
         self._store = store
@@ -317,7 +330,7 @@ class PortClaim:
         self._renewer: threading.Thread | None = None
 
     def __repr__(self) -> str:
-        return f"PortClaim(port={self.port}, owner={self.owner!r}, state={self._state})"
+        return f"Claim({self.label!r}, owner={self.owner!r}, state={self._state})"
 
     def hold(self, alive: Callable[[], bool]) -> None:
         """Renew every third of the lease while ``alive()`` holds (a later call replaces it).
@@ -328,12 +341,12 @@ class PortClaim:
         with self._lock:
             if self._state != "held":
                 raise InvariantViolation(
-                    f"port {self.port} claim is {self._state}: claim a port again to hold one"
+                    f"the claim of {self.label} is {self._state}: claim it again to hold it"
                 )
             self._alive = alive
             if self._renewer is None or not self._renewer.is_alive():
                 self._renewer = threading.Thread(
-                    target=self._renew_while_alive, name=f"port-claim-{self.port}", daemon=True
+                    target=self._renew_while_alive, name=f"claim-{self.label}", daemon=True
                 )
                 self._renewer.start()
 
@@ -343,12 +356,12 @@ class PortClaim:
             try:
                 live = alive is not None and alive()
             except Exception:
-                logger.exception("mooncake: liveness check of port %d's claim failed", self.port)
+                logger.exception("mooncake: liveness check of %s's claim failed", self.label)
                 live = False
             if not live:
                 logger.info(
-                    "mooncake: claim of port %d no longer renewed; it expires at %.0f",
-                    self.port,
+                    "mooncake: claim of %s no longer renewed; it expires at %.0f",
+                    self.label,
                     self._record.expires_at,
                 )
                 return
@@ -373,7 +386,7 @@ class PortClaim:
                 self._store.upsert_bytes(self.key, renewed.encode())
             except MooncakeError:  # the Store may be briefly unreachable: next tick retries
                 logger.warning(
-                    "mooncake: renewing port %d's claim failed", self.port, exc_info=True
+                    "mooncake: renewing the claim of %s failed", self.label, exc_info=True
                 )
                 return True
             self._record = renewed
@@ -382,9 +395,9 @@ class PortClaim:
     def _lose(self, why: str) -> bool:
         self._state = "lost"
         logger.error(
-            "mooncake: lost the claim of rendezvous port %d (%s, owner %s): another group may "
-            "take the port; renew more often than the lease (MOONCAKE_RL_CLAIM_LEASE_S)",
-            self.port,
+            "mooncake: lost the claim of %s (%s, owner %s): another contender may take it; "
+            "renew more often than the lease (MOONCAKE_RL_CLAIM_LEASE_S)",
+            self.label,
             why,
             self.owner,
         )
@@ -402,9 +415,9 @@ class PortClaim:
             self._state = "released"
             if not self._record.usable(time.time()):
                 logger.warning(
-                    "mooncake: claim of port %d had lapsed; left to expire (another owner may "
-                    "hold the port now)",
-                    self.port,
+                    "mooncake: claim of %s had lapsed; left to expire (another owner may "
+                    "hold it now)",
+                    self.label,
                 )
                 return
             try:
@@ -413,9 +426,9 @@ class PortClaim:
                     return
                 if current.nonce != self._record.nonce:
                     logger.warning(
-                        "mooncake: claim of port %d was replaced by %s's while held (clock "
+                        "mooncake: claim of %s was replaced by %s's while held (clock "
                         "skew between hosts?); left alone",
-                        self.port,
+                        self.label,
                         current.owner,
                     )
                     return
@@ -428,8 +441,8 @@ class PortClaim:
                 failed = {self.key: error.code}
             if failed:
                 logger.warning(
-                    "mooncake: could not delete the claim of port %d (%s); it expires by its lease",
-                    self.port,
+                    "mooncake: could not delete the claim of %s (%s); it expires by its lease",
+                    self.label,
                     failed,
                 )
 
@@ -452,9 +465,9 @@ class PortClaim:
         if not resolved:
             renewing = self._alive is not None and not self._stop.is_set()
             logger.warning(
-                "mooncake: rendezvous port %d stays claimed by %s: its sender did not finish "
+                "mooncake: %s stays claimed by %s: its sender did not finish "
                 "within %.1fs and may still host the group's TCP store; the claim %s",
-                self.port,
+                self.label,
                 self.owner,
                 teardown_timeout_s,
                 "is renewed while the sender may be live, then expires"
@@ -463,9 +476,17 @@ class PortClaim:
             )
         return resolved
 
-    def __enter__(self) -> PortClaim:
+    def __enter__(self) -> Claim:
         return self
 
     def __exit__(self, *exc: object) -> None:
         """For a sender that runs and tears down inside the block."""
         self.release()
+
+
+class PortClaim(Claim):
+    """A rendezvous port's claim (its key is :func:`port_key`)."""
+
+    @property
+    def port(self) -> int:
+        return int(self.key.rsplit("/", 1)[-1])

@@ -362,7 +362,7 @@ def test_a_port_bound_on_this_host_is_skipped(store: StoreClient) -> None:
     ("host", "owner", "lease_s", "message"),
     [
         ("a/b", "o", 30.0, "rendezvous host 'a/b' must be a host name or IP address"),
-        ("h", "", 30.0, "a port claim needs an owner"),
+        ("h", "", 30.0, "a claim needs an owner"),
         ("h", "o", 0.0, "claim lease must be positive, got 0.0"),
     ],
 )
