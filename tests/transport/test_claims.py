@@ -339,7 +339,7 @@ def test_context_manager_releases(store: StoreClient, host: str) -> None:
     with owner_claims(store, host, "trainer-0").claim(PORT) as claim:
         assert exists(store, claim.key)
     assert not exists(store, claim.key)
-    with pytest.raises(InvariantViolation, match=f"port {PORT} claim is released"):
+    with pytest.raises(InvariantViolation, match=f"claim of rendezvous port {PORT} is released"):
         claim.hold(lambda: True)
 
 
