@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 from collections import deque
@@ -33,6 +34,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from mooncake_rl.protocol import (
+    PROTOCOL_VERSION,
     ApplyRequest,
     CommitRequest,
     DrainRequest,
@@ -42,6 +44,7 @@ from mooncake_rl.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+PLUGIN_VERSION = importlib.metadata.version("mooncake-rl")
 
 
 class ReceiverState(StrEnum):
@@ -193,6 +196,8 @@ class Receiver:
     def status(self) -> dict[str, Any]:
         return {
             "engine_id": self.backend.engine_id,
+            "protocol": PROTOCOL_VERSION,
+            "plugin_version": PLUGIN_VERSION,
             "model": self.model,
             "generation": self.generation,
             "fence": self.served.fence,

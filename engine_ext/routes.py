@@ -34,6 +34,45 @@ from mooncake_rl.protocol import (
 from mooncake_rl.transport.buckets import shm_name, write_shm
 
 ReceiverProvider = Callable[[Request], Awaitable[Receiver]]
+GENERATION_HEADER = "x-mooncake-generation"
+ENGINE_HEADER = "x-mooncake-engine"
+
+
+class GenerationHeaders:
+    """Tag every response with the generation the engine served when its headers went out
+    (``x-mooncake-generation``) and the engine's id (``x-mooncake-engine``), so an RL
+    client can tag each sample with its policy version, also behind a router during a
+    rolling update. A drain aborts in-flight requests before any weight changes, so a
+    response that completes was produced by the generation its header names (a stream
+    that is queued while the engine is paused may name the previous one: read the
+    engine's ``/mooncake/status`` for it).
+
+    Pure ASGI (no ``BaseHTTPMiddleware``): streaming responses pass through untouched.
+    """
+
+    def __init__(self, app: Any, current: Callable[[], Receiver | None]) -> None:
+        self.app = app
+        self.current = current
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def tagged(message: dict[str, Any]) -> None:
+            receiver = self.current()
+            if message["type"] == "http.response.start" and receiver is not None:
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", ()),
+                        (GENERATION_HEADER.encode(), str(receiver.generation).encode()),
+                        (ENGINE_HEADER.encode(), receiver.backend.engine_id.encode()),
+                    ],
+                }
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 def error_response(status: int, code: str, detail: str) -> JSONResponse:

@@ -7,7 +7,7 @@ import contextlib
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
+from mooncake_rl.router import KINDS, Rotation, Router, RouterSpec, open_router
 from mooncake_rl.services import (
     EmbeddedMaster,
     MasterConfig,
@@ -28,6 +29,8 @@ from mooncake_rl.transport.modes import TransportMode
 
 EXIT_MIXED_INVALID = 3
 """``update``: an auto update under MOONCAKE_RL_ASSERT_MIXED_TRANSPORT=1 lacked a leg."""
+EXIT_OUT_OF_ROTATION = 4
+"""``update --router``: the engines synced, but some could not be re-added to the router."""
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +160,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_update(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from mooncake_rl.coordinator import Coordinator, UpdateFailed
+    from mooncake_rl.coordinator import Coordinator, ReadmitFailed, UpdateFailed
     from mooncake_rl.transport.topology import MixedTransportInvalid
 
     console = Console(stderr=True)
@@ -171,6 +174,7 @@ def cmd_update(args: argparse.Namespace) -> int:
             session_ttl_s=args.session_ttl,
             progress=lambda phase: console.log(f"[bold]{phase}[/] done"),
         ) as coordinator,
+        _router(args) as router,
         console.status("updating engines"),
     ):
         try:
@@ -182,16 +186,63 @@ def cmd_update(args: argparse.Namespace) -> int:
                 min_engines=args.min_engines,
                 transport=args.transport,
                 train_gpus=args.train_gpus,
+                router=router,
+                max_unavailable=args.max_unavailable,
             )
         except UpdateFailed as failed:
             print(json.dumps(failed.result.to_json(), indent=2))
             return 1
+        except ReadmitFailed as stuck:
+            print(json.dumps(stuck.result.to_json(), indent=2))
+            console.print(f"[bold red]OUT OF ROTATION[/]: {stuck}")
+            return EXIT_OUT_OF_ROTATION
         except MixedTransportInvalid as invalid:
             console.print(f"[bold red]INVALID[/]: {invalid}")
             return EXIT_MIXED_INVALID
     console.print(leg_table(result.legs))
     print(json.dumps(result.to_json(), indent=2))
     return 0
+
+
+@contextlib.contextmanager
+def _router(args: argparse.Namespace) -> Iterator[Router | None]:
+    if args.router is None:
+        yield None
+        return
+    router = open_router(RouterSpec(args.router, args.router_kind))
+    try:
+        yield router
+    finally:
+        router.close()
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """Scale-up and scale-down through the same serialized steps as an update's bracket."""
+    if args.action != "list" and not args.engine:
+        raise ConfigurationError(f"`mooncake-rl router {args.action}` needs an engine URL")
+    with _store(args) as store, _router(args) as router:
+        assert router is not None
+        rotation = Rotation(router, store, holder=f"mooncake-rl router {args.action}")
+        if args.action == "add":
+            rotation.admit(args.engine, force=args.force)
+        elif args.action == "remove":
+            rotation.retire(args.engine)
+        held = {url: entry.__dict__ for url, entry in rotation.held_out().items()}
+        print(json.dumps({"workers": router.workers(), "held_out": held}, indent=2))
+    return 0
+
+
+def _router_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--router",
+        required=required,
+        metavar="URL",
+        help="the request router in front of the engines: each engine leaves its rotation "
+        "before it drains and is re-admitted after its sync",
+    )
+    parser.add_argument(
+        "--router-kind", choices=KINDS, default="vllm", help="its worker API (default vllm)"
+    )
 
 
 def leg_table(legs: dict[str, dict[str, Any]]) -> Table:
@@ -334,8 +385,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="the train pool's physical GPU ids, comma-separated (MOONCAKE_RL_TRAIN_GPUS); "
         "needed by every transport but store",
     )
+    _router_flags(update, required=False)
+    update.add_argument(
+        "--max-unavailable",
+        type=int,
+        metavar="K",
+        help="rolling update: take K engines out at a time, all pinned to one generation "
+        "(default: all at once)",
+    )
     _client_flags(update)
     update.set_defaults(func=cmd_update)
+
+    router = commands.add_parser(
+        "router", help="list, add (scale up) or remove (scale down) a router's engines"
+    )
+    router.add_argument("action", choices=["list", "add", "remove"])
+    router.add_argument("engine", nargs="?", help="engine base URL (add, remove)")
+    router.add_argument(
+        "--force",
+        action="store_true",
+        help="add: also an engine an update holds out (that update's coordinator died)",
+    )
+    _router_flags(router, required=True)
+    _client_flags(router)
+    router.set_defaults(func=cmd_router)
 
     demo = commands.add_parser("demo", help="the end-to-end demonstration (make demo)")
     demo.set_defaults(func=cmd_demo)

@@ -27,6 +27,7 @@ Failures never leave an engine half-updated or paused:
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -48,6 +49,9 @@ from mooncake_rl.generations.registry import (
 )
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
 from mooncake_rl.protocol import MAX_TTL_S
+from mooncake_rl.router.adapters import Router
+from mooncake_rl.router.probe import require_compatible, waves
+from mooncake_rl.router.rotation import Rotation
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.legs import LegFailed, LegFigures, TransportLegs
 from mooncake_rl.transport.modes import TransportMode, parse_gpu_ids, resolve_mode
@@ -107,10 +111,61 @@ class UpdateResult:
     # the seconds its delivery took.
     transport: str = TransportMode.STORE.value
     legs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # With a router: per engine taken out, "readmitted", "retired" (removed meanwhile, so
+    # not re-added) or "failed: <why>" (still out of rotation).
+    rotation: dict[str, str] = field(default_factory=dict)
+    waves: int = 0
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def absorb(self, wave: UpdateResult) -> None:
+        """Add one wave of a rolling update (same model and generation) to this result."""
+        self.waves += 1
+        for name, seconds in wave.phase_seconds.items():
+            self.phase_seconds[name] = round(self.phase_seconds.get(name, 0.0) + seconds, 4)
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(wave, name))
+        for name in _MERGED:
+            getattr(self, name).update(getattr(wave, name))
+        for name in ("skipped", "committed", "rebuild"):
+            getattr(self, name).extend(getattr(wave, name))
+        self.session = wave.session or self.session
+        self.error = wave.error or self.error
+
+
+_SUMMED = (
+    "store_read_bytes",
+    "store_reread_bytes",
+    "pushed_bytes",
+    "planned_read_bytes",
+    "planned_pushed_bytes",
+    "unique_demand_bytes",
+    "cross_node_pushed_bytes",
+)
+_MERGED = (
+    "received_bytes",
+    "fallback_bytes",
+    "node_nic_bytes",
+    "verified",
+    "failed",
+    "legs",
+    "rotation",
+)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What every wave of one update shares."""
+
+    mode: str
+    drain_mode: str
+    batch_bytes: int
+    direct_fallback: str | None
+    transport: TransportMode
+    train_pool: Sequence[str] | None
+    sender: SenderLauncher | None
 
 
 def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:
@@ -140,6 +195,20 @@ class UpdateFailed(MooncakeRLError):
     def __init__(self, result: UpdateResult) -> None:
         self.result = result
         super().__init__(result.error or "update failed")
+
+
+class ReadmitFailed(MooncakeRLError):
+    """The engines synced, but some could not be put back in the router's rotation: they
+    serve the new generation and receive no traffic until re-added (``mooncake-rl router
+    add``)."""
+
+    def __init__(self, result: UpdateResult, stuck: Mapping[str, str]) -> None:
+        self.result = result
+        self.stuck = dict(stuck)
+        result.error = "synced but out of rotation: " + "; ".join(
+            f"{url}: {why}" for url, why in sorted(stuck.items())
+        )
+        super().__init__(result.error)
 
 
 class Coordinator:
@@ -264,6 +333,8 @@ class Coordinator:
         transport: str | None = None,
         train_gpus: str | Sequence[str] | None = None,
         sender: SenderLauncher | None = None,
+        router: Router | None = None,
+        max_unavailable: int | None = None,
     ) -> UpdateResult:
         """``direct_fallback``: regex of parameter names direct mode lands through each
         engine's ``load_weights`` (full tensors) instead of its shard discovery.
@@ -271,12 +342,22 @@ class Coordinator:
         it counts); default all. ``transport``: store (default: ``MOONCAKE_RL_TRANSPORT``),
         broadcast, cpu_serialize or auto; the non-Store ones need ``train_gpus`` (default
         ``MOONCAKE_RL_TRAIN_GPUS``) and deliver full tensors in buckets of ``batch_bytes``;
-        ``sender``: where a broadcast's sender runs (default: a child of this process)."""
+        ``sender``: where a broadcast's sender runs (default: a child of this process).
+
+        ``router``: the request router in front of the engines. Before anything is touched
+        the router, the engines' plugin versions and the topology are probed; then each
+        engine is taken out of rotation before it drains and re-admitted (if still wanted)
+        once its sync ended, whatever the outcome. ``max_unavailable``: update that many
+        engines at a time (a rolling update), all pinned to the same generation; default
+        all at once. :class:`ReadmitFailed` means the sync succeeded but engines stayed out
+        of rotation; a failed sync raises its own error even when re-admission failed too.
+        """
         needed = len(self.engines) if min_engines is None else min_engines
         if not 1 <= needed <= len(self.engines):
             raise MooncakeRLError(
                 f"min_engines must lie in 1..{len(self.engines)} (the engines given), got {needed}"
             )
+        groups = waves(self.engines, max_unavailable)
         chosen = resolve_mode(transport)
         if chosen is not TransportMode.STORE and mode != "compat":
             raise ConfigurationError(
@@ -287,12 +368,98 @@ class Coordinator:
             train_gpus if train_gpus is not None else self.store.settings.train_gpus,
             "the train pool's GPU ids (--train-gpus / MOONCAKE_RL_TRAIN_GPUS)",
         )
-        registry = GenerationRegistry(self.store, model)
         record = require_active(self.store, model, "cannot update engines")
+        rotation = None
+        if router is not None:
+            self._probe(router, chosen, train_pool)
+            rotation = Rotation(router, self.store, holder=self.holder)
+        options = _Options(
+            mode, drain_mode, batch_bytes, direct_fallback, chosen, train_pool, sender
+        )
+        tag = uuid.uuid4().hex
+        total = UpdateResult(model, record.generation, mode, list(self.engines))
+        total.transport = chosen.value
+        spare = len(self.engines) - needed
+        for group in groups:
+            try:
+                result = self._bracketed(
+                    rotation,
+                    tag,
+                    group,
+                    functools.partial(
+                        self._update_engines,
+                        model,
+                        group,
+                        record,
+                        max(1, len(group) - spare),
+                        options,
+                    ),
+                )
+            except (UpdateFailed, ReadmitFailed) as error:
+                total.absorb(error.result)
+                error.result = total
+                raise
+            total.absorb(result)
+            spare -= len(group) - len(result.committed) - len(result.skipped)
+        return total
+
+    def _probe(
+        self, router: Router, chosen: TransportMode, train_pool: Sequence[str] | None
+    ) -> None:
+        """Router API, plugin versions and topology, before any engine leaves rotation."""
+        router.probe()
+        statuses, failed = self._all(self.engines, "GET", "status")
+        require_compatible({**statuses, **{u: None for u, e in failed.items() if e.status == 404}})
+        placements, _ = self._all(self.engines, "GET", "placement")
+        urls = sorted(placements)
+        classify(chosen, urls, engine_gpus(placements, urls), train_pool)
+
+    def _bracketed(
+        self,
+        rotation: Rotation | None,
+        tag: str,
+        engines: Sequence[str],
+        sync: Callable[[], UpdateResult],
+    ) -> UpdateResult:
+        """Take ``engines`` out of rotation, sync, and re-admit in the ``finally``.
+
+        Only engines still held out for this update (``tag``) come back: one retired
+        meanwhile stays out. The sync's error wins over a failed re-admission; after a
+        successful sync, a failed re-admission raises :class:`ReadmitFailed`.
+        """
+        if rotation is None:
+            return sync()
+        taken: list[str] = []
+        outcome: dict[str, str] = {}
+        try:
+            rotation.take_out(engines, tag, taken)
+            result = sync()
+        except UpdateFailed as failed:
+            failed.result.rotation = outcome  # filled in by the finally below
+            raise
+        finally:
+            outcome.update(rotation.readmit(taken, tag))
+        result.rotation = outcome
+        stuck = {url: why for url, why in outcome.items() if why.startswith("failed")}
+        if stuck:
+            raise ReadmitFailed(result, stuck)
+        return result
+
+    def _update_engines(
+        self,
+        model: str,
+        engines: Sequence[str],
+        record: ActiveRecord,
+        needed: int,
+        options: _Options,
+    ) -> UpdateResult:
+        """One update of ``engines`` to ``record``'s generation (see the module doc)."""
+        mode, chosen, train_pool = options.mode, options.transport, options.train_pool
+        registry = GenerationRegistry(self.store, model)
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
         # One table load per update; each worker gets the rows of the objects it reads.
         checksums = registry.load_checksums(record.generation, record.checksums_digest)
-        result = UpdateResult(model, record.generation, mode, list(self.engines))
+        result = UpdateResult(model, record.generation, mode, list(engines))
         result.transport = chosen.value
         clock = time.perf_counter()
 
@@ -303,12 +470,10 @@ class Coordinator:
             clock = now
             self._progress(name)
 
-        placements, failed = self._all(self.engines, "GET", "placement")
+        placements, failed = self._all(engines, "GET", "placement")
         _left_out(result, failed)
-        result.skipped = [
-            u for u in self.engines if u in placements and serves(placements[u], record)
-        ]
-        targets = [u for u in self.engines if u in placements and u not in result.skipped]
+        result.skipped = [u for u in engines if u in placements and serves(placements[u], record)]
+        targets = [u for u in engines if u in placements and u not in result.skipped]
         for url in targets:
             problem = refusal(url, placements[url], record)
             if problem:
@@ -349,7 +514,7 @@ class Coordinator:
             }
 
         try:
-            members = self._drain(session, targets, drain_mode, needed, result)
+            members = self._drain(session, targets, options.drain_mode, needed, result)
             phase("drain")
             if chosen is TransportMode.STORE:
                 members, plan, prepared = self._prepare(
@@ -359,10 +524,10 @@ class Coordinator:
                         manifest,
                         {u: placements[u]["workers"] for u in urls},
                         mode,
-                        batch_bytes,
+                        options.batch_bytes,
                         self.cache,
                         record.layout_digest,
-                        direct_fallback,
+                        options.direct_fallback,
                     ),
                     lambda url, plan: {
                         **base_body(url),
@@ -381,9 +546,9 @@ class Coordinator:
                     members,
                     classification,
                     placements,
-                    sender or ChildLauncher(self.store.settings, train_pool),
+                    options.sender or ChildLauncher(self.store.settings, train_pool),
                     record,
-                    batch_bytes,
+                    options.batch_bytes,
                     needed,
                     result,
                     phase,

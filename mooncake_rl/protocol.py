@@ -14,6 +14,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+PROTOCOL_VERSION = 1
+"""The ``/mooncake/*`` contract's version, reported in every engine's status; bumped on any
+change a coordinator of the previous version could misread. A coordinator refuses engines
+of another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
 MAX_GENERATION = 2**53
 """Above any generation a Store will hand out; the workers bound it by the active record."""
 MAX_STAGES = 1 << 16

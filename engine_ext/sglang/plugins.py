@@ -36,7 +36,7 @@ from fastapi import Request
 from engine_ext.leases import export_engine_identity, renew_leases
 from engine_ext.loading import LOAD_FORMAT, model_name_from
 from engine_ext.receiver import Receiver
-from engine_ext.routes import build_router
+from engine_ext.routes import GenerationHeaders, build_router
 from engine_ext.security import guard_tokens
 from engine_ext.sglang.backend import COMMUNICATOR, SglangBackend
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
@@ -100,6 +100,7 @@ def _attach_routes(*args: Any, **kwargs: Any) -> None:
     app.include_router(
         build_router(routes.receiver, tokens, max_body_bytes=settings.max_body_bytes)
     )
+    app.add_middleware(GenerationHeaders, current=routes.current)
     app.router.lifespan_context = routes.with_leases(app.router.lifespan_context)
 
 
@@ -143,6 +144,10 @@ class EngineRoutes:
         self._tokenizer_manager = tokenizer_manager
         self._receiver: Receiver | None = None
         self._lock = asyncio.Lock()
+
+    def current(self) -> Receiver | None:
+        """The receiver once built (the response headers' source; they never wait for it)."""
+        return self._receiver
 
     async def receiver(self, request: Request | None = None) -> Receiver:
         async with self._lock:

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 
 from engine_ext.leases import engine_identity, renew_leases
 from engine_ext.receiver import Receiver
-from engine_ext.routes import build_router
+from engine_ext.routes import GenerationHeaders, build_router
 from engine_ext.security import guard_tokens
 from engine_ext.vllm.backend import VllmBackend
 from mooncake_rl.errors import ConfigurationError
@@ -71,6 +71,7 @@ class MooncakeEndpointPlugin:
         app.include_router(
             build_router(self._get_receiver, tokens, max_body_bytes=settings.max_body_bytes)
         )
+        app.add_middleware(GenerationHeaders, current=lambda: self._receiver)
 
     async def _get_receiver(self, request: Request) -> Receiver:
         await self._ready.wait()
