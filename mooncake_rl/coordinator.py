@@ -368,11 +368,11 @@ class Coordinator:
             train_gpus if train_gpus is not None else self.store.settings.train_gpus,
             "the train pool's GPU ids (--train-gpus / MOONCAKE_RL_TRAIN_GPUS)",
         )
-        record = require_active(self.store, model, "cannot update engines")
         rotation = None
         if router is not None:
             self._probe(router, chosen, train_pool)
             rotation = Rotation(router, self.store, holder=self.holder)
+        record = require_active(self.store, model, "cannot update engines")
         options = _Options(
             mode, drain_mode, batch_bytes, direct_fallback, chosen, train_pool, sender
         )
@@ -382,7 +382,7 @@ class Coordinator:
         spare = len(self.engines) - needed
         for group in groups:
             try:
-                result = self._bracketed(
+                result = self.bracketed(
                     rotation,
                     tag,
                     group,
@@ -414,7 +414,7 @@ class Coordinator:
         urls = sorted(placements)
         classify(chosen, urls, engine_gpus(placements, urls), train_pool)
 
-    def _bracketed(
+    def bracketed(
         self,
         rotation: Rotation | None,
         tag: str,

@@ -2,10 +2,11 @@
 
 A tied-embedding Qwen2 (qkv bias and a tied ``lm_head``) and a Qwen3-MoE (fused experts):
 each starts from the Store, is updated in compat then direct mode, and after each update
-serves exactly what plain vLLM serves from that generation's local directory. On the same
-engines: a direct update that leaves the qkv biases to the per-parameter fallback, and a
-bad landing caused on purpose (vLLM's own stale CPU expert prepack, put back) that the
-post-landing check must refuse to serve.
+serves exactly transformers' greedy output for that generation's local directory (equal to
+plain vLLM's for these families; ``make models`` compares against plain vLLM servers).
+On the same engines: a direct update that leaves the qkv biases to the per-parameter
+fallback, and a bad landing caused on purpose (vLLM's own stale CPU expert prepack, put
+back) that the post-landing check must refuse to serve.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
-from mooncake_rl.tiny_model import PROMPT
+from mooncake_rl.tiny_model import PROMPT, hf_greedy
 from tests.conftest import settings_for
 
 pytestmark = pytest.mark.timeout(900)
@@ -60,7 +61,7 @@ def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, tmp_p
     fallback: dict[str, object] = {}
 
     def direct_with_fallback(engine: VllmServer, run: FamilyRun, dirs: list[Path]) -> None:
-        # Generation 4 holds generation 2's weights: plain vLLM's output for them is known.
+        # Generation 4 holds generation 2's weights: their reference output is known.
         update = update_once(
             client, engine, "qwen2-tied-tp1", dirs[1], "direct", r"qkv_proj\.bias$"
         )
@@ -70,7 +71,16 @@ def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, tmp_p
             placement=engine.mooncake("GET", "placement").json()["workers"][0],
         )
 
-    run = run_family("qwen2", True, 1, tmp_path, settings, client, after=direct_with_fallback)
+    run = run_family(
+        "qwen2",
+        True,
+        1,
+        tmp_path,
+        settings,
+        client,
+        after=direct_with_fallback,
+        reference=hf_greedy,
+    )
     assert_both_modes_exact(run)
 
     update, worker = fallback["update"], fallback["placement"]
@@ -114,7 +124,15 @@ def test_qwen3_moe_updates_exactly_and_a_stale_landing_is_never_served(
         seen["outputs"] = engine.complete(PROMPT)
 
     run = run_family(
-        "qwen3_moe", False, 1, tmp_path, settings, client, engine_env=env, after=stale_experts
+        "qwen3_moe",
+        False,
+        1,
+        tmp_path,
+        settings,
+        client,
+        engine_env=env,
+        after=stale_experts,
+        reference=hf_greedy,
     )
     assert_both_modes_exact(run)
 
