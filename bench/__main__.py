@@ -3,6 +3,7 @@
 python -m bench [run] [--size 256MiB --workers 4 --nodes 2 --out out/bench-compare.png]
 python -m bench simulate [--model kimi-k2 --trainer-gpus 256 --instances 16 --tp 8 ...]
 python -m bench transports [--hidden 512 --layers 4 --repeats 3 --batch 8MiB --root DIR]
+python -m bench load [--updates 5 --clients 4 --modes rolling all_at_once --out out/bench-load.png]
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.simulate import main as simulate
 
         return simulate(args[1:])
-    if args[:1] == ["transports"]:
+    if args[:1] in (["transports"], ["load"]):
         os.environ.setdefault("GLOG_minloglevel", "2")  # before Mooncake's library loads
+        if args[0] == "load":
+            from bench.load import main as load
+
+            return load(args[1:])
         from bench.transports import main as transports
 
         return transports(args[1:])

@@ -112,3 +112,35 @@ def plot_simulation(result: Mapping[str, Any], path: Path) -> Path:
     scenario = result["scenario"]
     figure.suptitle(scenario["summary"], fontsize=11)
     return _save(figure, path)
+
+
+def plot_load(
+    result: Mapping[str, Any], samples: Mapping[str, list[Mapping[str, Any]]], path: Path
+) -> Path:
+    """Per mode: each request's latency at the time it ended, updates shaded."""
+    modes = list(result["modes"])
+    figure, axes = plt.subplots(len(modes), 1, figsize=(10, 3.2 * len(modes)), squeeze=False)
+    marks = {"ok": ("#1b7837", "."), "aborted": ("#fdae61", "x"), "failed": ("#b2182b", "x")}
+    for axis, mode in zip(axes[:, 0], modes, strict=True):
+        for start, end in result["modes"][mode]["spans"]:
+            axis.axvspan(start, end, color="#4393c3", alpha=0.2)
+        for outcome, (color, marker) in marks.items():
+            rows = [s for s in samples[mode] if s["outcome"] == outcome]
+            axis.scatter(
+                [s["ended"] for s in rows],
+                [s["ended"] - s["started"] for s in rows],
+                s=8,
+                c=color,
+                marker=marker,
+                label=f"{outcome} ({len(rows)})",
+            )
+        report = result["modes"][mode]
+        axis.set_title(
+            f"{mode}: {report['failed']} failed, {report['aborted']} aborted, unavailable "
+            f"{report['unavailable_seconds']} s (shaded: updates)",
+            fontsize=10,
+        )
+        axis.set_xlabel("seconds")
+        axis.set_ylabel("latency (s)")
+        axis.legend(fontsize=8, loc="upper right")
+    return _save(figure, path)

@@ -44,6 +44,7 @@ from mooncake_rl.coordinator import Coordinator, UpdateResult
 from mooncake_rl.errors import InvariantViolation, MooncakeRLError
 from mooncake_rl.generations.publisher import PublishFailed
 from mooncake_rl.generations.weights import active_weights
+from mooncake_rl.router import open_router
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.modes import TransportMode, resolve_mode
 from mooncake_rl.transport.rendezvous import SlotLauncher, close_slot, serve_slot
@@ -251,18 +252,28 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                 session_ttl_s=self.config.session_ttl_s,
             )
         assert self._sync_id is not None
-        return self._coordinator.update(
-            self.config.model,
-            mode=self.config.mode,
-            min_engines=self.config.min_engines,
-            transport=self.config.transport,
-            # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.
-            train_gpus=self._outcome.train_gpus or self.config.train_gpus or None,
-            # Trainer rank 0 sends (see finalize), from its own address.
-            sender=SlotLauncher(
-                self.store, self._sync_id, self._outcome.sender_host or self.store.settings.hostname
-            ),
-        )
+        spec = self.config.router_spec()
+        router = open_router(spec) if spec else None
+        try:
+            return self._coordinator.update(
+                self.config.model,
+                mode=self.config.mode,
+                min_engines=self.config.min_engines,
+                transport=self.config.transport,
+                # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.
+                train_gpus=self._outcome.train_gpus or self.config.train_gpus or None,
+                # Trainer rank 0 sends (see finalize), from its own address.
+                sender=SlotLauncher(
+                    self.store,
+                    self._sync_id,
+                    self._outcome.sender_host or self.store.settings.hostname,
+                ),
+                router=router,
+                max_unavailable=self.config.max_unavailable,
+            )
+        finally:
+            if router is not None:
+                router.close()
 
     async def get_weights(self) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """The Store's active generation, one tensor at a time: the Store is the cache."""

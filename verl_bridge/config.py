@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.keys import check_model_name
+from mooncake_rl.router import RouterSpec
 from mooncake_rl.settings import Settings
 from mooncake_rl.transport.modes import parse_gpu_ids, resolve_mode
 
@@ -68,6 +69,11 @@ class BridgeConfig:
     """store, broadcast, cpu_serialize or auto (default: ``MOONCAKE_RL_TRANSPORT``, store)."""
     train_gpus: tuple[str, ...] = ()
     """The train pool's GPU ids where trainer ranks cannot report CUDA UUIDs (CPU runs)."""
+    router: str | None = None
+    """The request router in front of the engines (``mooncake-rl update --router``)."""
+    router_kind: str = "vllm"
+    max_unavailable: int | None = None
+    """Rolling updates: engines out of rotation at a time (default all at once)."""
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> BridgeConfig:
@@ -110,11 +116,26 @@ class BridgeConfig:
             raise ConfigurationError(
                 f"min_engines must be an integer >= 1 (or unset: all), got {config.min_engines!r}"
             )
+        if config.router is not None:
+            RouterSpec(config.router, config.router_kind)  # type: ignore[arg-type]
+        if config.max_unavailable is not None and (
+            type(config.max_unavailable) is not int or config.max_unavailable < 1
+        ):
+            raise ConfigurationError(
+                f"max_unavailable must be an integer >= 1 (or unset: all at once), got "
+                f"{config.max_unavailable!r}"
+            )
         if not 1 <= config.session_ttl_s <= 3600:
             raise ConfigurationError(
                 f"session_ttl_s must lie in 1..3600 seconds, got {config.session_ttl_s!r}"
             )
         return config
+
+    def router_spec(self) -> RouterSpec | None:
+        if self.router is None:
+            return None
+        kind = self.router_kind
+        return RouterSpec(self.router, kind, timeout_s=self.timeout_s)  # type: ignore[arg-type]
 
     def settings(self) -> Settings:
         """Store client settings: environment first, these keys on top; lends no memory.

@@ -77,6 +77,9 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "keep": "2"}, "keep must be an integer >= 1, got '2'"),
         ({"model": "m", "min_engines": 0}, "min_engines must be an integer >= 1"),
         ({"model": "m", "session_ttl_s": 0.5}, "session_ttl_s must lie in 1..3600 seconds"),
+        ({"model": "m", "router": "router:30000"}, "must start with http"),
+        ({"model": "m", "router": "http://r:1", "router_kind": "nginx"}, "not one of vllm"),
+        ({"model": "m", "max_unavailable": 0}, "max_unavailable must be an integer >= 1"),
     ],
 )
 def test_bad_engine_kwargs_fail_at_construction(kwargs: dict, message: str) -> None:
