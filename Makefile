@@ -13,7 +13,7 @@ SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults clean
+.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -28,7 +28,7 @@ sysdeps:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q -e '.[dev,vllm,router]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
@@ -67,6 +67,11 @@ test: venv verl-deps sglang-venv
 faults: venv verl-deps
 	$(PY) -m pytest -q -m faults
 
+# Five updates per mode under continuous traffic through a real vllm-router in front of two
+# vLLM engines (`-m load`); `make test` keeps a one-update smoke of it (docs/router.md).
+load: venv
+	$(PY) -m pytest -q -m load
+
 demo: venv
 	$(VENV)/bin/mooncake-rl demo
 
@@ -77,6 +82,7 @@ bench: venv
 	$(VENV)/bin/mooncake-rl bench --out out/bench-compare.png
 	$(VENV)/bin/mooncake-rl bench simulate --out out/bench-simulate.png
 	$(VENV)/bin/mooncake-rl bench transports
+	$(VENV)/bin/mooncake-rl bench load --out out/bench-load.png
 
 # The model-family coverage matrix: every tiny family, tied and untied, direct and compat,
 # against plain vLLM (about 40 vLLM server starts; see docs/models.md).

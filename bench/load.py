@@ -46,6 +46,7 @@ from bench.transports import (
     terminate_as_exit,
 )
 
+BACKOFF_S = 0.05
 MODES = {"rolling": 1, "all_at_once": None}
 """Mode name -> ``max_unavailable``."""
 
@@ -122,6 +123,8 @@ class Load:
                     )
                 with self._lock:
                     self.samples.append(sample)
+                if sample.outcome != "ok":
+                    self._stop.wait(BACKOFF_S)  # a client backs off before it retries
 
     def __enter__(self) -> Load:
         for index in range(self.clients):

@@ -19,11 +19,14 @@ from hypothesis import HealthCheck, given, settings
 
 pytest.importorskip("vllm")
 
+from bench.load import Load
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.cli import main
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
+from mooncake_rl.router import open_router
+from mooncake_rl.router.launch import RouterProcess
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
@@ -60,8 +63,8 @@ class World:
     def start(
         self, label: str, tp: int, token: str | None = None, eager: bool = False
     ) -> VllmServer:
-        """``eager``: no graph compilation (half the start); the first engines keep the
-        compiled path covered."""
+        """``eager``: no graph compilation (half the start); engine ``a`` keeps the compiled
+        path covered."""
         server = VllmServer(
             self.dirs[0],
             self.settings.with_overrides(node=f"node-{label}"),
@@ -93,8 +96,8 @@ def world(
     made = World(tmp_path_factory.mktemp("e2e"), master, holders("e2e-store").segment)
     try:
         made.publish(0)
-        made.start("a", 1, token=TOKEN)
-        made.start("b", 2)
+        made.start("a", 1, token=TOKEN)  # compiled: keeps vLLM's compiled path covered
+        made.start("b", 2, eager=True)
         yield made
     finally:
         made.close()
@@ -598,3 +601,41 @@ def test_cpu_buckets_that_are_not_the_generation_change_nothing(world: World) ->
     status = a.mooncake("GET", "status").json()
     assert (status["state"], status["generation"]) == ("serving", served)
     assert a.complete(PROMPT) == before
+
+
+def test_a_rolling_update_through_vllm_router_under_load_fails_no_request(
+    world: World, tmp_path: Path
+) -> None:
+    """The router bracket end to end (the smoke of ``make load``, which runs five updates per
+    mode): clients send completions through a real vllm-router without pause while both
+    engines are updated one at a time; no request fails, every response names the
+    generation that produced it, and both engines end on the new generation."""
+    served = world.engines["a"].mooncake("GET", "status").json()["generation"]
+    generation = world.publish(2)
+    urls = sorted(engine.url for engine in world.engines.values())
+    with RouterProcess("vllm", tmp_path) as process:
+        router = open_router(process.spec)
+        try:
+            for url in urls:
+                router.add(url)
+            model = httpx.get(f"{process.url}/v1/models", timeout=30).json()["data"][0]["id"]
+            with Load(process.url, model, PROMPT, clients=3, max_tokens=12) as load:
+                time.sleep(1.0)
+                with world.coordinator() as coordinator:
+                    result = coordinator.update(MODEL, router=router, max_unavailable=1)
+                time.sleep(1.0)
+            assert sorted(router.workers()) == urls
+        finally:
+            router.close()
+    assert result.waves == 2 and sorted(result.committed) == urls
+    assert result.rotation == {url: "readmitted" for url in urls}
+    assert [s for s in load.samples if s.outcome == "failed"] == []
+    ok = [s for s in load.samples if s.outcome == "ok"]
+    assert ok and {s.generation for s in ok} <= {served, generation}
+    assert {s.engine for s in ok} == {
+        e.mooncake("GET", "status").json()["engine_id"] for e in world.engines.values()
+    }
+    assert max(ok, key=lambda s: s.ended).generation == generation
+    for engine in world.engines.values():
+        assert engine.mooncake("GET", "status").json()["generation"] == generation
+        assert engine.complete(PROMPT) == world.refs[2]

@@ -7,10 +7,12 @@ The sync is the caller's step; the real update inside it is covered end to end i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from mooncake_rl.cli import main
 from mooncake_rl.coordinator import Coordinator, ReadmitFailed, UpdateFailed, UpdateResult
 from mooncake_rl.router import EngineHeldOut, Rotation, RotationBusy, VersionSkew, open_router
 from mooncake_rl.router.launch import RouterProcess
@@ -167,3 +169,29 @@ def test_the_probe_rejects_an_engine_without_the_plugin_before_touching_anything
         bracket.coordinator.update("m", router=bracket.router)
     assert sorted(bracket.router.workers()) == sorted(bracket.urls)
     assert bracket.rotation.held_out() == {}
+
+
+def test_the_router_cli_scales_up_and_down_through_the_rotation(
+    start_router: Callable[[str], RouterProcess],
+    master: EmbeddedMaster,
+    http_workers: list[HttpWorker],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    running = start_router("sglang")
+    flags = ["--router", running.url, "--router-kind", "sglang"]
+    flags += ["--master", master.master_address, "--metadata", master.metadata_url]
+    engine = http_workers[2].url
+
+    def cli(*args: str) -> tuple[int, str]:
+        code = main(["router", *args, *flags])
+        captured = capsys.readouterr()
+        return code, captured.out + captured.err
+
+    code, out = cli("add", engine)
+    assert code == 0 and json.loads(out)["workers"] == [engine]
+    code, out = cli("list")
+    assert code == 0 and json.loads(out) == {"workers": [engine], "held_out": {}}
+    code, out = cli("remove", engine)
+    assert code == 0 and json.loads(out)["workers"] == []
+    code, out = cli("add")
+    assert code == 2 and "`mooncake-rl router add` needs an engine URL" in out

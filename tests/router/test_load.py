@@ -1,0 +1,27 @@
+"""``make load``: five updates per mode under continuous traffic through a real vllm-router
+in front of two real vLLM CPU engines (``bench.load``, which checks every update: both
+engines serve the new generation with transformers' greedy output for it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from bench.load import LoadConfig, run
+
+pytestmark = [pytest.mark.load, pytest.mark.timeout(1800)]
+
+
+def test_rolling_updates_fail_no_request_and_all_at_once_is_measured(tmp_path: Path) -> None:
+    result = run(LoadConfig(updates=5, root=tmp_path))
+    rolling, at_once = result["modes"]["rolling"], result["modes"]["all_at_once"]
+    assert rolling["failed"] == 0, rolling["failures"]
+    assert rolling["during"]["ok_per_second"] > 0
+    assert len(rolling["generations"]) == 5
+    assert rolling["generations_in_headers"][-1] == rolling["generations"][-1]
+    # All at once, the router has no worker while both engines sync: clients see it.
+    assert at_once["failed"] > 0 and at_once["unavailable_seconds"] > 0
+    assert at_once["generations_in_headers"][-1] == at_once["generations"][-1]
