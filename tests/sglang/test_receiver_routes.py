@@ -145,6 +145,7 @@ async def test_routes_mount_on_sglangs_own_app() -> None:
     from sglang.srt.entrypoints.http_server import _GlobalState, app, set_global_state
 
     from engine_ext.sglang.plugins import _attach_routes
+    from mooncake_rl.protocol import PROTOCOL_VERSION
 
     manager = RecordingTokenizerManager()
     set_global_state(
@@ -171,5 +172,10 @@ async def test_routes_mount_on_sglangs_own_app() -> None:
         "tiny",
         1,
     )
+    assert status["protocol"] == PROTOCOL_VERSION
     assert drained.json()["state"] == "drained" and manager.calls == ["drain:abort"]
+    # Every response of SGLang's app names the generation served and the engine.
+    for response in (drained, malformed):
+        assert response.headers["x-mooncake-generation"] == "1"
+        assert response.headers["x-mooncake-engine"] == "127.0.0.1:30000"
     assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_request"
