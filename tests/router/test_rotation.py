@@ -195,3 +195,14 @@ def test_the_router_cli_scales_up_and_down_through_the_rotation(
     assert code == 0 and json.loads(out)["workers"] == []
     code, out = cli("add")
     assert code == 2 and "`mooncake-rl router add` needs an engine URL" in out
+
+
+def test_cli_update_with_a_router_refuses_skew_with_exit_2(
+    bracket: Bracket, master: EmbeddedMaster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ["--master", master.master_address, "--metadata", master.metadata_url]
+    engines = [flag for url in bracket.urls for flag in ("--engine", url)]
+    code = main(["update", "--name", "m", *engines, "--router", bracket.process.url, *store])
+    assert code == 2
+    assert "version skew, no engine was touched" in capsys.readouterr().err
+    assert sorted(bracket.router.workers()) == sorted(bracket.urls)
