@@ -13,7 +13,7 @@ SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load clean
+.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load gpu-deps gpu-check clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -66,6 +66,19 @@ test: venv verl-deps sglang-venv
 # The full fault matrix and the soaks (`-m faults`); `make test` runs a smoke of each.
 faults: venv verl-deps
 	$(PY) -m pytest -q -m faults
+
+# One CUDA GPU: the Mooncake wheel for the CUDA build of $(GPU_PY)'s torch (CUDA 12 or 13;
+# exclusive with the CPU wheel) and the update path's pure-Python needs, into $(GPU_SITE),
+# leaving the machine's torch as it is; offline from wheels in .whl/ when that folder exists.
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/mooncake-rl-gpu
+gpu-deps:
+	$(GPU_PY) -m bench.gpu_env --target $(GPU_SITE) --wheels .whl
+
+# The direct-mode update path on the GPU: MoE-shaped (50,000 tensors, 4 GiB) and dense
+# generations into live CUDA parameters, in place and staged, checked bit-exact; one JSON.
+gpu-check: gpu-deps
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) GLOG_minloglevel=2 $(GPU_PY) -m bench.gpu_check
 
 # Five updates per mode under continuous traffic through a real vllm-router in front of two
 # vLLM engines (`-m load`); `make test` keeps a one-update smoke of it (docs/router.md).

@@ -1,8 +1,8 @@
 """One engine worker's side of the update protocol, shared by the vLLM and SGLang adapters.
 
 A worker describes its shards, stages the bytes its routing slice assigns it in a
-worker-owned arena (registered once, reused across generations and modes while the layout
-fits), and touches live parameters only at commit, through the engine's own loading
+worker-owned arena on its parameters' device (registered once, reused across generations
+and modes while the layout fits), and touches live parameters only at commit, through the engine's own loading
 paths (the subclass's :meth:`UpdateWorker.land_compat` / :meth:`UpdateWorker.land_direct`).
 Every call returns a JSON-able reply with ``ok`` instead of raising: at TP >= 2 a rank
 that raises leaves the other ranks' replies (and collectives) hanging, so the API side
@@ -249,7 +249,7 @@ class UpdateWorker(ABC):
 
         sizes = dict(worker_slice.regions)
         if state.arena is None or state.sizes != sizes:
-            arena, regions = allocate_arena(sizes, reuse=state.arena)
+            arena, regions = allocate_arena(sizes, reuse=state.arena, device=self.device())
         else:
             arena, regions = state.arena, state.apply.regions
         state.apply.prepare(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 
-from mooncake_rl.apply.process import WorkerCluster, run_planned_update
+from mooncake_rl.apply.process import WorkerCluster, WorkerMemory, run_planned_update
 from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
@@ -51,19 +52,46 @@ def workers_for(master: EmbeddedMaster, engines: dict, **overrides: object) -> d
     }
 
 
-@pytest.mark.parametrize("mode", ["compat", "direct"])
+def expected_regions(engines: dict, tensors: dict[str, np.ndarray]) -> dict[str, dict[str, bytes]]:
+    """Direct mode: each worker's shard regions, cut from the full tensors."""
+    expected: dict[str, dict[str, bytes]] = {}
+    for ws in engines.values():
+        for w in ws:
+            for shard in w["shards"]:
+                box = tuple(
+                    slice(o, o + n)
+                    for o, n in zip(shard["global_offset"], shard["local_shape"], strict=True)
+                )
+                raw = np.ascontiguousarray(tensors[shard["tensor"]][box]).tobytes()
+                expected.setdefault(w["worker_id"], {})[shard["region"]] = raw
+    return expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "memory"),
+    [
+        ("compat", WorkerMemory()),
+        ("direct", WorkerMemory(parameters=True, in_place=True)),
+        ("direct", WorkerMemory(parameters=True)),
+    ],
+    ids=["compat", "direct-in-place", "direct-staged"],
+)
 def test_planned_update_is_byte_exact_and_single_pull(
-    master: EmbeddedMaster, holders, mode: str
+    master: EmbeddedMaster, holders, mode: str, memory: WorkerMemory
 ) -> None:
-    manifest = published(master, holders, f"planned-{mode}", seed=11)
+    """Compat stages full tensors; direct lands each worker's shards, either straight into
+    its live parameters (in place) or in its arena, then one batched copy into them."""
+    manifest = published(master, holders, f"planned-{mode}-{memory.in_place}", seed=11)
     engines = simulated_engines(specs_of(manifest), CLUSTERS[mode], mode)
     plan = plan_update(manifest, engines, mode, 4096, RoutingCache())
-    with WorkerCluster(workers_for(master, engines), plan.routing.regions) as cluster:
+    with WorkerCluster(workers_for(master, engines), plan.routing.regions, memory) as cluster:
         run = run_planned_update(cluster, plan)
         dumps = {
             w: {r: cluster.call(w, "dump", r) for r in plan.routing.regions[w]}
             for w in cluster.processes
         }
+        landed = {w: cluster.call(w, "land") for w in cluster.processes}
+        digests = {w: cluster.call(w, "digest") for w in cluster.processes}
     tensors = {name: t.numpy() for name, t in random_model(11)}
     if mode == "compat":
         for regions in dumps.values():
@@ -71,17 +99,16 @@ def test_planned_update_is_byte_exact_and_single_pull(
                 raw = tensors[entry["name"]].tobytes()
                 assert regions[COMPAT_REGION][entry["offset"] : entry["offset"] + len(raw)] == raw
     else:
-        for ws in engines.values():
-            for w in ws:
-                for shard in w["shards"]:
-                    box = tuple(
-                        slice(o, o + n)
-                        for o, n in zip(shard["global_offset"], shard["local_shape"], strict=True)
-                    )
-                    assert (
-                        dumps[w["worker_id"]][shard["region"]]
-                        == np.ascontiguousarray(tensors[shard["tensor"]][box]).tobytes()
-                    )
+        for worker, regions in expected_regions(engines, tensors).items():
+            for region, raw in regions.items():
+                assert dumps[worker][region] == raw
+            # The live parameters hold exactly the shards, whichever way they landed.
+            assert digests[worker] == {r: xxhash.xxh3_64_hexdigest(b) for r, b in regions.items()}
+            total = sum(len(b) for b in regions.values())
+            split = (total, 0) if memory.in_place else (0, total)
+            figures = landed[worker]
+            assert (figures["in_place_bytes"], figures["staged_bytes"]) == split
+            assert figures["tensors"] == len(regions)
     reads = sum(w["read"] for w in run["workers"].values())
     pushed = sum(w["pushed"] for w in run["workers"].values())
     assert reads == plan.unique_demand_bytes == plan.store_read_bytes

@@ -11,7 +11,11 @@ import queue
 import time
 import traceback
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+import xxhash
 
 from mooncake_rl.apply.wire import with_checksums
 from mooncake_rl.apply.worker import (
@@ -23,17 +27,50 @@ from mooncake_rl.apply.worker import (
 )
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.generations.checksums import ObjectChecksum
+from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.plan.update import UpdatePlan
 from mooncake_rl.settings import Settings
 
 
+@dataclass(frozen=True)
+class WorkerMemory:
+    """Where a simulated worker receives: the device, and whether it holds live parameters.
+
+    With ``parameters``, every region but the planner's (staging, fallback, compat) is a
+    parameter of its own allocation, as an engine's are. ``in_place``: the parameters are the
+    receive regions themselves (bytes land in live storage); otherwise they are received in
+    the arena and landed by ``("land",)``, one batched ``torch._foreach_copy_``.
+    """
+
+    device: str = "cpu"
+    parameters: bool = False
+    in_place: bool = False
+
+    def __post_init__(self) -> None:
+        if self.in_place and not self.parameters:
+            raise ValueError("in-place receive needs parameters to receive into")
+
+
 def serve_worker(
-    settings: Settings, worker_id: str, region_sizes: dict[str, int], inbox: Any, outbox: Any
+    settings: Settings,
+    worker_id: str,
+    region_sizes: dict[str, int],
+    inbox: Any,
+    outbox: Any,
+    memory: WorkerMemory = WorkerMemory(),
 ) -> None:
     """Commands: ("prepare", stages[, checksums]) -> description; ("run", batches, descriptions) ->
-    result; ("dump", region) -> bytes; ("stop",)."""
-    arena, regions = allocate_arena(region_sizes)
-    buffers = arena_views(arena, regions)
+    result; ("dump", region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of
+    every parameter; ("stop",)."""
+    params = _parameters(region_sizes, memory)
+    in_place = params if memory.in_place else {}
+    received = {n: size for n, size in region_sizes.items() if n not in in_place}
+    arena, regions = allocate_arena(received, device=memory.device)
+    spans = [region_of("arena", arena)]
+    regions |= {name: region_of(name, tensor) for name, tensor in in_place.items()}
+    spans += [regions[name] for name in in_place]
+    buffers = arena_views(arena, {n: r for n, r in regions.items() if n in received})
+    buffers |= in_place
     worker = ApplyWorker(settings, worker_id)
     try:
         while True:
@@ -41,7 +78,7 @@ def serve_worker(
             try:
                 if command[0] == "prepare":
                     checksums = command[2] if len(command) > 2 else None
-                    worker.prepare(region_of("arena", arena), regions, command[1], checksums)
+                    worker.prepare(spans, regions, command[1], checksums)
                     worker.promote()
                     outbox.put(("ok", worker.describe()))
                 elif command[0] == "run":
@@ -50,7 +87,15 @@ def serve_worker(
                     delta = COUNTERS.snapshot() - before
                     outbox.put(("ok", {"result": result, "counters": delta}))
                 elif command[0] == "dump":
-                    outbox.put(("ok", buffers[command[1]].numpy().tobytes()))
+                    outbox.put(("ok", buffers[command[1]].cpu().numpy().tobytes()))
+                elif command[0] == "land":
+                    outbox.put(("ok", _land(params, buffers, memory)))
+                elif command[0] == "digest":
+                    digests = {
+                        n: xxhash.xxh3_64_hexdigest(t.cpu().numpy().tobytes())
+                        for n, t in params.items()
+                    }
+                    outbox.put(("ok", digests))
                 elif command[0] == "stop":
                     outbox.put(("ok", None))
                     return
@@ -60,6 +105,36 @@ def serve_worker(
         worker.close()
 
 
+def _parameters(sizes: Mapping[str, int], memory: WorkerMemory) -> dict[str, torch.Tensor]:
+    if not memory.parameters:
+        return {}
+    planner = {STAGING_REGION, FALLBACK_REGION, COMPAT_REGION}
+    return {
+        name: torch.zeros(nbytes, dtype=torch.uint8, device=memory.device)
+        for name, nbytes in sorted(sizes.items())
+        if name not in planner
+    }
+
+
+def _land(
+    params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], memory: WorkerMemory
+) -> dict[str, Any]:
+    """Received bytes into the parameters: nothing to do in place, else one batched copy."""
+    nbytes = sum(t.numel() for t in params.values())
+    started = time.perf_counter()
+    if not memory.in_place and params:
+        names = list(params)
+        torch._foreach_copy_([params[n] for n in names], [buffers[n] for n in names])
+    if memory.device.startswith("cuda"):
+        torch.cuda.synchronize(memory.device)
+    return {
+        "seconds": time.perf_counter() - started,
+        "tensors": len(params),
+        "in_place_bytes": nbytes if memory.in_place else 0,
+        "staged_bytes": 0 if memory.in_place else nbytes,
+    }
+
+
 class WorkerCluster:
     """Worker processes (spawned) on node labels, each with its own inbox and outbox."""
 
@@ -67,6 +142,7 @@ class WorkerCluster:
         self,
         settings_by_worker: Mapping[str, Settings],
         region_sizes: Mapping[str, Mapping[str, int]],
+        memory: WorkerMemory = WorkerMemory(),
     ) -> None:
         context = mp.get_context("spawn")
         self.inboxes: dict[str, Any] = {}
@@ -82,6 +158,7 @@ class WorkerCluster:
                     dict(region_sizes[worker_id]),
                     self.inboxes[worker_id],
                     self.outboxes[worker_id],
+                    memory,
                 ),
             )
             process.start()

@@ -32,24 +32,30 @@ def region_of(name: str, tensor: torch.Tensor) -> Region:
 
 
 def allocate_arena(
-    sizes: Mapping[str, int], reuse: torch.Tensor | None = None
+    sizes: Mapping[str, int],
+    reuse: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, dict[str, Region]]:
-    """Every region in one buffer, 64-byte aligned, in name order.
+    """Every region in one buffer on ``device``, 64-byte aligned, in name order.
 
-    ``reuse`` (the worker's current arena) is kept when the layout fits in it: the bytes
-    are overwritten by every update anyway, and an unchanged arena keeps its registrations
-    (no re-registration, no new memory for peers to learn about). Otherwise a zeroed,
-    larger buffer is allocated.
+    ``reuse`` (the worker's current arena) is kept when the layout fits in it and it lives on
+    ``device``: the bytes are overwritten by every update anyway, and an unchanged arena keeps
+    its registrations (no re-registration, no new memory for peers to learn about).
+    Otherwise a zeroed, larger buffer is allocated. On a GPU the arena sits beside the
+    parameters it feeds, so Store reads and peer pushes land in device memory.
     """
+    device = torch.device(device)
     offsets, cursor = {}, 0
     for name in sorted(sizes):
         offsets[name] = cursor
         cursor += (sizes[name] + ALIGN - 1) // ALIGN * ALIGN
     needed = max(cursor, ALIGN)
-    fits = reuse is not None and reuse.numel() >= needed
-    arena = reuse if fits else torch.zeros(needed, dtype=torch.uint8)
+    fits = reuse is not None and reuse.numel() >= needed and reuse.device == device
+    arena = reuse if fits else torch.zeros(needed, dtype=torch.uint8, device=device)
     base = arena.data_ptr()
-    return arena, {n: Region(n, base + offsets[n], sizes[n]) for n in sorted(sizes)}
+    return arena, {
+        n: Region(n, base + offsets[n], sizes[n], str(arena.device)) for n in sorted(sizes)
+    }
 
 
 def arena_views(arena: torch.Tensor, regions: Mapping[str, Region]) -> dict[str, torch.Tensor]:
@@ -67,7 +73,7 @@ class ApplyWorker:
             worker_id, {Domain.STORE: self.store, Domain.ENGINE: self.engine}
         )
         self.regions: dict[str, Region] = {}
-        self.arena: Region | None = None
+        self.spans: list[Region] = []
         self.checksums: Mapping[str, ObjectChecksum] | None = None
 
     def describe(self) -> dict[str, Any]:
@@ -81,40 +87,45 @@ class ApplyWorker:
 
     def prepare(
         self,
-        arena: Region,
+        spans: Region | Sequence[Region],
         regions: Mapping[str, Region],
         stages: Sequence[Sequence[Batch]],
         checksums: Mapping[str, ObjectChecksum] | None = None,
     ) -> None:
-        """Validate every local range and register the arena; touches no bytes.
+        """Validate every local range and register the memory; touches no bytes.
 
+        ``spans``: the memory the regions lie in, registered in both domains: one arena, or
+        several (parameters received in place, each its own span, beside a staging arena).
         ``checksums`` (the generation's table, at least every key this worker reads) makes
         every later stage check its landed reads; without it they land unchecked.
 
-        A different arena than last time is registered on the same Transfer Engine and the
-        old one released. Peers need not learn of it in advance: a TCP receiver checks
-        each write against what it has registered when the write arrives (so a write into
-        the released arena is refused), and RDMA reloads a peer's descriptor when an
+        Spans that differ from last time are registered on the same Transfer Engine and
+        the old ones released. Peers need not learn of them in advance: a TCP receiver
+        checks each write against what it has registered when the write arrives (so a write
+        into released memory is refused), and RDMA reloads a peer's descriptor when an
         address misses it. One endpoint per worker for its lifetime also means peers'
         connections are made once and reused by every later update.
         """
+        spans = [spans] if isinstance(spans, Region) else list(spans)
         executor = WorkerExecutor(
             self.store, self.engine, regions, self.settings.staging_watermark_bytes, checksums
         )
         for batches in stages:
             executor.validate(batches)
         for region in regions.values():
-            if not (
-                arena.base <= region.base and region.base + region.size <= arena.base + arena.size
+            if not any(
+                s.base <= region.base and region.base + region.size <= s.base + s.size
+                for s in spans
             ):
-                raise InvariantViolation(f"region {region.name} lies outside the worker's arena")
-        if self.arena is not None and (self.arena.base, self.arena.size) != (
-            arena.base,
-            arena.size,
-        ):
-            self.registrations.release([self.arena.base])
-        self.registrations.provision([arena])
-        self.arena = arena
+                raise InvariantViolation(
+                    f"region {region.name} lies outside the worker's registered memory"
+                )
+        kept = {(s.base, s.size) for s in spans}
+        stale = [s.base for s in self.spans if (s.base, s.size) not in kept]
+        if stale:
+            self.registrations.release(stale)
+        self.registrations.provision(spans)
+        self.spans = spans
         self.regions = dict(regions)
         self.checksums = checksums
 
