@@ -2,13 +2,13 @@
 
 A worker describes its shards, stages the bytes its routing slice assigns it in a
 worker-owned arena on its parameters' device (registered once, reused across generations
-and modes while the layout fits), and touches live parameters only at commit, through the engine's own loading
-paths (the subclass's :meth:`UpdateWorker.land_compat` / :meth:`UpdateWorker.land_direct`).
-Every call returns a JSON-able reply with ``ok`` instead of raising: at TP >= 2 a rank
-that raises leaves the other ranks' replies (and collectives) hanging, so the API side
-checks every rank. A call the worker refuses (:class:`RequestRefused`: a malformed request,
-or one the Store contradicts, see :mod:`engine_ext.admission`) changes nothing and says
-so in its reply, apart from failures.
+and modes while the layout fits), and touches live parameters only at commit, through the
+engine's own loading paths (the subclass's :meth:`UpdateWorker.land_compat` /
+:meth:`UpdateWorker.land_direct`). Every call returns a JSON-able reply with ``ok`` instead
+of raising: at TP >= 2 a rank that raises leaves the other ranks' replies (and collectives)
+hanging, so the API side checks every rank. A call the worker refuses
+(:class:`RequestRefused`: a malformed request, or one the Store contradicts, see
+:mod:`engine_ext.admission`) changes nothing and says so in its reply, apart from failures.
 """
 
 from __future__ import annotations
