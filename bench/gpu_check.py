@@ -39,7 +39,7 @@ from mooncake_rl.apply.process import WorkerCluster, WorkerMemory, run_planned_u
 from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
-from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.synthetic import shard_bytes, simulated_engines
 from mooncake_rl.plan.update import RoutingCache, plan_update
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import RangeRead, StoreClient
@@ -72,20 +72,10 @@ def expected_digests(
     engines: Mapping[str, Any], model: Sequence[tuple[str, torch.Tensor]]
 ) -> dict[str, dict[str, str]]:
     """Per worker, per shard region: XXH3-64 of the published bytes of that shard."""
-    full = {name: tensor.view(torch.int16) for name, tensor in model}  # bf16 bytes as int16
-    digests: dict[str, dict[str, str]] = {}
-    for workers in engines.values():
-        for worker in workers:
-            for shard in worker["shards"]:
-                box = tuple(
-                    slice(o, o + n)
-                    for o, n in zip(shard["global_offset"], shard["local_shape"], strict=True)
-                )
-                raw = full[shard["tensor"]][box].contiguous().numpy().tobytes()
-                digests.setdefault(worker["worker_id"], {})[shard["region"]] = (
-                    xxhash.xxh3_64_hexdigest(raw)
-                )
-    return digests
+    return {
+        worker: {region: xxhash.xxh3_64_hexdigest(raw) for region, raw in regions.items()}
+        for worker, regions in shard_bytes(engines, dict(model)).items()
+    }
 
 
 def _sync(device: str) -> None:

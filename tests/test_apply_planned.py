@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import xxhash
@@ -12,7 +11,7 @@ from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.demand import COMPAT_REGION
-from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.synthetic import shard_bytes, simulated_engines
 from mooncake_rl.plan.update import RoutingCache, plan_update
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
@@ -52,21 +51,6 @@ def workers_for(master: EmbeddedMaster, engines: dict, **overrides: object) -> d
     }
 
 
-def expected_regions(engines: dict, tensors: dict[str, np.ndarray]) -> dict[str, dict[str, bytes]]:
-    """Direct mode: each worker's shard regions, cut from the full tensors."""
-    expected: dict[str, dict[str, bytes]] = {}
-    for ws in engines.values():
-        for w in ws:
-            for shard in w["shards"]:
-                box = tuple(
-                    slice(o, o + n)
-                    for o, n in zip(shard["global_offset"], shard["local_shape"], strict=True)
-                )
-                raw = np.ascontiguousarray(tensors[shard["tensor"]][box]).tobytes()
-                expected.setdefault(w["worker_id"], {})[shard["region"]] = raw
-    return expected
-
-
 @pytest.mark.parametrize(
     ("mode", "memory"),
     [
@@ -92,14 +76,15 @@ def test_planned_update_is_byte_exact_and_single_pull(
         }
         landed = {w: cluster.call(w, "land") for w in cluster.processes}
         digests = {w: cluster.call(w, "digest") for w in cluster.processes}
-    tensors = {name: t.numpy() for name, t in random_model(11)}
+    model = dict(random_model(11))
+    tensors = {name: t.numpy() for name, t in model.items()}
     if mode == "compat":
         for regions in dumps.values():
             for entry in plan.routing.layout:
                 raw = tensors[entry["name"]].tobytes()
                 assert regions[COMPAT_REGION][entry["offset"] : entry["offset"] + len(raw)] == raw
     else:
-        for worker, regions in expected_regions(engines, tensors).items():
+        for worker, regions in shard_bytes(engines, model).items():
             for region, raw in regions.items():
                 assert dumps[worker][region] == raw
             # The live parameters hold exactly the shards, whichever way they landed.

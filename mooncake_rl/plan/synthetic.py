@@ -7,10 +7,14 @@ dimension divisible by the TP size (replicated when none is), one region per ten
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from mooncake_rl.generations.catalog import TensorSpec
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def tp_box(spec: TensorSpec, tp: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -59,3 +63,23 @@ def simulated_engines(
             )
         engines[f"http://engine{index}"] = workers
     return engines
+
+
+def shard_bytes(
+    engines: Mapping[str, Sequence[Mapping[str, Any]]], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, dict[str, bytes]]:
+    """Direct mode: the bytes each worker's shard regions must hold, cut from the full
+    tensors (the reference a landed update is compared with)."""
+    expected: dict[str, dict[str, bytes]] = {}
+    for workers in engines.values():
+        for worker in workers:
+            for shard in worker["shards"]:
+                full = tensors[shard["tensor"]]
+                raw = full.view(_SAME_SIZE_INT[full.element_size()])  # any dtype, as bytes
+                box = tuple(
+                    slice(o, o + n)
+                    for o, n in zip(shard["global_offset"], shard["local_shape"], strict=True)
+                )
+                data = raw[box].contiguous().numpy().tobytes()
+                expected.setdefault(worker["worker_id"], {})[shard["region"]] = data
+    return expected
