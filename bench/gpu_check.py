@@ -14,7 +14,9 @@ For scale, the same run measures a device-to-device copy and the Store's ranged
 ``get_into`` of the dense generation straight into device memory. Every landed parameter
 is compared with the published bytes (XXH3-64 of each shard). One JSON object goes to
 stdout, with the issue's goals evaluated: at most 5 us per tensor at 50,000 tensors, update
-GB/s at least 0.8 x the Store's ``get_into`` GB/s, every parameter bit-exact.
+GB/s at least 0.8 x the Store's ``get_into`` GB/s, every parameter bit-exact. Where a CUDA
+build of vLLM is importable it also updates one real vLLM engine on the GPU (compat and
+direct) and checks its outputs against a reference; otherwise the JSON says why not.
 
 ``--device cpu`` runs the same on the CPU at any size (the test suite's smoke).
 """
@@ -26,9 +28,11 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -203,6 +207,7 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
                 rows[f"{name}_{mode}"] = row
             del model
         store_gbps = get_into_gbps(settings, config.device, object_sizes)
+        engine = engine_row(settings, config.device)
     copy_gbps = device_copy_gbps(config.device, min(config.dense_bytes, 1 << 30))
     worst = max(rows[f"moe_{mode}"]["us_per_tensor"] for mode in config.modes)
     best_gbps = max(row["gbps"] for row in rows.values())
@@ -218,13 +223,50 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
             "device_copy_gbps": round(copy_gbps, 2),
             "store_get_into_gbps": round(store_gbps, 2),
         },
+        "vllm_engine": engine,
         "goals": {
             "us_per_tensor_at_most_5": worst <= GOAL_US_PER_TENSOR,
             "gbps_at_least_0.8_get_into": best_gbps >= GOAL_GET_INTO_RATIO * store_gbps,
             "bit_exact": all(row["bit_exact"] for row in rows.values()),
+            "vllm_outputs_match": engine.get("outputs_match"),
         },
         "wall_seconds": round(time.monotonic() - started, 1),
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+    }
+
+
+def engine_row(settings: Settings, device: str) -> dict[str, Any]:
+    """One real vLLM engine on the GPU (a tiny tied Qwen2, ``bench.models``) through a compat
+    and a direct update, its greedy output checked against transformers' for each
+    generation; or why it could not run (no CUDA build of vLLM importable here)."""
+    if not device.startswith("cuda"):
+        return {"skipped": "a CPU run: vLLM-CPU engines are covered by the test suite"}
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as error:
+        return {"skipped": f"vLLM is not installed for this Python ({error})"}
+    if not current_platform.is_cuda():
+        return {"skipped": f"the installed vLLM is a {current_platform.device_type} build"}
+    from bench.models import run_family
+    from mooncake_rl.tiny_model import hf_greedy
+
+    with tempfile.TemporaryDirectory() as root, StoreClient(settings) as store:
+        run = run_family("qwen2", True, 1, Path(root), settings, store, reference=hf_greedy)
+    modes = {
+        name: {
+            "error": mode.error,
+            "outputs_match": mode.error is None and mode.outputs == mode.reference,
+            "seconds": round(mode.seconds, 3),
+            "received_bytes": mode.received_bytes,
+            "in_place_bytes": mode.in_place_bytes,
+        }
+        for name, mode in (("compat", run.compat), ("direct", run.direct))
+    }
+    return {
+        "family": "qwen2-tied-tp1",
+        "error": run.error,
+        **modes,
+        "outputs_match": run.error is None and all(m["outputs_match"] for m in modes.values()),
     }
 
 

@@ -35,6 +35,7 @@ class ModeRun:
     store_read_bytes: int = 0
     received_bytes: int = 0
     fallback_bytes: int = 0  # of received_bytes, landed through load_weights
+    in_place_bytes: int = 0  # of received_bytes, received straight into live parameters
     seconds: float = 0.0
     verify_seconds: float = 0.0
     checked: int = 0
@@ -113,6 +114,7 @@ def update_once(
     run.store_read_bytes = result.store_read_bytes
     run.received_bytes = sum(result.received_bytes.values())
     run.fallback_bytes = sum(result.fallback_bytes.values())
+    run.in_place_bytes = result.in_place_bytes
     run.result = result
     checks = list(result.verified.values())
     run.verify_seconds = max((c.get("seconds", 0.0) for c in checks), default=0.0)

@@ -74,7 +74,11 @@ class WorkerBackend(ABC):
             await self._rpc("promote")
         except RuntimeError as error:
             raise ReceiverError(409, "prepare_failed", str(error)) from error
-        return {"workers": described}
+        return {
+            "workers": described,
+            "in_place_bytes": sum(w.get("in_place_bytes", 0) for w in described),
+            "staged_bytes": sum(w.get("staged_bytes", 0) for w in described),
+        }
 
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
         return {"workers": await self._rpc("apply", request.model_dump(mode="json"))}

@@ -19,6 +19,12 @@ arena; live weights change at commit alone. So a failed or aborted prepare or ap
 expired session, returns the engine to SERVING on the generation it served. BROKEN means
 live weights may be partly written (a failed commit): the engine then rebuilds itself from
 the Store's active generation, through the same path as ``--load-format mooncake``.
+
+**In-place receive trades that for no copy.** A direct-mode prepare that registers live
+parameters as receive regions (its reply's ``in_place_bytes`` > 0) exposes them: peers may
+write into them from the first apply stage on, anywhere in the session. From then on, any
+end but commit (abort, apply failure, lease expiry) leaves the engine BROKEN, and it
+rebuilds itself as after a failed commit; it never serves a mix.
 """
 
 from __future__ import annotations
@@ -179,6 +185,8 @@ class Receiver:
         self.ended: deque[SessionEnd] = deque(maxlen=self.ENDED_KEPT)
         self.pending: int | None = None
         self._pending_record: ServedRecord | None = None
+        # Live parameters are receive regions of the open session (see the module docstring).
+        self.exposed_bytes = 0
         self.last_error: str | None = None
         self.rebuilds = 0
         self._lock = asyncio.Lock()
@@ -209,6 +217,7 @@ class Receiver:
             "last_session": self.ended[-1].to_json() if self.ended else None,
             "last_error": self.last_error,
             "rebuilds": self.rebuilds,
+            "exposed_bytes": self.exposed_bytes,
         }
 
     # -- checks ---------------------------------------------------------------------------
@@ -272,13 +281,23 @@ class Receiver:
             )
         self.session = None
         self.pending = self._pending_record = None
+        self.exposed_bytes = 0
 
     async def _release(self, outcome: Outcome, error: str | None = None) -> None:
-        """Drop what is staged and serve the old generation again (live weights untouched)."""
+        """Drop what is staged and serve the old generation again, or, if live parameters
+        were exposed to the session's writes, rebuild from the Store."""
+        exposed = self.exposed_bytes
         self._end_session(outcome)
         self.last_error = error
         try:
             await self.backend.abort()
+            if exposed:
+                self._break(
+                    f"{error or f'session {outcome}'}; {exposed} bytes of live parameters were "
+                    "receive regions of that update and may be partly written: rebuilding "
+                    "from the Store's active generation"
+                )
+                return
             await self.backend.resume()
         except Exception as failure:  # the engine cannot say what it serves: rebuild it
             self._break(f"{error or outcome}; then resuming failed: {failure}")
@@ -374,7 +393,9 @@ class Receiver:
                     f"generation {request.generation} (fence {request.fence}) is not newer than "
                     f"served generation {self.generation} (fence {self.served.fence})",
                 )
-            if self.state is ReceiverState.PREPARED:  # re-planned: drop the previous staging
+            # Re-planned: drop the previous staging. Bytes already received in place are
+            # rewritten by the new plan's stages, which cover every parameter again.
+            if self.state is ReceiverState.PREPARED:
                 await self.backend.abort()
                 self.pending = self._pending_record = None
                 self.state = ReceiverState.DRAINED
@@ -393,6 +414,7 @@ class Receiver:
             self._pending_record = ServedRecord(
                 request.generation, request.fence, request.incarnation
             )
+            self.exposed_bytes = int(prepared.get("in_place_bytes", 0))
             session.stages, session.stages_done = request.stages, 0
             self.state = ReceiverState.PREPARED
             return {**self.status(), **prepared}
@@ -424,11 +446,14 @@ class Receiver:
                 return {**self.status(), **applied}
             served = self.generation
             await self._release("failed", f"apply stage {request.stage} failed: {error}")
+            outcome = (
+                f"the engine serves generation {served} again"
+                if self.state is ReceiverState.SERVING
+                else "live parameters were receive regions: the engine admits no request and "
+                "rebuilds itself from the Store's active generation"
+            )
             raise ReceiverError(
-                502,
-                "apply_failed",
-                f"{error}; the staged generation was dropped and the engine serves generation "
-                f"{served} again",
+                502, "apply_failed", f"{error}; the staged generation was dropped and {outcome}"
             ) from error
 
     async def commit(self, request: CommitRequest) -> dict[str, Any]:

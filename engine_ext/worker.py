@@ -1,10 +1,15 @@
 """One engine worker's side of the update protocol, shared by the vLLM and SGLang adapters.
 
-A worker describes its shards, stages the bytes its routing slice assigns it in a
-worker-owned arena on its parameters' device (registered once, reused across generations
-and modes while the layout fits), and touches live parameters only at commit, through the
-engine's own loading paths (the subclass's :meth:`UpdateWorker.land_compat` /
-:meth:`UpdateWorker.land_direct`). Every call returns a JSON-able reply with ``ok`` instead
+A worker describes its shards and receives the bytes its routing slice assigns it. In
+direct mode, a parameter whose live layout is its stored layout (the engine runs no
+post-load processing on it: :meth:`UpdateWorker.in_place_parameters`) is its own receive
+region, so its bytes land in live storage with no copy; every other byte is staged in a
+worker-owned arena on the parameters' device (registered once, reused across generations
+and modes while the layout fits) and landed at commit through the engine's own loading
+paths (the subclass's :meth:`UpdateWorker.land_compat` / :meth:`UpdateWorker.land_direct`).
+Prepare decides the split and reports it (``in_place_bytes``, ``staged_bytes``); once a
+prepare received in place, live weights are exposed, and any end but commit makes the
+receiver rebuild the engine from the Store. Every call returns a JSON-able reply with ``ok`` instead
 of raising: at TP >= 2 a rank that raises leaves the other ranks' replies (and collectives)
 hanging, so the API side checks every rank. A call the worker refuses
 (:class:`RequestRefused`: a malformed request, or one the Store contradicts, see
@@ -17,7 +22,7 @@ import math
 import time
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +55,7 @@ from mooncake_rl.apply.worker import (
     ApplyWorker,
     allocate_arena,
     arena_views,
+    covering_spans,
     region_of,
 )
 from mooncake_rl.counters import COUNTERS
@@ -75,6 +81,8 @@ class _UpdateState:
         self.sizes: dict[str, int] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.slice: WorkerSlice | None = None
+        # Live parameters received in place (direct mode), by region name.
+        self.in_place: dict[str, torch.Tensor] = {}
         self.mode: str | None = None
         self.layout: list[dict[str, Any]] = []
         self.fallback: list[dict[str, Any]] = []
@@ -100,6 +108,7 @@ class _UpdateState:
             withdraw(self.apply.store, self.session, self.apply.worker_id)
         self.slice = self.generation = self.session = self.peers = self.reception = None
         self.stages = self.ran = 0
+        self.in_place = {}
 
 
 class UpdateWorker(ABC):
@@ -127,9 +136,19 @@ class UpdateWorker(ABC):
         self,
         staged: Mapping[str, torch.Tensor],
         fallback: Iterator[tuple[str, torch.Tensor]],
+        in_place: Collection[str],
     ) -> None:
         """Load this worker's staged parameters (model format, by parameter name), and the
-        full checkpoint tensors of parameters discovery could not describe."""
+        full checkpoint tensors of parameters discovery could not describe. The parameters
+        named in ``in_place`` already hold their new bytes: leave them as they are."""
+
+    def in_place_parameters(self) -> dict[str, torch.Tensor]:
+        """Live parameters that can be their own receive regions, by region name.
+
+        The default takes every parameter whose live tensor has its stored shape and dtype
+        (:func:`live_receivers`); engines exclude those their post-load processing changes.
+        """
+        return live_receivers(self.model(), self.regions()[0], self.device())
 
     def compare_live(self, expected: Mapping[str, torch.Tensor]) -> Comparison:
         """Which live parameters differ from ``expected`` (model format), and which it could
@@ -241,22 +260,31 @@ class UpdateWorker(ABC):
                 f"the routing slice has {len(worker_slice.stages)} stages, the update declares "
                 f"{call.stages}: its last stages would never be applied",
             )
+        in_place: dict[str, torch.Tensor] = {}
         if call.mode == "direct":
             self._check_direct(worker_slice, raw.get("region_dtypes", {}))
+            if call.in_place:
+                live = self.in_place_parameters()
+                in_place = {n: live[n] for n in worker_slice.regions if n in live}
         check_generation(state.apply.store, call)
         check_reads(state.apply.store, call.model, call.generation, worker_slice)
         state.drop()  # this update replaces any pending one
 
-        sizes = dict(worker_slice.regions)
+        sizes = {n: b for n, b in worker_slice.regions.items() if n not in in_place}
         if state.arena is None or state.sizes != sizes:
             arena, regions = allocate_arena(sizes, reuse=state.arena, device=self.device())
         else:
-            arena, regions = state.arena, state.apply.regions
+            arena, regions = state.arena, {n: state.apply.regions[n] for n in sizes}
+        live_regions = {n: region_of(n, t.view(-1).view(torch.uint8)) for n, t in in_place.items()}
+        # One covering for the arena and live parameters: on CUDA they may share segments.
+        spans = covering_spans([region_of("arena", arena), *live_regions.values()])
         state.apply.prepare(
-            region_of("arena", arena), regions, worker_slice.stages, worker_slice.checksums
+            spans, regions | live_regions, worker_slice.stages, worker_slice.checksums
         )
         state.arena, state.sizes = arena, sizes
         state.buffers = arena_views(arena, regions)
+        state.buffers |= {n: t.view(-1).view(torch.uint8) for n, t in in_place.items()}
+        state.in_place = in_place
         state.slice, state.mode = worker_slice, call.mode
         state.layout = raw.get("layout", [])
         state.fallback = raw.get("fallback", [])
@@ -267,10 +295,16 @@ class UpdateWorker(ABC):
         described = state.apply.describe()
         advertise(state.apply.store, call.session, described)
         fallback_bytes = sum(row["nbytes"] for row in state.fallback)
-        direct_bytes = sum(
-            n for r, n in sizes.items() if r not in (STAGING_REGION, FALLBACK_REGION, COMPAT_REGION)
-        )
-        return {**described, "direct_bytes": direct_bytes, "fallback_bytes": fallback_bytes}
+        planner = (STAGING_REGION, FALLBACK_REGION, COMPAT_REGION)
+        direct_bytes = sum(n for r, n in worker_slice.regions.items() if r not in planner)
+        in_place_bytes = sum(t.nbytes for t in in_place.values())
+        return {
+            **described,
+            "direct_bytes": direct_bytes,
+            "fallback_bytes": fallback_bytes,
+            "in_place_bytes": in_place_bytes,
+            "staged_bytes": sum(worker_slice.regions.values()) - in_place_bytes,
+        }
 
     def _prepare_reception(self, state: _UpdateState, call: PrepareRequest) -> dict[str, Any]:
         """A broadcast or CPU-serialized delivery: checked against the generation, its
@@ -300,6 +334,8 @@ class UpdateWorker(ABC):
             "received_bytes": reception.layout.total_bytes,
             "direct_bytes": 0,
             "fallback_bytes": 0,
+            "in_place_bytes": 0,
+            "staged_bytes": reception.layout.total_bytes,
         }
 
     def _check_direct(self, worker_slice: WorkerSlice, region_dtypes: Mapping[str, str]) -> None:
@@ -426,7 +462,12 @@ class UpdateWorker(ABC):
             self.land_compat(staged_tensors(state.layout, state.buffers))
         else:
             fallback = staged_tensors(state.fallback, state.buffers)
-            self.land_direct(self.staged_parameters(), fallback)
+            staged = self.staged_parameters()
+            self.land_direct(
+                {n: t for n, t in staged.items() if n not in state.in_place},
+                fallback,
+                set(state.in_place),
+            )
         landed = time.perf_counter()
         check = self._verify(state)
         if check["mismatched"]:
@@ -446,9 +487,17 @@ class UpdateWorker(ABC):
     def _verify(self, state: _UpdateState) -> dict[str, Any]:
         """Compare every live parameter with the generation's bytes for it, after landing."""
         if state.mode == "direct":
-            expected = self.staged_parameters()
-            uncovered = sorted(r.name for r in self.regions()[0] if r.name not in expected)
-            return self._compare(expected, uncovered)
+            # Bytes received in place were checked against the generation's checksums as
+            # they were read; no landing step ran on them to compare.
+            expected = {
+                n: t for n, t in self.staged_parameters().items() if n not in state.in_place
+            }
+            uncovered = sorted(
+                r.name
+                for r in self.regions()[0]
+                if r.name not in expected and r.name not in state.in_place
+            )
+            return {**self._compare(expected, uncovered), "in_place": len(state.in_place)}
         return self._check_full(dict(staged_tensors(state.layout, state.buffers)))
 
     def _check_full(self, full: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -521,6 +570,34 @@ class UpdateWorker(ABC):
         if missing and not self._update.fallback:
             raise ValueError(f"direct commit lacks staged parameters: {missing[:3]}")
         return {n: buffers[n].view(s.dtype).view(s.shape) for n, s in specs.items() if n in buffers}
+
+
+def live_receivers(
+    model: torch.nn.Module,
+    regions: Sequence[RegionSpec],
+    device: torch.device,
+    excluded: Collection[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Live parameters laid out exactly as their regions (stored shape and dtype, dense,
+    on ``device``, sharing no bytes with another region), by region name."""
+    live = dict(model.named_parameters())
+    found: dict[str, torch.Tensor] = {}
+    taken: set[int] = set()
+    for region in regions:
+        tensor = live.get(region.name)
+        if (
+            region.name in excluded
+            or tensor is None
+            or tuple(tensor.shape) != region.shape
+            or tensor.dtype != region.dtype
+            or tensor.device != device
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() in taken
+        ):
+            continue
+        taken.add(tensor.untyped_storage().data_ptr())
+        found[region.name] = tensor.data
+    return found
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,7 @@ def cmd_update(args: argparse.Namespace) -> int:
                 train_gpus=args.train_gpus,
                 router=router,
                 max_unavailable=args.max_unavailable,
+                in_place=not args.staged,
             )
         except UpdateFailed as failed:
             print(json.dumps(failed.result.to_json(), indent=2))
@@ -357,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REGEX",
         help="direct mode: parameters whose names match land through the engine's "
         "load_weights (full tensors) instead of its shard discovery",
+    )
+    update.add_argument(
+        "--staged",
+        action="store_true",
+        help="direct mode: stage every byte and land it at commit, instead of receiving "
+        "into live parameters that need no post-load processing (a failed update then "
+        "leaves engines on their old generation rather than rebuilding from the Store)",
     )
     update.add_argument(
         "--min-engines",

@@ -16,8 +16,9 @@ Failures never leave an engine half-updated or paused:
   the rest while at least ``min_engines`` can end on the new generation, re-planned around
   the missing ones (a reader that died takes its pushes with it). A prepared engine that
   stops answering before apply is re-planned around the same way.
-- An apply failure aborts every engine: apply writes only staging, so each serves its old
-  generation again.
+- An apply failure aborts every engine: an engine that staged every byte serves its old
+  generation again; one that received into live parameters (direct mode, in place)
+  rebuilds itself from the Store's active generation and is reported in ``rebuild``.
 - Commit and abort are idempotent per session and retried when a response is lost.
 - If this process dies, each engine's session lease expires and the engine goes back to
   serving by itself; a rival coordinator's calls carry another session and are refused.
@@ -97,6 +98,10 @@ class UpdateResult:
     received_bytes: dict[str, int] = field(default_factory=dict)
     # Of received_bytes, what each worker lands through load_weights (direct mode's fallback)
     fallback_bytes: dict[str, int] = field(default_factory=dict)
+    # Of received_bytes (all engines): bytes received straight into live parameters, and
+    # bytes received into staging and landed at commit (every byte in compat mode).
+    in_place_bytes: int = 0
+    staged_bytes: int = 0
     node_nic_bytes: dict[str, int] = field(default_factory=dict)
     # The post-landing check per worker: {"checked", "unchecked", "mismatched", "seconds"}.
     verified: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -104,7 +109,8 @@ class UpdateResult:
     committed: list[str] = field(default_factory=list)
     # Engines left out, and why; each serves its old generation (or rebuilds itself).
     failed: dict[str, str] = field(default_factory=dict)
-    # Engines whose commit failed: they rebuild themselves from the Store's active generation.
+    # Engines that rebuild themselves from the Store's active generation: their commit
+    # failed, or their update ended otherwise after receiving into live parameters.
     rebuild: list[str] = field(default_factory=list)
     session: str | None = None
     # The transport mode, and per engine its transport, the bytes its ranks received and
@@ -143,6 +149,8 @@ _SUMMED = (
     "planned_pushed_bytes",
     "unique_demand_bytes",
     "cross_node_pushed_bytes",
+    "in_place_bytes",
+    "staged_bytes",
 )
 _MERGED = (
     "received_bytes",
@@ -166,6 +174,7 @@ class _Options:
     transport: TransportMode
     train_pool: Sequence[str] | None
     sender: SenderLauncher | None
+    in_place: bool = True
 
 
 def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:
@@ -335,6 +344,7 @@ class Coordinator:
         sender: SenderLauncher | None = None,
         router: Router | None = None,
         max_unavailable: int | None = None,
+        in_place: bool = True,
     ) -> UpdateResult:
         """``direct_fallback``: regex of parameter names direct mode lands through each
         engine's ``load_weights`` (full tensors) instead of its shard discovery.
@@ -351,6 +361,11 @@ class Coordinator:
         engines at a time (a rolling update), all pinned to the same generation; default
         all at once. :class:`ReadmitFailed` means the sync succeeded but engines stayed out
         of rotation; a failed sync raises its own error even when re-admission failed too.
+
+        ``in_place``: direct mode receives into live parameters that need no post-load
+        processing (no staging memory, no landing copy). An update that then fails after
+        prepare leaves those engines rebuilding from the Store (``result.rebuild``) instead
+        of serving their old generation; ``False`` stages every byte.
         """
         needed = len(self.engines) if min_engines is None else min_engines
         if not 1 <= needed <= len(self.engines):
@@ -374,7 +389,7 @@ class Coordinator:
             rotation = Rotation(router, self.store, holder=self.holder)
         record = require_active(self.store, model, "cannot update engines")
         options = _Options(
-            mode, drain_mode, batch_bytes, direct_fallback, chosen, train_pool, sender
+            mode, drain_mode, batch_bytes, direct_fallback, chosen, train_pool, sender, in_place
         )
         tag = uuid.uuid4().hex
         total = UpdateResult(model, record.generation, mode, list(self.engines))
@@ -511,6 +526,7 @@ class Coordinator:
                 "fence": record.fence,
                 "incarnation": record.incarnation,
                 "mode": mode,
+                "in_place": options.in_place,
             }
 
         try:
@@ -539,6 +555,9 @@ class Coordinator:
                     phase,
                 )
                 _planned(result, plan)
+                for reply in prepared.values():
+                    result.in_place_bytes += reply.get("in_place_bytes", 0)
+                    result.staged_bytes += reply.get("staged_bytes", 0)
                 self._apply(session, members, plan, _peers(prepared), record, result)
             else:
                 members = self._deliver(
@@ -562,6 +581,7 @@ class Coordinator:
             raise
         finally:
             session.stop()
+            result.rebuild = sorted({*result.rebuild, *session.rebuilding})
         if mixed:
             require_mixed_ran(
                 {TransportMode(result.legs[u]["transport"]) for u in result.committed}
@@ -710,7 +730,8 @@ class Coordinator:
                 )
             result.legs.update(figures.rows)
             if failed:
-                # Apply writes staging only: released engines serve their old generation.
+                # Released engines serve their old generation, or rebuild where they
+                # received in place (result.rebuild).
                 session.release(sorted(session.held))
                 _left_out(result, failed)
                 result.error = f"apply stage {stage} failed: " + "; ".join(
@@ -767,6 +788,7 @@ class SessionLease:
     def __init__(self, coordinator: Coordinator, ttl_s: float) -> None:
         self.id = uuid.uuid4().hex
         self.held: set[str] = set()
+        self.rebuilding: set[str] = set()
         self._coordinator = coordinator
         self._ttl_s = ttl_s
         self._stop = threading.Event()
@@ -780,9 +802,16 @@ class SessionLease:
             self._coordinator._all(urls, "POST", "renew", {u: {"session": self.id} for u in urls})
 
     def release(self, urls: Sequence[str]) -> None:
-        """Abort the session on ``urls``: each drops what it staged and serves again."""
+        """Abort the session on ``urls``: each drops what it staged and serves again, or
+        (live parameters received in place) rebuilds itself; those are kept in
+        ``rebuilding``."""
         body = {"session": self.id}
-        self._coordinator._all(urls, "POST", "abort", {u: body for u in urls}, retry=True)
+        aborted, _ = self._coordinator._all(
+            urls, "POST", "abort", {u: body for u in urls}, retry=True
+        )
+        self.rebuilding.update(
+            u for u, reply in aborted.items() if reply.get("state") in ("broken", "rebuilding")
+        )
         self.held.difference_update(urls)
 
     def stop(self) -> None:

@@ -14,9 +14,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The ``/mooncake/*`` contract's version, reported in every engine's status; bumped on any
-change a coordinator of the previous version could misread. A coordinator refuses engines
+change a coordinator of the previous version could misread (2: direct mode receives in
+place, so an aborted update may leave the engine rebuilding). A coordinator refuses engines
 of another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
 MAX_GENERATION = 2**53
 """Above any generation a Store will hand out; the workers bound it by the active record."""
@@ -157,6 +158,11 @@ class PrepareRequest(SessionRequest):
     incarnation: Hex16 | None = Field(None, description="the Store incarnation of that record")
     receive: ReceiveWire | None = Field(
         None, description="a non-Store transport delivers full tensors (workers: empty)"
+    )
+    in_place: bool = Field(
+        True,
+        description="direct mode: receive into live parameters that need no post-load "
+        "processing (no staging copy; an update that then fails costs a rebuild)",
     )
 
     @model_validator(mode="after")

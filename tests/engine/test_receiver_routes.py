@@ -33,6 +33,7 @@ class RecordingBackend:
         self.fail_on: set[str] = set()
         self.refuse_on: set[str] = set()
         self.time_out_on: set[str] = set()
+        self.in_place_bytes = 0  # what prepare says it received into live parameters
 
     async def _step(self, name: str) -> dict[str, Any]:
         self.calls.append(name)
@@ -54,7 +55,8 @@ class RecordingBackend:
         return {"workers": [{"worker_id": "w0"}]}
 
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
-        return await self._step(f"prepare:{request.generation}")
+        await self._step(f"prepare:{request.generation}")
+        return {"in_place_bytes": self.in_place_bytes}
 
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
         return await self._step(f"apply:{request.generation}:{request.stage}")
@@ -135,6 +137,14 @@ async def run_steps(client: httpx.AsyncClient, steps: list[tuple[str, dict[str, 
     for path, body in steps:
         response = await client.post(f"/mooncake/{path}", json=body)
         assert response.status_code == 200, (path, response.json())
+
+
+async def serving_again(receiver: Receiver, within_s: float = 5) -> None:
+    """Wait for the receiver to serve by itself (a lease expiry, a rebuild)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while receiver.state.value != "serving":
+        assert asyncio.get_running_loop().time() < deadline, receiver.status()
+        await asyncio.sleep(0.05)
 
 
 UPDATE = [("drain", drain_body()), ("prepare", prepare_body())]
@@ -378,6 +388,35 @@ async def test_abort_after_apply_serves_the_old_generation(make_client) -> None:
     assert backend.calls[-2:] == ["abort", "resume"] and receiver.generation == 1
 
 
+@pytest.mark.parametrize("ending", ["abort", "apply_failure", "lease_expiry"])
+async def test_an_update_that_received_in_place_rebuilds_instead_of_resuming(
+    make_client, ending: str
+) -> None:
+    """Live parameters were receive regions: any end but commit may leave them partly
+    written, so the engine never resumes on them; it rebuilds from the Store."""
+    client, backend, receiver = await make_client()
+    backend.in_place_bytes = 4096
+    if ending == "apply_failure":
+        backend.fail_on.add("apply:2:1")
+    async with client:
+        await run_steps(
+            client,
+            [("drain", drain_body(ttl_s=1)), ("prepare", prepare_body()), ("apply", apply_body(0))],
+        )
+        assert receiver.status()["exposed_bytes"] == 4096
+        if ending == "abort":
+            ended = (await client.post("/mooncake/abort", json={"session": S1})).json()
+            assert ended["state"] == "broken" and "4096 bytes of live" in ended["last_error"]
+        elif ending == "apply_failure":
+            failed = await client.post("/mooncake/apply", json=apply_body(1))
+            assert failed.status_code == 502 and failed.json()["error"] == "apply_failed"
+            assert "rebuilds itself from the Store" in failed.json()["detail"]
+        await serving_again(receiver)
+        status = (await client.get("/mooncake/status")).json()
+    assert (status["generation"], status["rebuilds"], status["exposed_bytes"]) == (7, 1, 0)
+    assert "resume" not in backend.calls and backend.calls[-2:] == ["abort", "rebuild:m"]
+
+
 async def test_commit_is_idempotent_and_cannot_be_aborted(make_client) -> None:
     """A coordinator whose commit response was lost retries it: same answer, no second
     commit; an abort of the committed session is refused."""
@@ -409,10 +448,7 @@ async def test_an_expired_session_frees_the_engine_by_itself(make_client) -> Non
             ],
         )
         assert receiver.state.value == "applied"
-        deadline = asyncio.get_running_loop().time() + 5
-        while receiver.state.value != "serving":
-            assert asyncio.get_running_loop().time() < deadline, receiver.status()
-            await asyncio.sleep(0.05)
+        await serving_again(receiver)
         status = (await client.get("/mooncake/status")).json()
         late = await client.post("/mooncake/commit", json=commit_body())
         await run_steps(client, [("drain", drain_body(S2)), ("abort", {"session": S2})])
@@ -444,10 +480,7 @@ async def test_commit_failure_breaks_then_rebuilds_from_the_store(make_client) -
         await run_steps(client, APPLIED)
         response = await client.post("/mooncake/commit", json=commit_body())
         assert response.status_code == 500 and response.json()["error"] == "commit_failed"
-        deadline = asyncio.get_running_loop().time() + 5
-        while receiver.state.value != "serving":
-            assert asyncio.get_running_loop().time() < deadline, receiver.status()
-            await asyncio.sleep(0.05)
+        await serving_again(receiver)
         status = (await client.get("/mooncake/status")).json()
     assert (status["generation"], status["fence"], status["rebuilds"]) == (7, 7, 1)
     assert status["last_session"]["outcome"] == "broken"

@@ -256,7 +256,7 @@ def assert_every_parameter_checked(world: World, result) -> None:
     for engine in world.engines.values():
         for worker in engine.mooncake("GET", "placement").json()["workers"]:
             check = result.verified[f"{engine.url}/tp{worker['tp_rank']}"]
-            assert check["checked"] == len(worker["regions"])
+            assert check["checked"] + check.get("in_place", 0) == len(worker["regions"])
             assert check["unchecked"] == [] and check["mismatched"] == []
 
 
@@ -270,6 +270,20 @@ def test_direct_update_tp2_ranks_receive_only_their_shards(world: World) -> None
         parameter_bytes = sum(r["bytes"] for r in worker["regions"].values())
         assert result.received_bytes[worker["worker_id"]] == parameter_bytes
     assert result.store_read_bytes == result.unique_demand_bytes
+    # vLLM-CPU repacks linear and embedding weights after loading: those are staged. Norms
+    # are served as loaded: their bytes land straight in the live parameters.
+    regions = [
+        (name, region["bytes"])
+        for engine in world.engines.values()
+        for worker in engine.mooncake("GET", "placement").json()["workers"]
+        for name, region in worker["regions"].items()
+    ]
+    in_place = sum(nbytes for name, nbytes in regions if name.endswith("norm.weight"))
+    assert 0 < in_place < result.in_place_bytes + result.staged_bytes
+    assert result.in_place_bytes == in_place
+    assert result.staged_bytes == sum(nbytes for _, nbytes in regions) - in_place
+    for check in result.verified.values():
+        assert check["in_place"] == 2 * 2 + 1  # two norms in each of two layers, one final
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[2]
     assert_every_parameter_checked(world, result)
@@ -414,6 +428,53 @@ def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: Wor
             1,
         )
         assert engine.complete(PROMPT) == world.refs[2]
+
+
+def test_an_update_ended_after_receiving_in_place_rebuilds_instead_of_serving_a_mix(
+    world: World,
+) -> None:
+    """A staged prepare that is aborted leaves the engine on its generation; one that made
+    live parameters receive regions cannot promise that, so the engine rebuilds from the
+    Store's active generation (here the newer one) and serves it whole."""
+    engine = world.engines["a"]
+    before = engine.mooncake("GET", "status").json()
+    generation = world.publish(3)
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None and record.generation == generation
+    (worker,) = engine.mooncake("GET", "placement").json()["workers"]
+    norm = "model.norm.weight"
+    routing = {
+        worker["worker_id"]: {
+            "slice": {"regions": {norm: worker["regions"][norm]["bytes"]}, "stages": [[]]},
+            "layout": [],
+            "region_dtypes": {},
+            "fallback": [],
+        }
+    }
+    for in_place in (False, True):
+        session = uuid.uuid4().hex
+        drained = engine.mooncake("POST", "drain", {"session": session, "holder": "test"})
+        assert drained.status_code == 200, drained.text
+        body = prepare_body(
+            session, record, mode="direct", stages=1, workers=routing, in_place=in_place
+        )
+        prepared = engine.mooncake("POST", "prepare", body)
+        assert prepared.status_code == 200, prepared.text
+        exposed = worker["regions"][norm]["bytes"] if in_place else 0
+        assert (prepared.json()["in_place_bytes"], prepared.json()["exposed_bytes"]) == (
+            exposed,
+            exposed,
+        )
+        assert prepared.json()["staged_bytes"] == worker["regions"][norm]["bytes"] - exposed
+        aborted = engine.mooncake("POST", "abort", {"session": session}).json()
+        assert aborted["state"] in (("broken", "rebuilding") if in_place else ("serving",))
+        assert ("may be partly written" in (aborted["last_error"] or "")) is in_place
+    deadline = time.monotonic() + 120
+    while (status := engine.mooncake("GET", "status").json())["state"] != "serving":
+        assert time.monotonic() < deadline, f"{engine.url} did not rebuild: {status}"
+        time.sleep(0.5)
+    assert (status["generation"], status["rebuilds"]) == (generation, before["rebuilds"] + 1)
+    assert engine.complete(PROMPT) == world.refs[3]
 
 
 # -- transports beside the Store path (mooncake_rl.transport), on the same engines ----------

@@ -299,7 +299,9 @@ def assert_every_parameter_checked(engine: Engine, result: Any) -> None:
     """The post-landing check compared every parameter of every rank, and all matched."""
     placement = engine.placement()
     checks = [result.verified[f"{engine.url}/tp{w['tp_rank']}"] for w in placement]
-    assert [c["checked"] for c in checks] == [len(w["regions"]) for w in placement]
+    assert [c["checked"] + c.get("in_place", 0) for c in checks] == [
+        len(w["regions"]) for w in placement
+    ]
     assert all(c["unchecked"] == [] and c["mismatched"] == [] for c in checks)
 
 
@@ -329,6 +331,10 @@ def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
         parameter_bytes = sum(r["bytes"] for r in worker["regions"].values())
         assert result.received_bytes[worker["worker_id"]] == parameter_bytes
     assert result.store_read_bytes == result.unique_demand_bytes
+    # SGLang serves checkpoint layout: every byte lands in the live parameters, none staged
+    # (world.compare above checked them against the generation's own tensors).
+    assert result.in_place_bytes == sum(result.received_bytes.values())
+    assert result.staged_bytes == 0
     assert world.status()["generation"] == 3
     assert_every_parameter_checked(world.engine, result)
 

@@ -50,6 +50,7 @@ class RecordingTokenizerManager:
         self.fail_on: set[str] = set()
         self.refuse_on: set[str] = set()
         self.time_out_on: set[str] = set()
+        self.in_place_bytes = 0
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
         self.model_update_lock = _RecordingLock(self)
@@ -92,6 +93,8 @@ class RecordingTokenizerManager:
             reply |= {"generation": 1, "model_name": None}
         if request.method == "rebuild":
             reply |= {"generation": 7, "fence": 7, "incarnation": "ab" * 8}
+        if request.method == "prepare":
+            reply |= {"in_place_bytes": self.in_place_bytes}
         if request.method in steps:
             name = steps[request.method]()
             if name in self.time_out_on:  # as engine_ext.rpc.within reports a hung rank
