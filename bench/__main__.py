@@ -8,7 +8,6 @@ python -m bench load [--updates 5 --clients 4 --modes rolling all_at_once --out 
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 
@@ -17,13 +16,11 @@ USAGE = __doc__
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake logs every connection at INFO
     if args[:1] == ["simulate"]:
         from bench.simulate import main as simulate
 
         return simulate(args[1:])
     if args[:1] in (["transports"], ["load"]):
-        os.environ.setdefault("GLOG_minloglevel", "2")  # before Mooncake's library loads
         if args[0] == "load":
             from bench.load import main as load
 

@@ -19,8 +19,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from bench.apply import (
 from bench.broadcast import broadcast_accounting, run_broadcast
 from bench.common import parse_size, store_services
 from mooncake_rl.apply.process import WorkerCluster
+from mooncake_rl.progress import progress
 
 APPROACHES = ("compat", "direct", "naive_store", "naive_store_full", "broadcast")
 OURS = ("direct", "compat")
@@ -121,33 +121,6 @@ def ratios(approaches: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, A
 
 
 Step = Callable[[str], Any]
-
-
-@contextmanager
-def progress_steps(total: int) -> Iterator[Step]:
-    """A rich progress bar on stderr; ``step(text)`` names the next step."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    ) as progress:
-        task = progress.add_task("starting", total=total)
-        started = [False]
-
-        def step(text: str) -> None:
-            if started[0]:
-                progress.advance(task)
-            started[0] = True
-            progress.update(task, description=text)
-
-        yield step
-        progress.update(task, completed=total, description="done")
 
 
 def run(config: CompareConfig, step: Step) -> dict[str, Any]:
@@ -253,9 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from bench.plot import plot_compare
 
-    with progress_steps(STEPS) as step:
-        result = run(config, step)
-        step("plot")
+    with progress("bench", STEPS) as steps:
+        result = run(config, steps.step)
+        steps.step("plot")
         plot_compare(result, config.out)
     print(json.dumps(result, indent=2))
     return 0

@@ -625,16 +625,10 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     scenario = scenario_from(args)
-    from rich.console import Console
+    from mooncake_rl.progress import progress
 
-    console = Console(stderr=True)
-
-    def progress(text: str) -> None:
-        console.log(text)
-        status.update(text)
-
-    with console.status("simulating") as status:
-        result = simulate(scenario, progress)
+    with progress("simulate") as steps:
+        result = simulate(scenario, steps.step)
     if args.out:
         from bench.plot import plot_simulation
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
+from mooncake_rl.progress import progress
 from mooncake_rl.router import KINDS, Rotation, Router, RouterSpec, open_router
 from mooncake_rl.services import (
     EmbeddedMaster,
@@ -98,11 +100,13 @@ def _store(args: argparse.Namespace, *, lends_memory: bool = False) -> StoreClie
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from mooncake_rl.generations.commands import publish_checkpoint
+    from mooncake_rl.generations.commands import checkpoint_bytes, publish_checkpoint
 
-    with _store(args) as store:
+    model_dir = Path(args.model_dir)
+    total = checkpoint_bytes(model_dir)
+    with progress("publish", total, unit="bytes") as steps, _store(args) as store:
         record = publish_checkpoint(
-            store, args.name, Path(args.model_dir), args.dtype, args.replicas, args.keep
+            store, args.name, model_dir, args.dtype, args.replicas, args.keep, steps.advance
         )
     print(record.generation)
     return 0
@@ -166,16 +170,16 @@ def cmd_update(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     token = Settings().auth_token
     with (
+        progress("update") as steps,
         _store(args) as store,
         Coordinator(
             store,
             args.engine,
             token=token.get_secret_value() if token else None,
             session_ttl_s=args.session_ttl,
-            progress=lambda phase: console.log(f"[bold]{phase}[/] done"),
+            progress=lambda phase: steps.step(f"{phase} done"),
         ) as coordinator,
         _router(args) as router,
-        console.status("updating engines"),
     ):
         try:
             result = coordinator.update(
@@ -270,6 +274,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mooncake-rl", description=__doc__)
+    parser.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="show Mooncake's native log (MOONCAKE_RL_LOG_LEVEL=info); by default a healthy "
+        "run keeps it in mooncake-native.log",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     master = commands.add_parser(
@@ -443,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.verbose:  # before any settings are read; children inherit it
+        os.environ["MOONCAKE_RL_LOG_LEVEL"] = "info"
     try:
         return int(args.func(args) or 0)
     except MooncakeRLError as error:

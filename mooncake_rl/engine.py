@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mooncake_rl.affinity import unpinned_native_threads
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import ConfigurationError, InvariantViolation, mooncake_error
+from mooncake_rl.native_logs import native_setup
 from mooncake_rl.services import check_system_libraries
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import loopback_transport_env
@@ -41,7 +42,7 @@ class TransferEngineClient:
         self._engine = TransferEngine()
         # The data plane always uses the P2P handshake: peers exchange segment descriptors
         # directly, so newly registered buffers are visible without a metadata round trip.
-        with unpinned_native_threads():
+        with unpinned_native_threads(), native_setup(settings):
             code = self._engine.initialize(
                 settings.hostname, "P2PHANDSHAKE", settings.protocol, settings.rdma_devices
             )

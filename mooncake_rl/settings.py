@@ -6,6 +6,7 @@ an HTTP/etcd metadata URL (or ``P2PHANDSHAKE``), ``rdma`` and this host's reacha
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -49,6 +50,12 @@ class Settings(BaseSettings):
     )
     buffer_bytes: int = Field(64 * MiB, gt=0, description="client-local transfer buffer")
     batch_bytes: int = Field(64 * MiB, gt=0, description="bytes per pipeline batch")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning",
+        description="this project's and Mooncake's native log level; below info, a native "
+        "client's setup logs to mooncake-native.log in log_dir (mooncake_rl.native_logs)",
+    )
+    log_dir: Path | None = Field(None, description="where logs go (default: $TMPDIR or /tmp)")
     lease_ttl_s: float = Field(
         60.0, gt=0, description="serving lease lifetime; engines renew at 1/3"
     )

@@ -26,6 +26,7 @@ from mooncake_rl.errors import (
     ObjectNotFound,
     mooncake_error,
 )
+from mooncake_rl.native_logs import native_setup
 from mooncake_rl.services import check_system_libraries
 from mooncake_rl.settings import Settings
 
@@ -36,7 +37,6 @@ def loopback_transport_env(settings: Settings) -> None:
         os.environ.setdefault("MC_FORCE_TCP", "1")
         if settings.hostname.startswith("127."):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", settings.hostname)
-    os.environ.setdefault("GLOG_minloglevel", "2")
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class StoreClient:
 
         self.settings = settings
         self._store = MooncakeDistributedStore()
-        with unpinned_native_threads():
+        with unpinned_native_threads(), native_setup(settings):
             code = self._store.setup(
                 settings.hostname,
                 settings.metadata,

@@ -21,13 +21,14 @@ from tests.conftest import settings_for
 
 
 def run_cli(
-    master: EmbeddedMaster, local_segment: str, *args: str
+    master: EmbeddedMaster, local_segment: str, *args: str, **extra_env: str
 ) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "MOONCAKE_RL_MASTER": master.master_address,
         "MOONCAKE_RL_METADATA": master.metadata_url,
         "MOONCAKE_RL_LOCAL_SEGMENT": local_segment,
+        **extra_env,
     }
     return subprocess.run(
         [sys.executable, "-m", "mooncake_rl.cli", *args],
@@ -141,6 +142,32 @@ def test_publish_status_gc_round_trip(
     assert [g["generation"] for g in after["generations"]] == [3]
     gone = cli(master, holder.segment, "verify", "--name", "cli-model", "--generation", "1")
     assert gone.returncode == 2 and "OBJECT_NOT_FOUND (-704)" in gone.stderr
+
+
+NATIVE_LINE = re.compile(r"^[EWIF]\d{4} ", re.MULTILINE)
+
+
+def test_a_healthy_command_keeps_mooncakes_native_log_off_the_terminal(
+    master: EmbeddedMaster, holders, tmp_path: Path
+) -> None:
+    """Setting up a Store client logs normal first lookups at E level ("metadata not
+    found"); a healthy run shows none of it unless --verbose asks, and keeps it in a file."""
+    holder = holders("cli-node")
+    write_checkpoint(tmp_path / "ckpt", 1.0)
+    publish = ("publish", str(tmp_path / "ckpt"), "--name", "quiet-model", "--dtype", "float32")
+    logs = {"MOONCAKE_RL_LOG_DIR": str(tmp_path)}
+    quiet = run_cli(master, holder.segment, *publish, **logs)
+    assert quiet.returncode == 0, quiet.stderr
+    assert NATIVE_LINE.findall(quiet.stderr) == [] and "InitGoogleLogging" not in quiet.stderr
+    # Not a terminal: plain progress lines on stderr, stdout only the generation.
+    assert quiet.stdout.strip() == "1" and "publish: 100% of" in quiet.stderr
+    kept = (tmp_path / "mooncake-native.log").read_text()
+    assert re.search(r"^E\d{4} .*metadata not found", kept, re.MULTILINE)
+
+    loud = run_cli(master, holder.segment, "--verbose", *publish, **logs)
+    assert loud.returncode == 0, loud.stderr
+    assert re.search(r"^E\d{4} .*metadata not found", loud.stderr, re.MULTILINE)
+    assert re.search(r"^I\d{4} ", loud.stderr, re.MULTILINE)
 
 
 def test_cli_bad_input_is_refused_with_a_clear_error(

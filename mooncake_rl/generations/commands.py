@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -34,12 +35,43 @@ def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, checkpoint.get_tensor(name)
 
 
+def checkpoint_bytes(model_dir: Path) -> int:
+    """Tensor bytes of a local safetensors checkpoint, from the files' headers alone."""
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        total += sum(
+            end - start
+            for key, row in header.items()
+            if key != "__metadata__"
+            for start, end in [row["data_offsets"]]
+        )
+    return total
+
+
 def publish_checkpoint(
-    store: StoreClient, model: str, model_dir: Path, dtype: str, replicas: int = 1, keep: int = 2
+    store: StoreClient,
+    model: str,
+    model_dir: Path,
+    dtype: str,
+    replicas: int = 1,
+    keep: int = 2,
+    published: Callable[[int], None] | None = None,
 ) -> ActiveRecord:
-    return publish_local(
-        store, model, checkpoint_tensors(model_dir), dtype=dtype, replica_num=replicas, keep=keep
-    )
+    """``published(nbytes)`` after each checkpoint tensor is handed to the publisher."""
+    tensors = checkpoint_tensors(model_dir)
+    if published is not None:
+        tensors = _counted(tensors, published)
+    return publish_local(store, model, tensors, dtype=dtype, replica_num=replicas, keep=keep)
+
+
+def _counted(
+    tensors: Iterator[tuple[str, torch.Tensor]], published: Callable[[int], None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, tensor
+        published(tensor.nbytes)
 
 
 def generation_status(
