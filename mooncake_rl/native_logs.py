@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,17 +59,22 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
+_REDIRECT = threading.Lock()
+"""fd 2 is process-wide: two setups redirecting at once could restore each other's file."""
+
+
 @contextlib.contextmanager
 def native_stderr_to(path: Path) -> Iterator[None]:
     """File descriptor 2 appends to ``path`` for the block (native code writes to the fd,
-    not to ``sys.stderr``); restored even if the block raises."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with path.open("ab") as log:
-            os.dup2(log.fileno(), 2)
-        yield
-    finally:
+    not to ``sys.stderr``); restored even if the block raises. One block at a time."""
+    with _REDIRECT:
         sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+        saved = os.dup(2)
+        try:
+            with path.open("ab") as log:
+                os.dup2(log.fileno(), 2)
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
