@@ -21,6 +21,10 @@ from pathlib import Path
 
 from mooncake_rl.settings import Settings
 
+_SETUP = threading.Lock()
+"""The environment and fd 2 are process-wide: two setups at once could each restore the
+other's file or level, leaving them in place for good."""
+
 MC_LEVELS = {"debug": "INFO", "info": "INFO", "warning": "WARNING", "error": "ERROR"}
 """``MOONCAKE_RL_LOG_LEVEL`` -> Mooncake's ``MC_LOG_LEVEL`` (it has no DEBUG)."""
 
@@ -35,13 +39,14 @@ def native_log_path(settings: Settings) -> Path:
 def native_setup(settings: Settings) -> Iterator[None]:
     """Run a native client's setup at the configured level, its log kept in a file unless
     the level is ``info`` or ``debug``. The caller's ``MC_LOG_LEVEL`` wins if it set one."""
-    level = os.environ.get("MC_LOG_LEVEL") or MC_LEVELS[settings.log_level]
-    with _environment("MC_LOG_LEVEL", level):
-        if settings.log_level in ("debug", "info"):
-            yield
-            return
-        with native_stderr_to(native_log_path(settings)):
-            yield
+    with _SETUP:
+        level = os.environ.get("MC_LOG_LEVEL") or MC_LEVELS[settings.log_level]
+        with _environment("MC_LOG_LEVEL", level):
+            if settings.log_level in ("debug", "info"):
+                yield
+                return
+            with native_stderr_to(native_log_path(settings)):
+                yield
 
 
 @contextlib.contextmanager
@@ -59,22 +64,17 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
-_REDIRECT = threading.Lock()
-"""fd 2 is process-wide: two setups redirecting at once could restore each other's file."""
-
-
 @contextlib.contextmanager
 def native_stderr_to(path: Path) -> Iterator[None]:
     """File descriptor 2 appends to ``path`` for the block (native code writes to the fd,
-    not to ``sys.stderr``); restored even if the block raises. One block at a time."""
-    with _REDIRECT:
+    not to ``sys.stderr``); restored even if the block raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with path.open("ab") as log:
+            os.dup2(log.fileno(), 2)
+        yield
+    finally:
         sys.stderr.flush()
-        saved = os.dup(2)
-        try:
-            with path.open("ab") as log:
-                os.dup2(log.fileno(), 2)
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+        os.dup2(saved, 2)
+        os.close(saved)
