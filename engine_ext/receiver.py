@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
+from mooncake_rl.figures import UpdateFigures
 from mooncake_rl.protocol import (
     PROTOCOL_VERSION,
     ApplyRequest,
@@ -51,6 +54,7 @@ from mooncake_rl.protocol import (
 
 logger = logging.getLogger(__name__)
 PLUGIN_VERSION = importlib.metadata.version("mooncake-rl")
+T = TypeVar("T")
 
 
 class ReceiverState(StrEnum):
@@ -132,6 +136,10 @@ class Session:
     expires_at: float
     stages: int = 0
     stages_done: int = 0
+    # For the figures: seconds its apply stages took, and the bytes its prepare said land
+    # (in place, staged), counted as received once every stage ran.
+    apply_s: float = 0.0
+    landing: tuple[int, int] = (0, 0)
 
     def renew(self) -> None:
         self.expires_at = time.monotonic() + self.ttl_s
@@ -163,6 +171,22 @@ class SessionEnd:
         return dict(self.__dict__)
 
 
+def _counted(
+    step: Callable[..., Awaitable[dict[str, Any]]],
+) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """A route's step whose refusals and failures are counted by code in the figures."""
+
+    @functools.wraps(step)
+    async def counted(self: Receiver, *args: Any) -> dict[str, Any]:
+        try:
+            return await step(self, *args)
+        except ReceiverError as error:
+            self.figures.failures[error.code] += 1
+            raise
+
+    return counted
+
+
 class Receiver:
     """Serializes update calls and enforces sessions, the state machine and fences."""
 
@@ -188,7 +212,9 @@ class Receiver:
         # Live parameters are receive regions of the open session (see the module docstring).
         self.exposed_bytes = 0
         self.last_error: str | None = None
-        self.rebuilds = 0
+        # What updates did here (phase seconds, bytes, failures, ends, rebuilds): the
+        # engine's mooncake_rl_* metrics, read at scrape time with status().
+        self.figures = UpdateFigures()
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -216,7 +242,7 @@ class Receiver:
             "session": self.session.to_json() if self.session else None,
             "last_session": self.ended[-1].to_json() if self.ended else None,
             "last_error": self.last_error,
-            "rebuilds": self.rebuilds,
+            "rebuilds": self.figures.rebuilds,
             "exposed_bytes": self.exposed_bytes,
         }
 
@@ -279,6 +305,7 @@ class Receiver:
             self.ended.append(
                 SessionEnd(self.session.id, self.session.holder, outcome, generation or 0)
             )
+            self.figures.outcomes[outcome] += 1
         self.session = None
         self.pending = self._pending_record = None
         self.exposed_bytes = 0
@@ -331,12 +358,30 @@ class Receiver:
                 async with self._lock:
                     await self._expire_if_due()
 
+    async def _timed(self, phase: str, step: Awaitable[T]) -> T:
+        """``step``'s result; its seconds go to the phase's figures when it succeeds."""
+        started = time.perf_counter()
+        result = await step
+        self.figures.timed(phase, time.perf_counter() - started)
+        return result
+
+    def _stage_done(self, session: Session, applied: dict[str, Any], seconds: float) -> None:
+        """One apply stage ran: its bytes; after the last, the session's apply seconds and
+        every byte its prepare said would land."""
+        session.stages_done += 1
+        session.apply_s += seconds
+        self.figures.applied(applied)
+        if session.stages_done == session.stages:
+            self.figures.timed("apply", session.apply_s)
+            self.figures.received(*session.landing)
+
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # -- routes ---------------------------------------------------------------------------
+    @_counted
     async def drain(self, request: DrainRequest) -> dict[str, Any]:
         async with self._lock:
             await self._expire_if_due()
@@ -349,7 +394,7 @@ class Receiver:
                 await self._own(request.session)  # raises session_ended
             self._require(ReceiverState.SERVING)
             try:
-                await self.backend.drain(request)
+                await self._timed("drain", self.backend.drain(request))
             except ReceiverError:
                 raise
             except Exception as error:
@@ -366,6 +411,7 @@ class Receiver:
             self._spawn(self._watch())
             return self.status()
 
+    @_counted
     async def renew(self, request: SessionRequest) -> dict[str, Any]:
         """Extend the session's lease; takes no lock, so it works while apply runs."""
         if self.session is not None and self.session.id == request.session:
@@ -378,6 +424,7 @@ class Receiver:
     async def placement(self) -> dict[str, Any]:
         return {**self.status(), **await self.backend.placement()}
 
+    @_counted
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
         async with self._lock:
             session = await self._own(request.session)
@@ -400,7 +447,7 @@ class Receiver:
                 self.pending = self._pending_record = None
                 self.state = ReceiverState.DRAINED
             try:
-                prepared = await self.backend.prepare(request)
+                prepared = await self._timed("prepare", self.backend.prepare(request))
             except ReceiverError:
                 await self.backend.abort()
                 raise
@@ -415,10 +462,12 @@ class Receiver:
                 request.generation, request.fence, request.incarnation
             )
             self.exposed_bytes = int(prepared.get("in_place_bytes", 0))
-            session.stages, session.stages_done = request.stages, 0
+            session.stages, session.stages_done, session.apply_s = request.stages, 0, 0.0
+            session.landing = (self.exposed_bytes, int(prepared.get("staged_bytes", 0)))
             self.state = ReceiverState.PREPARED
             return {**self.status(), **prepared}
 
+    @_counted
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
         async with self._lock:
             session = await self._own(request.session)
@@ -428,6 +477,7 @@ class Receiver:
             if refusal is not None:
                 raise ReceiverError(*refusal)
             before, self.state = self.state, ReceiverState.APPLYING
+            started = time.perf_counter()
             try:
                 applied = await self.backend.apply(request)
             except ReceiverError as refused:
@@ -441,7 +491,7 @@ class Receiver:
             except Exception as failure:
                 error = failure
             else:
-                session.stages_done += 1
+                self._stage_done(session, applied, time.perf_counter() - started)
                 self.state = ReceiverState.APPLIED
                 return {**self.status(), **applied}
             served = self.generation
@@ -456,6 +506,7 @@ class Receiver:
                 502, "apply_failed", f"{error}; the staged generation was dropped and {outcome}"
             ) from error
 
+    @_counted
     async def commit(self, request: CommitRequest) -> dict[str, Any]:
         async with self._lock:
             if self.session is None:
@@ -477,7 +528,7 @@ class Receiver:
                 )
             self.state = ReceiverState.COMMITTING
             try:
-                committed = await self.backend.commit(request.generation)
+                committed = await self._timed("commit", self.backend.commit(request.generation))
             except ReceiverError as refused:
                 if refused.status >= 500:
                     raise
@@ -502,6 +553,7 @@ class Receiver:
             self.last_error = None
             return {**self.status(), **committed}
 
+    @_counted
     async def abort(self, request: SessionRequest) -> dict[str, Any]:
         async with self._lock:
             await self._expire_if_due()
@@ -547,19 +599,20 @@ class Receiver:
             with contextlib.suppress(ReceiverError):
                 await self.rebuild()
 
+    @_counted
     async def rebuild(self) -> dict[str, Any]:
         """Reload the Store's active generation into a broken engine and serve it."""
         async with self._lock:
             self._require(ReceiverState.BROKEN)
             self.state = ReceiverState.REBUILDING
             try:
-                self.served = await self.backend.rebuild(self.model)
+                self.served = await self._timed("rebuild", self.backend.rebuild(self.model))
             except Exception as error:
                 self.state = ReceiverState.BROKEN
                 self.last_error = f"rebuild failed: {error}"
                 logger.warning("mooncake: %s", self.last_error)
                 raise ReceiverError(502, "rebuild_failed", self.last_error) from error
-            self.rebuilds += 1
+            self.figures.rebuilds += 1
             self.state = ReceiverState.SERVING
             self.last_error = None
             logger.info("mooncake: rebuilt; serving generation %d", self.generation)

@@ -165,10 +165,12 @@ def cmd_update(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mooncake_rl.coordinator import Coordinator, ReadmitFailed, UpdateFailed
+    from mooncake_rl.metrics import MetricsExport, UpdateMetrics
     from mooncake_rl.transport.topology import MixedTransportInvalid
 
     console = Console(stderr=True)
     token = Settings().auth_token
+    metrics = UpdateMetrics(MetricsExport(args.metrics_port, args.metrics_textfile))
     with (
         progress("update") as steps,
         _store(args) as store,
@@ -180,19 +182,22 @@ def cmd_update(args: argparse.Namespace) -> int:
             progress=lambda phase: steps.step(f"{phase} done"),
         ) as coordinator,
         _router(args) as router,
+        metrics.serving(),
     ):
         try:
-            result = coordinator.update(
-                args.name,
-                mode=args.mode,
-                drain_mode=args.drain,
-                direct_fallback=args.direct_fallback,
-                min_engines=args.min_engines,
-                transport=args.transport,
-                train_gpus=args.train_gpus,
-                router=router,
-                max_unavailable=args.max_unavailable,
-                in_place=not args.staged,
+            result = metrics.observe(
+                lambda: coordinator.update(
+                    args.name,
+                    mode=args.mode,
+                    drain_mode=args.drain,
+                    direct_fallback=args.direct_fallback,
+                    min_engines=args.min_engines,
+                    transport=args.transport,
+                    train_gpus=args.train_gpus,
+                    router=router,
+                    max_unavailable=args.max_unavailable,
+                    in_place=not args.staged,
+                )
             )
         except UpdateFailed as failed:
             print(json.dumps(failed.result.to_json(), indent=2))
@@ -411,6 +416,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="rolling update: take K engines out at a time, all pinned to one generation "
         "(default: all at once)",
+    )
+    update.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the update's mooncake_rl_* metrics for Prometheus on this port while the "
+        "command runs (docs/metrics.md)",
+    )
+    update.add_argument(
+        "--metrics-textfile",
+        type=Path,
+        metavar="PATH",
+        help="write the update's mooncake_rl_* metrics to this node-exporter textfile "
+        "(*.prom), atomically, when it ends (docs/metrics.md)",
     )
     _client_flags(update)
     update.set_defaults(func=cmd_update)

@@ -109,6 +109,9 @@ class UpdateResult:
     committed: list[str] = field(default_factory=list)
     # Engines left out, and why; each serves its old generation (or rebuilds itself).
     failed: dict[str, str] = field(default_factory=dict)
+    # The same engines' error codes: the engine's ``error``; ``unreachable`` when no reply
+    # came, ``http_<status>`` for a reply without one, ``delivery_failed`` for a lost leg.
+    failure_codes: dict[str, str] = field(default_factory=dict)
     # Engines that rebuild themselves from the Store's active generation: their commit
     # failed, or their update ended otherwise after receiving into live parameters.
     rebuild: list[str] = field(default_factory=list)
@@ -158,6 +161,7 @@ _MERGED = (
     "node_nic_bytes",
     "verified",
     "failed",
+    "failure_codes",
     "legs",
     "rotation",
 )
@@ -630,6 +634,7 @@ class Coordinator:
             # Apply writes staging only: released engines serve their old generation.
             session.release(sorted(session.held))
             result.failed.update(error.failed)
+            result.failure_codes.update(dict.fromkeys(error.failed, "delivery_failed"))
             result.error = f"{classification.mode.value} delivery failed: {error}"
             raise UpdateFailed(result) from error
         finally:
@@ -851,6 +856,12 @@ def _checked(url: str, path: str, response: httpx.Response) -> dict[str, Any]:
 
 def _left_out(result: UpdateResult, failed: Mapping[str, EngineRequestFailed]) -> None:
     result.failed.update({url: str(error) for url, error in failed.items()})
+    result.failure_codes.update(
+        {
+            url: error.code or ("unreachable" if error.status == 0 else f"http_{error.status}")
+            for url, error in failed.items()
+        }
+    )
 
 
 def _require_enough(result: UpdateResult, members: Sequence[str], needed: int, step: str) -> None:

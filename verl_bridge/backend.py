@@ -44,6 +44,7 @@ from mooncake_rl.coordinator import Coordinator, UpdateResult
 from mooncake_rl.errors import InvariantViolation, MooncakeRLError
 from mooncake_rl.generations.publisher import PublishFailed
 from mooncake_rl.generations.weights import active_weights
+from mooncake_rl.metrics import UpdateMetrics
 from mooncake_rl.router import open_router
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.modes import TransportMode, resolve_mode
@@ -103,6 +104,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
         self._outcome: SyncOutcome | None = None
         self._receive_error: MooncakeRLError | None = None
         self.last_update: UpdateResult | None = None
+        self.metrics = UpdateMetrics(self.config.metrics_export())
 
     @property
     def store(self) -> StoreClient:
@@ -255,21 +257,23 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
         spec = self.config.router_spec()
         router = open_router(spec) if spec else None
         try:
-            return self._coordinator.update(
-                self.config.model,
-                mode=self.config.mode,
-                min_engines=self.config.min_engines,
-                transport=self.config.transport,
-                # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.
-                train_gpus=self._outcome.train_gpus or self.config.train_gpus or None,
-                # Trainer rank 0 sends (see finalize), from its own address.
-                sender=SlotLauncher(
-                    self.store,
-                    self._sync_id,
-                    self._outcome.sender_host or self.store.settings.hostname,
-                ),
-                router=router,
-                max_unavailable=self.config.max_unavailable,
+            return self.metrics.observe(
+                lambda: self._coordinator.update(
+                    self.config.model,
+                    mode=self.config.mode,
+                    min_engines=self.config.min_engines,
+                    transport=self.config.transport,
+                    # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.
+                    train_gpus=self._outcome.train_gpus or self.config.train_gpus or None,
+                    # Trainer rank 0 sends (see finalize), from its own address.
+                    sender=SlotLauncher(
+                        self.store,
+                        self._sync_id,
+                        self._outcome.sender_host or self.store.settings.hostname,
+                    ),
+                    router=router,
+                    max_unavailable=self.config.max_unavailable,
+                )
             )
         finally:
             if router is not None:

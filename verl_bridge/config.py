@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.keys import check_model_name
+from mooncake_rl.metrics import MetricsExport
 from mooncake_rl.router import RouterSpec
 from mooncake_rl.settings import Settings
 from mooncake_rl.transport.modes import parse_gpu_ids, resolve_mode
@@ -74,6 +76,9 @@ class BridgeConfig:
     router_kind: str = "vllm"
     max_unavailable: int | None = None
     """Rolling updates: engines out of rotation at a time (default all at once)."""
+    metrics_textfile: str | None = None
+    """A node-exporter textfile (``*.prom``) rollout rank 0 rewrites after every update with
+    the ``mooncake_rl_update_*`` metrics (docs/metrics.md)."""
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> BridgeConfig:
@@ -129,7 +134,12 @@ class BridgeConfig:
             raise ConfigurationError(
                 f"session_ttl_s must lie in 1..3600 seconds, got {config.session_ttl_s!r}"
             )
+        config.metrics_export()
         return config
+
+    def metrics_export(self) -> MetricsExport:
+        textfile = self.metrics_textfile
+        return MetricsExport(textfile=Path(textfile) if textfile is not None else None)
 
     def router_spec(self) -> RouterSpec | None:
         if self.router is None:

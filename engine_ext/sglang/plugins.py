@@ -14,6 +14,9 @@ patching SGLang 0.5.23:
 - ``/mooncake/*`` on SGLang's own FastAPI app: a BEFORE hook on ``launch_server`` includes
   the shared router (:func:`engine_ext.routes.build_router`), guarded as
   :func:`sglang_tokens` decides; a refusal raises there, before any scheduler starts.
+- ``mooncake_rl_*`` metrics on SGLang's ``/metrics`` (``--enable-metrics``): the same
+  lifespan wrapper adds the receiver's figures once SGLang's lifespan mounted that route
+  (:meth:`EngineRoutes.with_metrics`).
 - serving leases: the same hook exports the engine's id (``MOONCAKE_RL_ENGINE_ID``, else
   ``host:port``) before the schedulers start, so their loader leases under it, and wraps the
   app's lifespan so that, once the server runs, a task continues that lease on whatever
@@ -101,7 +104,9 @@ def _attach_routes(*args: Any, **kwargs: Any) -> None:
         build_router(routes.receiver, tokens, max_body_bytes=settings.max_body_bytes)
     )
     app.add_middleware(GenerationHeaders, current=routes.current)
-    app.router.lifespan_context = routes.with_leases(app.router.lifespan_context)
+    app.router.lifespan_context = routes.with_leases(
+        routes.with_metrics(app.router.lifespan_context)
+    )
 
 
 def sglang_tokens(server_args: Any, settings: Settings) -> tuple[str, ...]:
@@ -161,6 +166,21 @@ class EngineRoutes:
                     auto_rebuild=Settings().auto_rebuild,
                 )
         return self._receiver
+
+    def with_metrics(self, lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``lifespan`` that adds the receiver's figures to the ``/metrics`` SGLang's own
+        lifespan mounts (``--enable-metrics``), once it has."""
+
+        @contextlib.asynccontextmanager
+        async def exposed(app: Any) -> AsyncIterator[Any]:
+            async with lifespan(app) as state:
+                # Only now: SGLang has chosen prometheus_client's mode (engine_ext.metrics).
+                from engine_ext.metrics import expose
+
+                expose(app, self.current)
+                yield state
+
+        return exposed
 
     def with_leases(self, lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``lifespan`` with the serving-lease task running while the server does."""

@@ -72,6 +72,9 @@ class MooncakeEndpointPlugin:
             build_router(self._get_receiver, tokens, max_body_bytes=settings.max_body_bytes)
         )
         app.add_middleware(GenerationHeaders, current=lambda: self._receiver)
+        from engine_ext.metrics import expose  # the server runs (see engine_ext.metrics)
+
+        expose(app, lambda: self._receiver)
 
     async def _get_receiver(self, request: Request) -> Receiver:
         await self._ready.wait()

@@ -15,7 +15,10 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client.parser import text_string_to_metric_families
 
+from engine_ext.metrics import STATES, expose
 from engine_ext.receiver import Receiver, ReceiverError, ServedRecord
 from engine_ext.routes import ReceiverProvider, build_router
 from mooncake_rl.protocol import ApplyRequest, DrainRequest, PrepareRequest
@@ -23,6 +26,8 @@ from mooncake_rl.settings import Settings
 from mooncake_rl.transport.buckets import SHM_DIR
 
 DIGEST = "ab" * 32
+READ, PUSHED, STAGED = 1000, 300, 2048
+"""What each stand-in apply stage reads and pushes, and what each prepare stages."""
 
 
 class RecordingBackend:
@@ -56,10 +61,11 @@ class RecordingBackend:
 
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
         await self._step(f"prepare:{request.generation}")
-        return {"in_place_bytes": self.in_place_bytes}
+        return {"in_place_bytes": self.in_place_bytes, "staged_bytes": STAGED}
 
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
-        return await self._step(f"apply:{request.generation}:{request.stage}")
+        await self._step(f"apply:{request.generation}:{request.stage}")
+        return {"workers": [{"store_read_bytes": READ, "pushed_bytes": PUSHED}]}
 
     async def commit(self, generation: int) -> dict[str, Any]:
         return await self._step(f"commit:{generation}")
@@ -100,6 +106,9 @@ def make_client(make_engine: Callable[..., Awaitable[Engine]]) -> Callable[..., 
         app.include_router(
             build_router(get_receiver, token, max_body_bytes=Settings().max_body_bytes)
         )
+        registry = CollectorRegistry()  # the engine's own /metrics, as vLLM's single server
+        app.mount("/metrics", make_asgi_app(registry=registry))
+        assert expose(app, lambda: receiver, registry)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
         return client, recorder, receiver
 
@@ -609,3 +618,97 @@ async def test_a_bucket_over_the_body_limit_is_refused_before_it_is_read(make_en
         response = await client.post("/mooncake/bucket", params=query, content=b"x" * 1025)
     assert (response.status_code, response.json()["error"]) == (413, "body_too_large")
     assert receiver.state.value == "prepared" and backend.calls[-1] == "prepare:2"
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def samples_of(exposition: str) -> Samples:
+    """Every sample of a Prometheus exposition, by name and labels."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+    }
+
+
+async def scrape(client: httpx.AsyncClient) -> Samples:
+    response = await client.get("/metrics", follow_redirects=True)
+    assert response.status_code == 200
+    return samples_of(response.text)
+
+
+def engine_sample(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(f"mooncake_rl_{name}", tuple(sorted(labels.items())))]
+
+
+def by_label(samples: Samples, name: str) -> dict[str, float]:
+    """A one-label family's samples by that label's value."""
+    return {
+        labels[0][1]: value
+        for (sample, labels), value in samples.items()
+        if sample == f"mooncake_rl_{name}"
+    }
+
+
+async def test_metrics_count_a_known_sequence_of_calls(make_client) -> None:
+    """A committed update, a refusal, an aborted session, and a commit failure the engine
+    rebuilds from: every mooncake_rl_* figure on /metrics, exactly."""
+    client, backend, receiver = await make_client()
+    s3 = "3" * 32
+    async with client:
+        fresh = await scrape(client)
+        await run_steps(client, [*APPLIED, ("commit", commit_body())])
+        refused = await client.post("/mooncake/apply", json=apply_body(0, session=S2))
+        assert refused.json()["error"] == "no_session"
+        await run_steps(
+            client,
+            [
+                ("drain", drain_body(S2)),
+                ("prepare", prepare_body(3, session=S2)),
+                ("abort", {"session": S2}),
+            ],
+        )
+        backend.in_place_bytes = 4096
+        backend.fail_on.add("commit:3")
+        await run_steps(
+            client,
+            [
+                ("drain", drain_body(s3)),
+                ("prepare", prepare_body(3, stages=1, session=s3)),
+                ("apply", apply_body(0, 3, s3)),
+            ],
+        )
+        failed = await client.post("/mooncake/commit", json=commit_body(3, s3))
+        assert failed.json()["error"] == "commit_failed"
+        await serving_again(receiver)
+        samples = await scrape(client)
+
+    assert by_label(fresh, "receiver_state") == {s: float(s == "serving") for s in STATES}
+    assert by_label(fresh, "served_generation") == {"m": 1}
+    assert by_label(fresh, "engine_received_bytes_total") == {"in_place": 0, "staged": 0}
+    assert engine_sample(fresh, "engine_store_read_bytes_total") == 0
+    for empty in ("engine_failures_total", "engine_sessions_total", "engine_phase_seconds_count"):
+        assert by_label(fresh, empty) == {}
+
+    assert by_label(samples, "receiver_state") == {s: float(s == "serving") for s in STATES}
+    assert by_label(samples, "served_generation") == {"m": 7}
+    assert engine_sample(samples, "engine_rebuilds_total") == 1
+    phases = {"drain": 3, "prepare": 3, "apply": 2, "commit": 1, "rebuild": 1}
+    assert by_label(samples, "engine_phase_seconds_count") == phases
+    for phase, count in phases.items():
+        infinite = engine_sample(samples, "engine_phase_seconds_bucket", phase=phase, le="+Inf")
+        assert infinite == count
+        assert engine_sample(samples, "engine_phase_seconds_sum", phase=phase) >= 0
+    assert engine_sample(samples, "engine_store_read_bytes_total") == 3 * READ
+    assert engine_sample(samples, "engine_pushed_bytes_total") == 3 * PUSHED
+    assert by_label(samples, "engine_received_bytes_total") == {
+        "in_place": 4096,
+        "staged": 2 * STAGED,
+    }
+    assert by_label(samples, "engine_failures_total") == {"no_session": 1, "commit_failed": 1}
+    assert by_label(samples, "engine_sessions_total") == {
+        "committed": 1,
+        "aborted": 1,
+        "broken": 1,
+    }

@@ -16,15 +16,17 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
+from prometheus_client import generate_latest
 
 pytest.importorskip("vllm")
 
 from bench.load import Load
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.cli import main
-from mooncake_rl.coordinator import Coordinator, UpdateFailed
+from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
+from mooncake_rl.metrics import UpdateMetrics
 from mooncake_rl.router import open_router
 from mooncake_rl.router.launch import RouterProcess
 from mooncake_rl.services import EmbeddedMaster
@@ -36,6 +38,7 @@ from mooncake_rl.transport.source import Source, read_buckets
 from mooncake_rl.transport.topology import TopologyError
 from tests.conftest import settings_for
 from tests.engine.route_fuzz import calls
+from tests.engine.test_receiver_routes import Samples, by_label, samples_of
 from tests.faults.harness import DroppingProxy, start_coordinator, wait_converged
 
 pytestmark = pytest.mark.timeout(900)  # two vLLM servers start inside the module fixture
@@ -225,6 +228,7 @@ def test_compat_update_under_load_reads_each_byte_once(world: World) -> None:
         outcomes.append((response.status_code, response.json()["choices"][0]["finish_reason"]))
 
     load = [threading.Thread(target=long_request) for _ in range(3)]
+    before = {label: engine_metrics(engine) for label, engine in world.engines.items()}
     for thread in load:
         thread.start()
     with world.coordinator() as coordinator:
@@ -249,6 +253,44 @@ def test_compat_update_under_load_reads_each_byte_once(world: World) -> None:
         assert engine.complete(PROMPT) == world.refs[1]
         assert engine.mooncake("GET", "status").json()["generation"] == 2
     assert_every_parameter_checked(world, result)
+    assert_metrics_follow_the_update(world, before, result)
+
+
+def engine_metrics(engine: VllmServer) -> Samples:
+    """Every sample of vLLM's own /metrics (mooncake_rl_* among vLLM's)."""
+    response = httpx.get(f"{engine.url}/metrics", timeout=30)
+    assert response.status_code == 200
+    return samples_of(response.text)
+
+
+def assert_metrics_follow_the_update(
+    world: World, before: dict[str, Samples], result: UpdateResult
+) -> None:
+    """vLLM's /metrics carries each engine's receiver figures, and what the engines counted
+    adds up to what the coordinator reports (its own metrics, from the same result)."""
+    after = {label: engine_metrics(engine) for label, engine in world.engines.items()}
+
+    def added(name: str, **labels: str) -> float:
+        key = (f"mooncake_rl_{name}", tuple(sorted(labels.items())))
+        return sum(after[k].get(key, 0) - before[k].get(key, 0) for k in world.engines)
+
+    for samples in after.values():
+        assert by_label(samples, "served_generation") == {MODEL: 2}
+        assert by_label(samples, "receiver_state")["serving"] == 1
+        assert sum(by_label(samples, "receiver_state").values()) == 1
+    for phase in ("drain", "prepare", "apply", "commit"):
+        assert added("engine_phase_seconds_count", phase=phase) == len(world.engines)
+    assert added("engine_sessions_total", outcome="committed") == len(world.engines)
+    coordinator = UpdateMetrics()
+    coordinator.record("committed", result)
+    totals = samples_of(generate_latest(coordinator.registry).decode())
+    for name in ("store_read_bytes_total", "pushed_bytes_total"):
+        assert added(f"engine_{name}") == totals[(f"mooncake_rl_update_{name}", ())] > 0
+    for landing in ("in_place", "staged"):
+        engines = added("engine_received_bytes_total", landing=landing)
+        key = ("mooncake_rl_update_received_bytes_total", (("landing", landing),))
+        assert engines == totals[key]
+    assert totals[("mooncake_rl_update_store_read_bytes_total", ())] == result.store_read_bytes
 
 
 def assert_every_parameter_checked(world: World, result) -> None:

@@ -28,7 +28,7 @@ from sglang.srt.utils.aio_rwlock import RWLock
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from engine_ext.sglang.plugins import EngineRoutes
 from tests.engine.test_receiver_routes import *  # noqa: F403 (the shared scenarios)
-from tests.engine.test_receiver_routes import Engine, drain_body
+from tests.engine.test_receiver_routes import PUSHED, READ, STAGED, Engine, drain_body
 
 
 class _RecordingLock(RWLock):
@@ -94,7 +94,9 @@ class RecordingTokenizerManager:
         if request.method == "rebuild":
             reply |= {"generation": 7, "fence": 7, "incarnation": "ab" * 8}
         if request.method == "prepare":
-            reply |= {"in_place_bytes": self.in_place_bytes}
+            reply |= {"in_place_bytes": self.in_place_bytes, "staged_bytes": STAGED}
+        if request.method == "apply":
+            reply |= {"store_read_bytes": READ, "pushed_bytes": PUSHED}
         if request.method in steps:
             name = steps[request.method]()
             if name in self.time_out_on:  # as engine_ext.rpc.within reports a hung rank
