@@ -10,15 +10,7 @@ import torch
 from mooncake_rl.generations.catalog import TensorSpec
 from mooncake_rl.services import EmbeddedMaster, SegmentHolder
 from mooncake_rl.settings import Settings
-
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    for unit, factor in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+from mooncake_rl.units import parse_size as parse_size  # the benches' size flags
 
 
 def synthetic_model(

@@ -13,6 +13,17 @@ generation's call (new manifest, same layout: a cache hit) plus binding its keys
 Building the shapes and manifests is reported separately as ``setup_seconds``. The machine
 is shared, so CPU seconds of this process and the 1-minute load average are reported next
 to wall seconds.
+
+With ``--store``, the cold table is also kept in a Store (an embedded ``mooncake_master``
+and one segment holder of ``--store-segment`` bytes, ``store_save_seconds``), and a fresh
+process (a new interpreter, as the next ``mooncake-rl update``) builds the same shapes and
+times the next generation's call on an empty cache backed by that Store:
+``plan_seconds_store_hit`` is the whole call plus ``bind``, split into
+``store_hit_key_seconds`` (the demand and topology digests a fresh process must compute to
+know its key) and ``store_hit_load_seconds`` (the Store read, the entry's checks, ``bind``).
+After it, the same entry is read and decoded once more, timed apart (``store_read_seconds``,
+``store_decode_seconds``). ``store_hit_equals_cold`` compares the loaded table with the cold
+one byte for byte.
 """
 
 from __future__ import annotations
@@ -20,13 +31,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import xxhash
+from mooncake.reshard.weight import WeightManifest
 
+from bench.common import parse_size, store_services
 from mooncake_rl.generations.layout import layout_digest
-from mooncake_rl.plan import CompatDemand, PlanCache, PlanParams, bind, plan_routing
+from mooncake_rl.plan import (
+    CompatDemand,
+    DirectDemand,
+    PlanCache,
+    PlanParams,
+    RoutingTable,
+    Topology,
+    bind,
+    plan_key,
+    plan_routing,
+)
 from mooncake_rl.plan.shapes import MODELS, cluster, parse_target, weight_manifest
+from mooncake_rl.plan.stored import StoredTables, decode_table, encode_table, entry_key
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
 
 
 def cross_node_sends_per_tensor(table) -> float:
@@ -45,6 +76,127 @@ def cross_node_sends_per_tensor(table) -> float:
     return float((per_object / table.object_sizes).mean())
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What the coordinator holds when it plans: two generations of one layout, with the
+    layout digests their records carry, and the engines' topology and demand."""
+
+    model: Any
+    manifest: WeightManifest
+    next_manifest: WeightManifest
+    recorded: str
+    next_recorded: str
+    topology: Topology
+    demand: CompatDemand | DirectDemand
+    params: PlanParams
+    digest_seconds: float
+    digest_cpu_seconds: float
+
+
+def inputs(args: argparse.Namespace) -> Inputs:
+    model = MODELS[args.model]()
+    instances, tp = parse_target(args.target)
+    manifest = weight_manifest(model, 42)
+    next_manifest = weight_manifest(model, 43)
+    topology, direct = cluster(model, instances, tp, args.workers_per_node)
+    recorded = layout_digest(manifest)
+    t1, c1 = time.perf_counter(), time.process_time()
+    next_recorded = layout_digest(next_manifest)  # what announce seals into the record
+    return Inputs(
+        model,
+        manifest,
+        next_manifest,
+        recorded,
+        next_recorded,
+        topology,
+        direct if args.mode == "direct" else CompatDemand(),
+        PlanParams(batch_bytes=args.batch_bytes),
+        time.perf_counter() - t1,
+        time.process_time() - c1,
+    )
+
+
+def table_digest(table: RoutingTable) -> str:
+    """One digest of every field of a table: what its Store entry holds."""
+    return xxhash.xxh3_128_hexdigest(encode_table(table))
+
+
+def fresh_store_hit(args: argparse.Namespace) -> dict[str, Any]:
+    """The next generation's call in this fresh process, on an empty cache over the Store."""
+    given = inputs(args)
+    master, metadata, segment = args.load_from
+    settings = Settings(master=master, metadata=metadata, segment_bytes=0, local_segment=segment)
+    t0 = time.perf_counter()
+    store = StoreClient(settings)
+    connect = time.perf_counter() - t0
+    with store:
+        cache = PlanCache(backing=StoredTables(store))
+        t0, c0 = time.perf_counter(), time.process_time()
+        key = plan_key(
+            given.next_manifest, given.topology, given.demand, given.params, given.next_recorded
+        )
+        t1 = time.perf_counter()
+        table = plan_routing(
+            given.next_manifest,
+            given.topology,
+            given.demand,
+            params=given.params,
+            cache=cache,
+            layout_digest=given.next_recorded,
+        )
+        bind(table, given.next_manifest.group_id)
+        t2, c2 = time.perf_counter(), time.process_time()
+        assert (cache.loads, cache.misses) == (1, 0), "the fresh process did not load the table"
+        entry = store.get_array(entry_key(key))
+        t3 = time.perf_counter()
+        decode_table(entry, key)
+        t4 = time.perf_counter()
+    return {
+        "plan_seconds_store_hit": round(t2 - t0, 4),
+        "plan_cpu_seconds_store_hit": round(c2 - c0, 4),
+        "store_hit_key_seconds": round(t1 - t0, 4),
+        "store_hit_load_seconds": round(t2 - t1, 4),
+        "store_read_seconds": round(t3 - t2, 4),
+        "store_decode_seconds": round(t4 - t3, 4),
+        "store_connect_seconds": round(connect, 3),
+        "store_hit_load_average_1m": round(os.getloadavg()[0], 2),
+        "store_hit_table_digest": table_digest(table),
+    }
+
+
+def store_figures(args: argparse.Namespace, given: Inputs, table: RoutingTable) -> dict[str, Any]:
+    """Keep ``table`` in a fresh Store, then time its load in a fresh process."""
+    key = plan_key(given.manifest, given.topology, given.demand, given.params, given.recorded)
+    with (
+        store_services(parse_size(args.store_segment)) as (master, holder, settings),
+        StoreClient(settings) as store,
+    ):
+        t0 = time.perf_counter()
+        StoredTables(store).save(key, table)
+        saved = time.perf_counter() - t0
+        assert store.exists([entry_key(key)]) == [True], "the table was not kept in the Store"
+        entry_bytes = store.size(entry_key(key))
+        flags = [
+            *("--model", args.model, "--target", args.target, "--mode", args.mode),
+            *("--workers-per-node", str(args.workers_per_node)),
+            *("--batch-bytes", str(args.batch_bytes)),
+            *("--load-from", master.master_address, master.metadata_url, holder.segment),
+        ]
+        child = subprocess.run(
+            [sys.executable, "-m", "bench.plan", *flags], capture_output=True, text=True
+        )
+    if child.returncode != 0:
+        raise SystemExit(f"the fresh process failed:\n{child.stderr[-3000:]}")
+    figures = json.loads(child.stdout)
+    loaded = figures.pop("store_hit_table_digest")
+    return {
+        **figures,
+        "store_save_seconds": round(saved, 3),
+        "store_entry_bytes": entry_bytes,
+        "store_hit_equals_cold": loaded == table_digest(table),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="kimi-k2")
@@ -52,31 +204,38 @@ def main() -> None:
     parser.add_argument("--mode", choices=("direct", "compat"), default="direct")
     parser.add_argument("--workers-per-node", type=int, default=8)
     parser.add_argument("--batch-bytes", type=int, default=PlanParams().batch_bytes)
+    parser.add_argument(
+        "--store",
+        action="store_true",
+        help="also keep the table in a Store and time its load in a fresh process",
+    )
+    parser.add_argument("--store-segment", default="1GiB", help="the Store's segment holder")
+    parser.add_argument("--load-from", nargs=3, help=argparse.SUPPRESS)  # the fresh process
     args = parser.parse_args()
+    if args.load_from:
+        print(json.dumps(fresh_store_hit(args)))
+        return
 
     t0 = time.perf_counter()
-    model = MODELS[args.model]()
-    instances, tp = parse_target(args.target)
-    manifest = weight_manifest(model, 42)
-    next_manifest = weight_manifest(model, 43)
-    topology, direct = cluster(model, instances, tp, args.workers_per_node)
-    demand = direct if args.mode == "direct" else CompatDemand()
-    params = PlanParams(batch_bytes=args.batch_bytes)
-    recorded = layout_digest(manifest)
-    t1, c1 = time.perf_counter(), time.process_time()
-    next_recorded = layout_digest(next_manifest)  # what announce seals into the record
-    digest_seconds, digest_cpu = time.perf_counter() - t1, time.process_time() - c1
+    given = inputs(args)
+    model, manifest, next_manifest = given.model, given.manifest, given.next_manifest
+    topology, demand, params = given.topology, given.demand, given.params
     setup = time.perf_counter() - t0
 
     cache = PlanCache()
     t0, c0 = time.perf_counter(), time.process_time()
     table = plan_routing(
-        manifest, topology, demand, params=params, cache=cache, layout_digest=recorded
+        manifest, topology, demand, params=params, cache=cache, layout_digest=given.recorded
     )
     cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0, c0 = time.perf_counter(), time.process_time()
     again = plan_routing(
-        next_manifest, topology, demand, params=params, cache=cache, layout_digest=next_recorded
+        next_manifest,
+        topology,
+        demand,
+        params=params,
+        cache=cache,
+        layout_digest=given.next_recorded,
     )
     bound = bind(again, next_manifest.group_id)
     cached, cached_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -104,8 +263,8 @@ def main() -> None:
         "plan_cpu_seconds_cached": round(cached_cpu, 4),
         "plan_seconds_cached_unrecorded": round(fallback, 4),
         "plan_cpu_seconds_cached_unrecorded": round(fallback_cpu, 4),
-        "layout_digest_seconds": round(digest_seconds, 4),
-        "layout_digest_cpu_seconds": round(digest_cpu, 4),
+        "layout_digest_seconds": round(given.digest_seconds, 4),
+        "layout_digest_cpu_seconds": round(given.digest_cpu_seconds, 4),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "setup_seconds": round(setup, 2),
         "reads": len(table.reads),
@@ -133,6 +292,8 @@ def main() -> None:
     if args.mode == "compat":
         result["cross_node_sends_per_tensor"] = cross_node_sends_per_tensor(table)
         result["nodes - 1"] = len(topology.nodes) - 1
+    if args.store:
+        result.update(store_figures(args, given, table))
     print(json.dumps(result))
 
 

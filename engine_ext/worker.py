@@ -219,6 +219,8 @@ class UpdateWorker(ABC):
             "gpu": self.gpu_id(),
             "device": str(self.device()),
             "host_id": this_host_id(),
+            # The coordinator refuses plans whose batches this cannot hold twice.
+            "staging_watermark_bytes": state.apply.settings.staging_watermark_bytes,
             "regions": {
                 r.name: {"bytes": r.nbytes, "dtype": str(r.dtype).removeprefix("torch.")}
                 for r in regions

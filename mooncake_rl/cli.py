@@ -28,6 +28,7 @@ from mooncake_rl.services import (
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.modes import TransportMode
+from mooncake_rl.units import parse_size
 
 EXIT_MIXED_INVALID = 3
 """``update``: an auto update under MOONCAKE_RL_ASSERT_MIXED_TRANSPORT=1 lacked a leg."""
@@ -191,6 +192,7 @@ def cmd_update(args: argparse.Namespace) -> int:
                     mode=args.mode,
                     drain_mode=args.drain,
                     direct_fallback=args.direct_fallback,
+                    batch_bytes=args.batch_bytes,
                     min_engines=args.min_engines,
                     transport=args.transport,
                     train_gpus=args.train_gpus,
@@ -269,6 +271,18 @@ def _regex(value: str) -> str:
     except re.error as error:
         raise argparse.ArgumentTypeError(f"not a regular expression: {error}") from None
     return value
+
+
+def _size(value: str) -> int:
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {value!r} (bytes, or a number with KiB, MiB or GiB)"
+        ) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
+    return size
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -374,6 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REGEX",
         help="direct mode: parameters whose names match land through the engine's "
         "load_weights (full tensors) instead of its shard discovery",
+    )
+    update.add_argument(
+        "--batch-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="bytes each worker reads per pipeline batch, e.g. 64MiB (MOONCAKE_RL_BATCH_BYTES, "
+        "default 64MiB); every engine's staging watermark must hold two batches",
     )
     update.add_argument(
         "--staged",

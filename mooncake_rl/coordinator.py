@@ -48,7 +48,7 @@ from mooncake_rl.generations.registry import (
     payload_problems,
     require_active,
 )
-from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
+from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update, require_staging
 from mooncake_rl.protocol import MAX_TTL_S
 from mooncake_rl.router.adapters import Router
 from mooncake_rl.router.probe import require_compatible, waves
@@ -257,7 +257,8 @@ class Coordinator:
             limits=httpx.Limits(max_keepalive_connections=0),
         )
         self._progress = progress or (lambda message: None)
-        self.cache = RoutingCache()
+        # Routing tables also go to the Store: the next process (CLI, restarted bridge) loads them.
+        self.cache = RoutingCache(store)
         self.session_ttl_s = session_ttl_s
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
 
@@ -340,7 +341,7 @@ class Coordinator:
         *,
         mode: str = "compat",
         drain_mode: str = "abort",
-        batch_bytes: int = 64 << 20,
+        batch_bytes: int | None = None,
         direct_fallback: str | None = None,
         min_engines: int | None = None,
         transport: str | None = None,
@@ -357,6 +358,8 @@ class Coordinator:
         broadcast, cpu_serialize or auto; the non-Store ones need ``train_gpus`` (default
         ``MOONCAKE_RL_TRAIN_GPUS``) and deliver full tensors in buckets of ``batch_bytes``;
         ``sender``: where a broadcast's sender runs (default: a child of this process).
+        ``batch_bytes``: the plan's pipeline batch (default: ``MOONCAKE_RL_BATCH_BYTES`` of
+        this Store client's settings); every engine worker's staging watermark must hold two.
 
         ``router``: the request router in front of the engines. Before anything is touched
         the router, the engines' plugin versions and the topology are probed; then each
@@ -392,8 +395,9 @@ class Coordinator:
             self._probe(router, chosen, train_pool)
             rotation = Rotation(router, self.store, holder=self.holder)
         record = require_active(self.store, model, "cannot update engines")
+        batch = self.store.settings.batch_bytes if batch_bytes is None else batch_bytes
         options = _Options(
-            mode, drain_mode, batch_bytes, direct_fallback, chosen, train_pool, sender, in_place
+            mode, drain_mode, batch, direct_fallback, chosen, train_pool, sender, in_place
         )
         tag = uuid.uuid4().hex
         total = UpdateResult(model, record.generation, mode, list(self.engines))
@@ -504,6 +508,8 @@ class Coordinator:
         mixed = chosen is TransportMode.AUTO and self.store.settings.assert_mixed_transport
         if mixed:
             require_mixed(classification)
+        if chosen is TransportMode.STORE:
+            require_staging({u: placements[u]["workers"] for u in targets}, options.batch_bytes)
         phase("placement")
         if not targets:
             return result

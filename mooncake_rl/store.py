@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mooncake_rl.affinity import unpinned_native_threads
@@ -236,7 +237,12 @@ class StoreClient:
         return _check(self._store.get_size(key), "get_size", f"key={key}")
 
     def get_bytes(self, key: str) -> bytes:
-        """Whole small object (records, manifests), read into a registered buffer.
+        """Whole small object (records, manifests), read into a registered buffer."""
+        return self.get_array(key).tobytes()
+
+    def get_array(self, key: str) -> np.ndarray:
+        """Whole object as the uint8 array it was read into: a large one (a cached routing
+        table) is used in place, not copied again.
 
         A record replaced by ``upsert`` moments ago can briefly answer ``REPLICA_IS_NOT_READY``
         or a transfer error while its new replica settles; such reads are retried a few times.
@@ -244,7 +250,7 @@ class StoreClient:
         """
         for attempt in range(RECORD_READ_ATTEMPTS):
             try:
-                return self._get_bytes_once(key)
+                return self._get_once(key)
             except ObjectNotFound:
                 raise
             except MooncakeError:
@@ -253,7 +259,7 @@ class StoreClient:
                 time.sleep(0.05 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def _get_bytes_once(self, key: str) -> bytes:
+    def _get_once(self, key: str) -> np.ndarray:
         size = self.size(key)
         buffer = torch.empty(max(size, 1), dtype=torch.uint8)
         self.register(buffer.data_ptr(), buffer.numel())
@@ -266,7 +272,7 @@ class StoreClient:
                 code if code < 0 else -800, "get_into", f"key={key} size={size} got={code}"
             )
         COUNTERS.add(read=size)
-        return buffer[:size].numpy().tobytes()
+        return buffer[:size].numpy()
 
     def read_ranges(self, buffer_ptr: int, reads: Sequence[RangeRead]) -> int:
         """Ranged reads into one registered buffer; every byte count is verified.

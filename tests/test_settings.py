@@ -49,9 +49,11 @@ def test_bad_values_are_refused(field: str, value: object) -> None:
         Settings(**{field: value})
 
 
-def test_watermark_must_admit_two_batches() -> None:
-    with pytest.raises(ValidationError, match="two batches"):
-        Settings(batch_bytes=8 << 20, staging_watermark_bytes=12 << 20)
+def test_a_batch_is_not_checked_against_the_same_clients_watermark() -> None:
+    """The batch is the coordinator's and the watermark the engine's: the coordinator checks
+    the plan's batch against each engine's reported watermark (tests/test_batch_bytes.py)."""
+    settings = Settings(batch_bytes=512 << 20, staging_watermark_bytes=12 << 20)
+    assert (settings.batch_bytes, settings.staging_watermark_bytes) == (512 << 20, 12 << 20)
 
 
 def test_rpc_timeout_defaults_to_ten_minutes_and_reads_the_environment(

@@ -67,6 +67,9 @@ class BridgeConfig:
     catch up from the Store when they restart."""
     session_ttl_s: float = 30.0
     """How long engines stay held when the trainer stops renewing an update session."""
+    batch_bytes: int | None = None
+    """Bytes per pipeline batch of each update's plan (default ``MOONCAKE_RL_BATCH_BYTES``);
+    every engine worker's staging watermark must hold two."""
     transport: str | None = None
     """store, broadcast, cpu_serialize or auto (default: ``MOONCAKE_RL_TRANSPORT``, store)."""
     train_gpus: tuple[str, ...] = ()
@@ -115,6 +118,13 @@ class BridgeConfig:
             )
         if type(config.keep) is not int or config.keep < 1:
             raise ConfigurationError(f"keep must be an integer >= 1, got {config.keep!r}")
+        if config.batch_bytes is not None and (
+            type(config.batch_bytes) is not int or config.batch_bytes < 1
+        ):
+            raise ConfigurationError(
+                f"batch_bytes must be a positive integer (or unset: MOONCAKE_RL_BATCH_BYTES), "
+                f"got {config.batch_bytes!r}"
+            )
         if config.min_engines is not None and (
             type(config.min_engines) is not int or config.min_engines < 1
         ):
@@ -162,6 +172,7 @@ class BridgeConfig:
                 node=self.node,
                 local_segment=self.local_segment,
                 auth_token=self.token,
+                batch_bytes=self.batch_bytes,
                 segment_bytes=0,
             )
         except ValidationError as error:

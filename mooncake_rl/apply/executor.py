@@ -7,7 +7,8 @@ are checked (``mooncake_rl.apply.verify``) before any of its bytes is pushed to 
 scattered; a mismatch fails the stage with ``CorruptObject`` naming the object.
 
 A staging watermark bounds the bytes of batches that are read but not yet pushed; it must
-admit at least two batches so reads and pushes can overlap at all.
+admit at least two batches so reads and pushes can overlap at all (the coordinator checks
+every worker's watermark against the plan's batch before it drains an engine).
 
 Every byte count Mooncake returns is verified by the wrappers; a failure raises with the
 range, the peer and the Mooncake error. Consumers are passive: a worker learns that its bytes
@@ -131,7 +132,9 @@ class WorkerExecutor:
             if batch.staging_bytes > self.watermark_bytes:
                 raise InvariantViolation(
                     f"a batch of {batch.staging_bytes} bytes exceeds the staging watermark "
-                    f"{self.watermark_bytes}"
+                    f"{self.watermark_bytes} (MOONCAKE_RL_STAGING_WATERMARK_BYTES): raise it to "
+                    "twice the plan's batch, or plan smaller batches (MOONCAKE_RL_BATCH_BYTES, "
+                    "`mooncake-rl update --batch-bytes`)"
                 )
             for read in batch.reads:
                 self._region(self.regions, read.region, "local").address(

@@ -77,6 +77,12 @@ def fence_key(model: str, fence: int) -> str:
     return f"{model_prefix(model)}/fence/{fence:012d}"
 
 
+def routing_table_key(digest: str) -> str:
+    """A routing table kept for later processes (``mooncake_rl.plan.stored``), named by the
+    digest of its plan key; ``_`` starts no model name, so no model prefix covers it."""
+    return f"{NAMESPACE}/_plans/{digest}"
+
+
 INCARNATION_KEY = f"{NAMESPACE}/incarnation"
 """Created once per master lifetime: a master that lost its state lost this record too."""
 

@@ -2,13 +2,15 @@
 
 A table depends only on (source layout digest, target digest, topology digest, params), and
 none of those change between generations, so every update after the first reuses it: a hit
-returns the very same table object and recomputes nothing.
+returns the very same table object and recomputes nothing. A ``backing`` (the Store, see
+:mod:`mooncake_rl.plan.stored`) keeps tables beyond this process, so a fresh process loads
+a table instead of planning it again.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan.params import PlanParams
@@ -22,27 +24,49 @@ class PlanKey(NamedTuple):
     params: PlanParams
 
 
-class PlanCache:
-    """Bounded LRU of routing tables, with hit/miss counters for tests and benchmarks."""
+class TableBacking(Protocol):
+    """Where tables outlive the process; ``load`` returns only a usable table, else None."""
 
-    def __init__(self, max_entries: int = 8) -> None:
+    def load(self, key: PlanKey) -> RoutingTable | None: ...
+
+    def save(self, key: PlanKey, table: RoutingTable) -> None: ...
+
+
+class PlanCache:
+    """Bounded LRU of routing tables over an optional backing, with counters for tests and
+    benchmarks: ``hits`` (in memory), ``loads`` (from the backing), ``misses`` (planned)."""
+
+    def __init__(self, max_entries: int = 8, backing: TableBacking | None = None) -> None:
         if max_entries <= 0:
             raise InvariantViolation("a plan cache needs room for at least one table")
         self.max_entries = max_entries
+        self.backing = backing
         self.hits = 0
+        self.loads = 0
         self.misses = 0
         self._tables: OrderedDict[PlanKey, RoutingTable] = OrderedDict()
 
     def get(self, key: PlanKey) -> RoutingTable | None:
         table = self._tables.get(key)
+        if table is not None:
+            self.hits += 1
+            self._tables.move_to_end(key)
+            return table
+        table = self.backing.load(key) if self.backing is not None else None
         if table is None:
             self.misses += 1
             return None
-        self.hits += 1
-        self._tables.move_to_end(key)
+        self.loads += 1
+        self._remember(key, table)
         return table
 
     def put(self, key: PlanKey, table: RoutingTable) -> None:
+        """Keep a table just planned (and validated), here and in the backing."""
+        self._remember(key, table)
+        if self.backing is not None:
+            self.backing.save(key, table)
+
+    def _remember(self, key: PlanKey, table: RoutingTable) -> None:
         self._tables[key] = table
         self._tables.move_to_end(key)
         while len(self._tables) > self.max_entries:

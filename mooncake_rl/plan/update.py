@@ -31,7 +31,7 @@ from mooncake.reshard.weight import (
 
 from mooncake_rl.apply.executor import Batch
 from mooncake_rl.apply.wire import WorkerSlice, encode_slice, with_checksums
-from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.plan.cache import PlanCache
 from mooncake_rl.plan.demand import (
@@ -43,8 +43,10 @@ from mooncake_rl.plan.demand import (
 )
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.planner import plan_routing as plan_table
+from mooncake_rl.plan.stored import StoredTables
 from mooncake_rl.plan.table import RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
+from mooncake_rl.store import StoreClient
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,15 +148,21 @@ class RoutingCache:
     """Routing tables by (source layout, demand, topology, params) digests.
 
     Wraps the planner's ``PlanCache``: a hit returns the very same table and replans
-    nothing; the per-worker regions and layout rows are re-derived from it (cheap).
+    nothing; the per-worker regions and layout rows are re-derived from it (cheap). With a
+    Store client, tables are also kept in the Store (:mod:`mooncake_rl.plan.stored`), so a
+    fresh process loads what an earlier one planned.
     """
 
-    def __init__(self) -> None:
-        self.tables = PlanCache()
+    def __init__(self, store: StoreClient | None = None) -> None:
+        self.tables = PlanCache(backing=None if store is None else StoredTables(store))
 
     @property
     def hits(self) -> int:
         return self.tables.hits
+
+    @property
+    def loads(self) -> int:
+        return self.tables.loads
 
     @property
     def misses(self) -> int:
@@ -171,6 +179,30 @@ class RoutingCache:
     ) -> RoutingPlan:
         return plan_routing(
             manifest, engines, mode, batch_bytes, self.tables, layout_digest, direct_fallback
+        )
+
+
+def require_staging(engines: Mapping[str, Sequence[Mapping[str, Any]]], batch_bytes: int) -> None:
+    """Refuse batches that some worker's staging watermark cannot hold twice.
+
+    A worker overlaps one batch's reads with the previous batch's pushes, so its watermark
+    (the engine's ``MOONCAKE_RL_STAGING_WATERMARK_BYTES``, reported with its placement) must
+    admit two batches of the size the plan is built with. Workers that report none (older
+    engines) are left to prepare, which refuses any batch above their watermark.
+    """
+    short = sorted(
+        (int(w["staging_watermark_bytes"]), w["worker_id"])
+        for workers in engines.values()
+        for w in workers
+        if int(w.get("staging_watermark_bytes", 2 * batch_bytes)) < 2 * batch_bytes
+    )
+    if short:
+        watermark, worker = short[0]
+        raise ConfigurationError(
+            f"the plan's batches of {batch_bytes} bytes (MOONCAKE_RL_BATCH_BYTES or `mooncake-rl "
+            f"update --batch-bytes`) need a staging watermark of {2 * batch_bytes} bytes on "
+            f"every engine worker; {len(short)} have less (worker {worker}: {watermark}): "
+            "lower the batch, or raise MOONCAKE_RL_STAGING_WATERMARK_BYTES on the engines"
         )
 
 

@@ -8,8 +8,13 @@ each worker should hold, computed independently with numpy slicing of the tensor
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from mooncake.reshard.weight import (
@@ -267,3 +272,16 @@ def check_delivery(table, buffers, written, expected) -> None:
             continue
         extra = mask & ~want.get(key, np.zeros(len(mask), bool))
         assert not extra.any(), f"undemanded bytes written at {key}"
+
+
+def bench_plan(*flags: str) -> dict[str, Any]:
+    """The one JSON object ``python -m bench.plan`` prints for ``flags``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.plan", *flags],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    return json.loads(out)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan.shapes import MODELS, cluster, instance_parts, parse_target
+
+from .helpers import bench_plan
 
 
 def params(model) -> int:
@@ -51,16 +49,7 @@ def test_small_instance_parts_shard_by_kind():
 
 
 def test_bench_prints_one_json_object():
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.plan", "--model", "small", "--target", "2xTP4"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
-    result = json.loads(out)
+    result = bench_plan("--model", "small", "--target", "2xTP4")
     assert result["store_read_bytes / unique_demand_bytes"] == 1.0
     assert result["delivered_bytes / lower_bound_bytes"] == 1.0
     assert result["workers"] == 8 and result["mode"] == "direct"

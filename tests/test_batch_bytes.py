@@ -1,0 +1,208 @@
+"""The pipeline batch reaches the plan: ``MOONCAKE_RL_BATCH_BYTES`` is the coordinator's
+default, ``mooncake-rl update --batch-bytes`` and ``update(batch_bytes=...)`` override it,
+and an engine worker whose staging watermark cannot hold two of the plan's batches is
+refused before any engine is drained.
+
+The engines are answered in-process (``httpx.MockTransport``) from simulated placements; the
+Store, the published generation and the planner are real, and what the plan made of the batch
+is read back from the prepare bodies the engines received.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from mooncake_rl.apply.wire import decode_slice
+from mooncake_rl.cli import build_parser, main
+from mooncake_rl.coordinator import Coordinator, UpdateResult
+from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.generations.catalog import specs_of
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
+from tests.conftest import trainer_settings
+from verl_bridge.config import BridgeConfig
+
+MODEL = "batch-bytes"
+CLUSTER = [("node-a", 2), ("node-b", 2)]
+WATERMARK = 256 << 20
+
+
+class FakeEngines:
+    """Engines that describe simulated placements and accept every call, keeping the bodies."""
+
+    def __init__(self, placements: dict[str, list[dict[str, Any]]]) -> None:
+        self.placements = placements
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}"
+        path = request.url.path.removeprefix("/mooncake/")
+        body = json.loads(request.content) if request.content else None
+        self.calls.append((url, path, body))
+        workers = self.placements[url]
+        replies: dict[str, Any] = {
+            "placement": {"model": MODEL, "generation": 0, "fence": 0, "workers": workers},
+            "prepare": {
+                "workers": [
+                    {"worker_id": w["worker_id"], "node": w["node"], "endpoint": "e", "regions": {}}
+                    for w in workers
+                ]
+            },
+            "apply": {
+                "workers": [
+                    {"worker_id": w["worker_id"], "store_read_bytes": 0, "pushed_bytes": 0}
+                    | {"seconds": 0.0}
+                    for w in workers
+                ]
+            },
+            "abort": {"state": "serving"},
+        }
+        return httpx.Response(200, json=replies.get(path, {}))
+
+    def batches(self) -> list[int]:
+        """Bytes each prepared batch reads, over every worker slice the engines received."""
+        return [
+            sum(read.length for read in batch.reads)
+            for _, path, body in self.calls
+            if path == "prepare"
+            for worker in body["workers"].values()
+            for stage in decode_slice(worker["slice"]).stages
+            for batch in stage
+        ]
+
+    def paths(self) -> set[str]:
+        return {path for _, path, _ in self.calls}
+
+
+@pytest.fixture(scope="module")
+def model_bytes(master, holders) -> int:
+    """One generation of a float32 model (about 70 KB) in the Store; its size in bytes."""
+    generator = torch.Generator().manual_seed(3)
+    tensors = [(f"w{i}", torch.randn(64, 64, generator=generator)) for i in range(4)]
+    tensors.append(("bias", torch.randn(256, generator=generator)))
+    with StoreClient(trainer_settings(master, holders("batch-bytes"), "trainer")) as store:
+        publish_local(store, MODEL, tensors, dtype="float32")
+    return sum(t.nbytes for _, t in tensors)
+
+
+@pytest.fixture
+def coordinator_settings(master, holders, model_bytes: int) -> Settings:
+    return trainer_settings(master, holders("batch-bytes"), "coordinator")
+
+
+def engines_for(settings: Settings, watermark: int = WATERMARK) -> FakeEngines:
+    with StoreClient(settings) as store:
+        registry = GenerationRegistry(store, MODEL)
+        manifest = registry.load_manifest(registry.active().generation)
+    placements = simulated_engines(specs_of(manifest), CLUSTER, "direct")
+    for workers in placements.values():
+        for worker in workers:
+            worker["staging_watermark_bytes"] = watermark
+    return FakeEngines(placements)
+
+
+@contextlib.contextmanager
+def coordinating(settings: Settings, engines: FakeEngines) -> Iterator[Coordinator]:
+    with StoreClient(settings) as store, Coordinator(store, sorted(engines.placements)) as coord:
+        coord._client.close()
+        coord._client = httpx.Client(transport=httpx.MockTransport(engines.handle))
+        yield coord
+
+
+def test_the_settings_batch_is_the_plans_default(
+    coordinator_settings: Settings, monkeypatch: pytest.MonkeyPatch, model_bytes: int
+) -> None:
+    values = coordinator_settings.model_dump()
+    del values["batch_bytes"]
+    monkeypatch.setenv("MOONCAKE_RL_BATCH_BYTES", "8192")
+    settings = Settings(**values)
+    assert settings.batch_bytes == 8192
+    engines = engines_for(settings)
+    with coordinating(settings, engines) as coordinator:
+        result = coordinator.update(MODEL, mode="direct")
+    assert len(result.committed) == 2
+    batches = engines.batches()
+    assert max(batches) <= 8192 and sum(batches) == model_bytes and len(batches) > 4
+
+
+def test_an_explicit_batch_wins_over_the_settings(
+    coordinator_settings: Settings, model_bytes: int
+) -> None:
+    assert coordinator_settings.batch_bytes == 1 << 20
+    engines = engines_for(coordinator_settings)
+    with coordinating(coordinator_settings, engines) as coordinator:
+        coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+    batches = engines.batches()
+    assert max(batches) <= 4096 and sum(batches) == model_bytes and len(batches) > 8
+
+
+def test_a_watermark_that_cannot_hold_two_batches_is_refused_before_any_drain(
+    coordinator_settings: Settings,
+) -> None:
+    engines = engines_for(coordinator_settings, watermark=2 * 8192 - 1)
+    with (
+        coordinating(coordinator_settings, engines) as coordinator,
+        pytest.raises(ConfigurationError) as refused,
+    ):
+        coordinator.update(MODEL, mode="direct", batch_bytes=8192)
+    message = str(refused.value)
+    assert "batches of 8192 bytes" in message and "16384" in message and "16383" in message
+    assert "MOONCAKE_RL_STAGING_WATERMARK_BYTES" in message and "--batch-bytes" in message
+    assert engines.paths() == {"placement"}
+    # Half the batch fits the same watermark.
+    with coordinating(coordinator_settings, engines) as coordinator:
+        assert coordinator.update(MODEL, mode="direct", batch_bytes=4096).committed
+
+
+UPDATE = ["update", "--name", MODEL, "--engine", "http://e"]
+
+
+@pytest.mark.parametrize(("flag", "size"), [("4096", 4096), ("64KiB", 65536), ("1.5MiB", 3 << 19)])
+def test_the_cli_parses_batch_bytes(flag: str, size: int) -> None:
+    assert build_parser().parse_args([*UPDATE, "--batch-bytes", flag]).batch_bytes == size
+    assert build_parser().parse_args(UPDATE).batch_bytes is None
+
+
+@pytest.mark.parametrize("flag", ["0", "-1MiB", "lots"])
+def test_the_cli_refuses_a_batch_that_is_no_size(flag: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*UPDATE, f"--batch-bytes={flag}"])
+    assert exited.value.code == 2 and "--batch-bytes" in capsys.readouterr().err
+
+
+def test_the_cli_hands_its_batch_to_the_update(master, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def update(self: Coordinator, model: str, **options: Any) -> UpdateResult:
+        seen.update(options)
+        return UpdateResult(model, 1, "direct", list(self.engines))
+
+    monkeypatch.setattr(Coordinator, "update", update)
+    argv = [*UPDATE, "--master", master.master_address, "--metadata", master.metadata_url]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main([*argv, "--batch-bytes", "2MiB"]) == 0
+        assert seen["batch_bytes"] == 2 << 20
+        assert main(argv) == 0
+    assert seen["batch_bytes"] is None  # the coordinator's settings decide
+
+
+def test_the_verl_bridge_config_takes_a_batch_for_its_store_settings() -> None:
+    assert (
+        BridgeConfig.from_kwargs({"model": "m", "batch_bytes": 8192}).settings().batch_bytes == 8192
+    )
+    default = BridgeConfig.from_kwargs({"model": "m"}).settings().batch_bytes
+    assert default == Settings().batch_bytes
+    for bad in (0, -1, "8MiB", 1.5):
+        with pytest.raises(ConfigurationError, match="batch_bytes must be a positive integer"):
+            BridgeConfig.from_kwargs({"model": "m", "batch_bytes": bad})
