@@ -33,7 +33,7 @@ from mooncake_rl.apply.wire import WorkerSlice
 from mooncake_rl.apply.worker import peers_from
 from mooncake_rl.errors import InvariantViolation, MooncakeError, ObjectNotFound
 from mooncake_rl.generations.keys import advert_key, group_id, payload_prefix
-from mooncake_rl.generations.registry import FenceError, GenerationRegistry
+from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationRegistry
 from mooncake_rl.protocol import ApplyRequest, PrepareRequest
 from mooncake_rl.store import StoreClient
 
@@ -91,8 +91,9 @@ def apply_request(request: Any) -> ApplyRequest:
 
 
 # -- prepare ---------------------------------------------------------------------------------
-def check_generation(store: StoreClient, request: PrepareRequest) -> None:
-    """The request names an active record of the model in this Store, exactly."""
+def check_generation(store: StoreClient, request: PrepareRequest) -> ActiveRecord | None:
+    """The request names an active record of the model in this Store, exactly: that record
+    when the request gives its fence (``None`` without one, once the manifest matched)."""
     registry = GenerationRegistry(store, request.model)
     named = (
         f"generation {request.generation} of {request.model} (fence {request.fence}, "
@@ -119,13 +120,14 @@ def check_generation(store: StoreClient, request: PrepareRequest) -> None:
                 f"{unknown} (record {request.fence} names generation {record.generation}, "
                 f"incarnation {record.incarnation}, manifest {record.manifest_digest[:16]}...)",
             )
-        return
+        return record
     try:
         registry.load_manifest(request.generation, request.manifest_digest)
     except FenceError as error:
         raise RequestRefused(409, "manifest_mismatch", f"{named}: {error}") from error
     except (ObjectNotFound, InvariantViolation) as error:
         raise RequestRefused(409, "unknown_generation", f"{unknown} ({error})") from error
+    return None
 
 
 def check_reads(store: StoreClient, model: str, generation: int, worker_slice: WorkerSlice) -> None:

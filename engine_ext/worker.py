@@ -63,6 +63,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.protocol import BucketWire, PrepareRequest, stage_refusal
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.buckets import this_host_id
 from mooncake_rl.transport.group import gpu_uuid
 from mooncake_rl.transport.modes import parse_gpu_ids
@@ -195,6 +196,19 @@ class UpdateWorker(ABC):
         if self._update is None:
             self._update = _UpdateState(f"{engine_id}/tp{self.tp()[0]}")
         return self._update
+
+    def store(self, engine_id: str) -> StoreClient:
+        """This worker's Store client (opened on first use), for callers that check the
+        Store before they build a request, without a second client per worker."""
+        return self._state(engine_id).apply.store
+
+    def close(self) -> None:
+        """Drop any pending update and close this worker's Store and Transfer Engine
+        clients; the next call opens new ones."""
+        if self._update is not None:
+            self._update.drop()
+            self._update.apply.close()
+            self._update = None
 
     # -- protocol -----------------------------------------------------------------------
     def _status(self, engine_id: str) -> dict[str, Any]:

@@ -568,7 +568,7 @@ class Coordinator:
                 for reply in prepared.values():
                     result.in_place_bytes += reply.get("in_place_bytes", 0)
                     result.staged_bytes += reply.get("staged_bytes", 0)
-                self._apply(session, members, plan, _peers(prepared), record, result)
+                self._apply(session, members, plan, advertised_peers(prepared), record, result)
             else:
                 members = self._deliver(
                     session,
@@ -830,8 +830,9 @@ class SessionLease:
         self._thread.join()
 
 
-def _peers(prepared: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Where each prepared worker takes pushes: the apply body's ``peers``."""
+def advertised_peers(prepared: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Where each prepared worker takes pushes: the apply body's ``peers`` (prepare replies
+    by engine, each with its ``workers``)."""
     return {
         w["worker_id"]: {k: w[k] for k in ADVERTISED}
         for reply in prepared.values()

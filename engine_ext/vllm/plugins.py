@@ -1,6 +1,8 @@
 """vLLM plugin entry points.
 
-- ``vllm.general_plugins`` -> :func:`register_load_format` (``--load-format mooncake``).
+- ``vllm.general_plugins`` -> :func:`register_load_format` (``--load-format mooncake``, and
+  the ``mooncake_store`` backend of vLLM's native weight-transfer API:
+  :func:`register_weight_transfer`).
 - ``vllm.endpoint_plugins`` -> :class:`MooncakeEndpointPlugin` (``/mooncake/*`` routes on
   vLLM's own API server). Endpoint plugins load only when ``VLLM_PLUGINS`` names them, and
   that variable then filters general plugins too: set ``VLLM_PLUGINS=mooncake``, which
@@ -39,6 +41,25 @@ def register_load_format() -> None:
     from engine_ext.vllm.loader import register
 
     register()
+    register_weight_transfer()
+
+
+def register_weight_transfer() -> None:
+    """``--weight-transfer-config '{"backend": "mooncake_store"}'`` and its trainer engine
+    (:mod:`engine_ext.vllm.weight_transfer`), imported only when selected. Idempotent; a
+    trainer that does not run vLLM's plugin loader calls it before the trainer factory."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    module = "engine_ext.vllm.weight_transfer"
+    for factory, name in (
+        (WeightTransferEngineFactory, "MooncakeStoreWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "MooncakeStoreTrainerEngine"),
+    ):
+        if "mooncake_store" not in factory._registry:  # register_engine refuses a second one
+            factory.register_engine("mooncake_store", module, name)
 
 
 class MooncakeEndpointPlugin:

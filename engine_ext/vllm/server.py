@@ -51,13 +51,17 @@ class VllmServer:
         token: str | None = None,
         plain: bool = False,
         extension: bool = True,
+        routes: bool = True,
         extra_env: dict[str, str] | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
         """``plain``: vLLM as shipped (no Mooncake plugin or extension) serving ``model_dir``
         from disk, the reference that updated engines are compared with. ``host``: the
         address the server binds; ``url`` reaches it over loopback either way. ``extension``:
-        ``False`` leaves out ``--worker-extension-cls`` (a misconfigured launch, for tests)."""
+        ``False`` leaves out ``--worker-extension-cls`` (a misconfigured launch, for tests).
+        ``routes``: ``False`` leaves ``VLLM_PLUGINS`` unset, so vLLM loads every general plugin
+        (ours: the load format and the ``mooncake_store`` weight-transfer backend) and no
+        endpoint plugin (no ``/mooncake/*`` routes, no extension needed)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -97,6 +101,8 @@ class VllmServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm.{self.port}.log"
         self._args, self._env = args, {**os.environ, **engine_env(settings, extra)}
+        if not routes:
+            self._env.pop("VLLM_PLUGINS", None)
         self._process: ManagedProcess | None = None
         self.token = token
 

@@ -40,6 +40,10 @@ class VllmUpdateWorker(UpdateWorker):
     def model(self) -> torch.nn.Module:
         return self.worker.model_runner.get_model()
 
+    def configs(self) -> tuple[Any, Any]:
+        """(vllm_config, model_config) of the served model: what the layerwise reload reads."""
+        return self.worker.vllm_config, self.worker.model_config
+
     def tp(self) -> tuple[int, int]:
         from vllm.distributed import (
             get_tensor_model_parallel_rank,
@@ -190,8 +194,9 @@ class VllmUpdateWorker(UpdateWorker):
         )
 
         model = self.model()
+        vllm_config, model_config = self.configs()
         with (
-            set_current_vllm_config(self.worker.vllm_config),
+            set_current_vllm_config(vllm_config),
             torch.no_grad(),
             quiet_restores(bool(received)),
         ):
@@ -199,7 +204,7 @@ class VllmUpdateWorker(UpdateWorker):
             feed(model)
             rederive_tied_layers(model)
             stale = [name for name in unloaded_layers(model) if name not in received]
-            finalize_layerwise_reload(model, self.worker.model_config)
+            finalize_layerwise_reload(model, model_config)
             repack_cpu_experts(model)
         if stale:
             raise LandingMismatch(
