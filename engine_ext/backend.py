@@ -3,7 +3,12 @@
 Every engine reaches its workers through one call path (vLLM's ``collective_rpc``, SGLang's
 scheduler control channel) that returns one reply per rank; this class checks each reply
 and sequences the worker protocol. Subclasses supply the transport and the engine's own
-drain, resume and cache reset.
+pause, resume and cache reset.
+
+**A pause that is not ours stays.** A host that paused the engine itself before a session
+drained it (VeRL's manager aborts and pauses its replicas, then frees their KV cache, before
+its checkpoint engine runs) resumes it itself, once the KV cache is back: every resume here
+(commit, abort, expiry, rebuild) leaves such an engine paused.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from mooncake_rl.protocol import ApplyRequest, DrainRequest, PrepareRequest
 
 class WorkerBackend(ABC):
     engine_id: str
+    host_paused = False
+    """The engine was already paused when the last session drained it: its host resumes it."""
 
     # -- engine glue --------------------------------------------------------------------
     @abstractmethod
@@ -24,16 +31,29 @@ class WorkerBackend(ABC):
         """Run :meth:`engine_ext.worker.UpdateWorker.call` on every rank; one reply each."""
 
     @abstractmethod
-    async def drain(self, request: DrainRequest) -> None: ...
+    async def paused(self) -> bool:
+        """Whether the engine admits no request to its scheduler right now."""
 
     @abstractmethod
-    async def resume(self) -> None: ...
+    async def pause(self, request: DrainRequest) -> None: ...
+
+    @abstractmethod
+    async def unpause(self) -> None: ...
 
     @abstractmethod
     async def reset_cache(self) -> None:
         """Drop every cached prefix/KV entry computed with the previous weights."""
 
     # -- shared -------------------------------------------------------------------------
+    async def drain(self, request: DrainRequest) -> None:
+        self.host_paused = await self.paused()
+        await self.pause(request)
+
+    async def resume(self) -> None:
+        """Undo the session's pause, never the host's (see the module docstring)."""
+        if not self.host_paused:
+            await self.unpause()
+
     async def _rpc(self, method: str, *args: Any) -> list[dict[str, Any]]:
         """Every rank's reply; a rank's refusal (bad input, nothing done) becomes a 4xx."""
         replies = await self.call_workers(method, *args)

@@ -18,7 +18,10 @@ One sync, in the order VeRL's ``CheckpointEngineManager.update_weights`` runs it
   every engine's drain/prepare/apply/commit through the coordinator, so the bytes move from
   the Store into the engines over Transfer Engine, never through VeRL's IPC path. With the
   ``transport`` key set to ``broadcast`` or ``auto``, trainer rank 0 is the broadcast's
-  sender, met through a Store slot (:mod:`mooncake_rl.transport.rendezvous`).
+  sender, met through a Store slot (:mod:`mooncake_rl.transport.rendezvous`). The engines
+  VeRL paused before the sync (its manager aborts them and frees their KV cache first) stay
+  paused through commit: VeRL resumes them once their KV cache is back
+  (:mod:`engine_ext.backend`).
 
 Why the engines are driven in ``finalize`` and not inside ``receive_weights``: VeRL's vLLM
 ``ServerAdapter.update_weights`` first starts ``update_weights_from_ipc`` on every engine
@@ -261,6 +264,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                 lambda: self._coordinator.update(
                     self.config.model,
                     mode=self.config.mode,
+                    drain_mode=self.config.drain_mode,
                     min_engines=self.config.min_engines,
                     transport=self.config.transport,
                     # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
@@ -20,11 +20,13 @@ from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.keys import check_model_name
 from mooncake_rl.metrics import MetricsExport
+from mooncake_rl.protocol import DrainRequest
 from mooncake_rl.router import RouterSpec
 from mooncake_rl.settings import Settings
 from mooncake_rl.transport.modes import parse_gpu_ids, resolve_mode
 
 MODES = ("compat", "direct")
+DRAIN_MODES: tuple[str, ...] = get_args(DrainRequest.model_fields["mode"].annotation)
 
 
 def _items(value: Any) -> list[str]:
@@ -60,8 +62,13 @@ class BridgeConfig:
     timeout_s: float = 600.0
     replica_num: int = 1
     """Copies of every published object (Mooncake ``replica_num``), each in another segment."""
-    keep: int = 2
-    """Generations retention keeps after each announce (plus the active and leased ones)."""
+    keep: int | None = 2
+    """Generations retention keeps after each announce (plus the active and leased ones);
+    ``None``: no retention at announce (run ``mooncake-rl gc`` instead)."""
+    retire_grace_s: float | None = None
+    """How long retention spares a generation after it stopped being active (default
+    ``MOONCAKE_RL_RETIRE_GRACE_S``, 10 s): engines that read the old record meanwhile still
+    find its objects."""
     min_engines: int | None = None
     """Engines that must end on each new generation (default all); the rest are reported and
     catch up from the Store when they restart."""
@@ -70,6 +77,9 @@ class BridgeConfig:
     batch_bytes: int | None = None
     """Bytes per pipeline batch of each update's plan (default ``MOONCAKE_RL_BATCH_BYTES``);
     every engine worker's staging watermark must hold two."""
+    drain_mode: str = "abort"
+    """How an engine's in-flight requests end when an update drains it: ``abort`` or
+    ``wait`` (engines VeRL's manager already aborted have none left)."""
     transport: str | None = None
     """store, broadcast, cpu_serialize or auto (default: ``MOONCAKE_RL_TRANSPORT``, store)."""
     train_gpus: tuple[str, ...] = ()
@@ -116,8 +126,20 @@ class BridgeConfig:
             raise ConfigurationError(
                 f"replica_num must be an integer >= 1, got {config.replica_num!r}"
             )
-        if type(config.keep) is not int or config.keep < 1:
-            raise ConfigurationError(f"keep must be an integer >= 1, got {config.keep!r}")
+        if config.keep is not None and (type(config.keep) is not int or config.keep < 1):
+            raise ConfigurationError(
+                f"keep must be an integer >= 1 (or unset: no retention), got {config.keep!r}"
+            )
+        if config.retire_grace_s is not None and (
+            type(config.retire_grace_s) not in (int, float) or config.retire_grace_s < 0
+        ):
+            raise ConfigurationError(
+                f"retire_grace_s must be a number of seconds >= 0, got {config.retire_grace_s!r}"
+            )
+        if config.drain_mode not in DRAIN_MODES:
+            raise ConfigurationError(
+                f"drain_mode must be one of {DRAIN_MODES}, got {config.drain_mode!r}"
+            )
         if config.batch_bytes is not None and (
             type(config.batch_bytes) is not int or config.batch_bytes < 1
         ):
@@ -173,6 +195,7 @@ class BridgeConfig:
                 local_segment=self.local_segment,
                 auth_token=self.token,
                 batch_bytes=self.batch_bytes,
+                retire_grace_s=self.retire_grace_s,
                 segment_bytes=0,
             )
         except ValidationError as error:

@@ -43,7 +43,10 @@ class SglangBackend(WorkerBackend):
         outputs = await within(communicator(request), method, self.rpc_timeout_s)
         return [reply for output in outputs for reply in json.loads(output.replies)]
 
-    async def drain(self, request: DrainRequest) -> None:
+    async def paused(self) -> bool:
+        return bool(self.tokenizer_manager.is_pause)
+
+    async def pause(self, request: DrainRequest) -> None:
         try:
             await asyncio.wait_for(self._pause(request.mode), request.timeout_s)
         except TimeoutError as error:
@@ -62,7 +65,7 @@ class SglangBackend(WorkerBackend):
         async with manager.model_update_lock.writer_lock:
             pass  # every request admitted before the gate closed has finished
 
-    async def resume(self) -> None:
+    async def unpause(self) -> None:
         await self.tokenizer_manager.continue_generation(ContinueGenerationReqInput())
 
     async def reset_cache(self) -> None:

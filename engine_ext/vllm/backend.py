@@ -30,10 +30,13 @@ class VllmBackend(WorkerBackend):
         )
         return await within(call, method, self.rpc_timeout_s)
 
-    async def drain(self, request: DrainRequest) -> None:
+    async def paused(self) -> bool:
+        return bool(await self.engine_client.is_paused())
+
+    async def pause(self, request: DrainRequest) -> None:
         await self.engine_client.pause_generation(mode=request.mode, clear_cache=False)
 
-    async def resume(self) -> None:
+    async def unpause(self) -> None:
         await self.engine_client.resume_generation()
 
     async def reset_cache(self) -> None:

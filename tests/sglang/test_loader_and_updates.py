@@ -83,10 +83,13 @@ class QueueBackend(WorkerBackend):
             inbox.put(("call", self.engine_id, method, list(args)))
         return [_answer(outbox) for _, outbox in self.ranks]
 
-    async def drain(self, request: DrainRequest) -> None:
+    async def paused(self) -> bool:
+        return False
+
+    async def pause(self, request: DrainRequest) -> None:
         self.events.append(f"drain:{request.mode}")
 
-    async def resume(self) -> None:
+    async def unpause(self) -> None:
         self.events.append("resume")
 
     async def reset_cache(self) -> None:

@@ -3,40 +3,38 @@
 from __future__ import annotations
 
 import asyncio
-import re
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("verl")
 
-from hydra import compose, initialize_config_dir
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.checkpoint_engine.base import CheckpointEngineWithCache
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import import_external_libs
 from verl.workers.config import CheckpointEngineConfig
 
+from mooncake_rl.coordinator import UpdateResult
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
+from mooncake_rl.generations.publisher import PublishFailed
+from mooncake_rl.services import EmbeddedMaster
+from mooncake_rl.store import StoreClient
 from tests.conftest import repo_root
+from tests.verl.docs_config import compose_docs
+from tests.verl.standins import vllm_alias
 from verl_bridge.discovery import discover_engine_urls, policy_server_names, server_url
-
-DOCS = repo_root() / "docs" / "verl.md"
-
-
-def docs_yaml() -> str:
-    (block,) = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), flags=re.S)
-    return block
+from verl_bridge.publish import SyncOutcome
 
 
 def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
-    (tmp_path / "mooncake_store_trainer.yaml").write_text(docs_yaml())
-    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
-        config = compose(config_name="mooncake_store_trainer")
+    config = compose_docs(tmp_path)
     rollout = config.actor_rollout_ref.rollout
-    assert rollout.engine_kwargs.vllm.worker_extension_cls.endswith("VerlMooncakeExt")
+    assert rollout.engine_kwargs.vllm.worker_extension_cls == "verl_bridge.ext.VerlMooncakeExt"
     checkpoint = omega_conf_to_dataclass(rollout.checkpoint_engine)
     assert isinstance(checkpoint, CheckpointEngineConfig)
 
@@ -74,7 +72,11 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "dtype": "int8"}, "unknown rollout dtype"),
         ({"model": "m", "engine_urls": ["127.0.0.1:8000"]}, "must start with http"),
         ({"model": "m", "replica_num": 0}, "replica_num must be an integer >= 1, got 0"),
-        ({"model": "m", "keep": "2"}, "keep must be an integer >= 1, got '2'"),
+        ({"model": "m", "keep": "2"}, r"keep must be an integer >= 1 \(or unset: no retention\)"),
+        ({"model": "m", "keep": 0}, "keep must be an integer >= 1"),
+        ({"model": "m", "retire_grace_s": -1}, "retire_grace_s must be a number of seconds >= 0"),
+        ({"model": "m", "transport": "nccl"}, "unknown transport 'nccl'; valid: store"),
+        ({"model": "m", "drain_mode": "drop"}, r"drain_mode must be one of \('abort', 'wait'\)"),
         ({"model": "m", "min_engines": 0}, "min_engines must be an integer >= 1"),
         ({"model": "m", "session_ttl_s": 0.5}, "session_ttl_s must lie in 1..3600 seconds"),
         ({"model": "m", "router": "router:30000"}, "must start with http"),
@@ -86,6 +88,57 @@ def test_bad_engine_kwargs_fail_at_construction(kwargs: dict, message: str) -> N
     import_external_libs("verl_bridge.backend")
     with pytest.raises(ConfigurationError, match=message):
         CheckpointEngineRegistry.new("mooncake_store", bucket_size=1 << 20, **kwargs)
+
+
+def test_transport_drain_mode_and_retention_reach_the_sync(
+    master: EmbeddedMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publisher gets the retention keys, the coordinator the transport and drain mode."""
+    import_external_libs("verl_bridge.backend")
+    import verl_bridge.backend as bridge
+
+    handed: dict[str, Any] = {}
+
+    class Publisher:
+        def __init__(self, store: StoreClient, *args: Any, keep: int | None, **kwargs: Any):
+            handed.update(keep=keep, retire_grace_s=store.settings.retire_grace_s)
+
+        def begin(self) -> None:
+            raise PublishFailed("recorded")
+
+    class Coordinator:
+        def __init__(self, store: StoreClient, urls: tuple[str, ...], **kwargs: Any) -> None:
+            self.engines = urls
+
+        def update(self, model: str, **kwargs: Any) -> UpdateResult:
+            handed.update(kwargs)
+            return UpdateResult(model, 2, kwargs["mode"], list(self.engines))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(bridge, "TrainerSync", Publisher)
+    monkeypatch.setattr(bridge, "Coordinator", Coordinator)
+    keys = {"transport": "auto", "drain_mode": "wait", "keep": None, "retire_grace_s": 0}
+    engine = CheckpointEngineRegistry.new(
+        "mooncake_store",
+        bucket_size=1,
+        model="m",
+        master=master.master_address,
+        metadata=master.metadata_url,
+        engine_urls="http://e:1",
+        **keys,
+    )
+    try:
+        engine.init_process_group(role="trainer", rank=0, world_size=1, sync_id="s")
+        with pytest.raises(PublishFailed, match="recorded"):
+            asyncio.run(engine.send_weights(iter([])))
+        engine.init_process_group(role="rollout", rank=0, world_size=1, sync_id="s")
+        engine._outcome = SyncOutcome("s", ok=True, generation=2)
+        assert engine.update_engines().engines == ["http://e:1"]
+    finally:
+        engine.close()
+    assert {key: handed[key] for key in keys} == keys
 
 
 def test_engine_urls_accept_a_list_or_a_comma_separated_string() -> None:
@@ -164,3 +217,23 @@ def test_core_and_bridge_package_do_not_import_verl() -> None:
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root(), timeout=120)
+
+
+def test_docs_worker_extension_has_verl_methods_and_ours(tmp_path: Path) -> None:
+    """vLLM takes one ``--worker-extension-cls``: the docs' class is both VeRL's extension and
+    ours (our endpoint plugin accepts it), and neither shadows a method of the other."""
+    vllm = compose_docs(tmp_path).actor_rollout_ref.rollout.engine_kwargs.vllm
+    code = f"""
+import importlib
+from engine_ext.vllm.plugins import require_worker_extension
+from engine_ext.vllm.worker import MooncakeWorkerExtension as Ours
+from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension as Verl
+module, _, name = {vllm.worker_extension_cls!r}.rpartition(".")
+assert issubclass(getattr(importlib.import_module(module), name), Verl)
+require_worker_extension({vllm.worker_extension_cls!r})
+shared = {{n for n in vars(Ours) if not n.startswith("__")}} & set(vars(Verl))
+assert not shared, shared
+"""
+    path = [str(p) for p in (vllm_alias(tmp_path / "alias"), repo_root()) if p is not None]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root(), env=env, timeout=300)
