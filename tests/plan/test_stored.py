@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -107,32 +107,37 @@ def coordinator_settings(master, holders) -> Settings:
     return trainer_settings(master, holders("plans"), "coordinator")
 
 
+@pytest.fixture
+def store(coordinator_settings: Settings) -> Iterator[StoreClient]:
+    """One client per test: closing a Mooncake client takes about a second."""
+    with StoreClient(coordinator_settings) as client:
+        yield client
+
+
 def plan_in_fresh_process(
-    settings: Settings, mode: str, model: list[TensorSpec], generation: int, batch: int = BATCH
+    store: StoreClient, mode: str, model: list[TensorSpec], generation: int, batch: int = BATCH
 ) -> tuple[RoutingPlan, RoutingCache]:
-    """What a new ``mooncake-rl update`` process does: a new Store client, an empty cache."""
+    """What a new ``mooncake-rl update`` process does: an empty cache over the Store (the
+    cache holds all of a process's planning state; the client holds none)."""
     manifest = build_manifest("stored", generation, model, "now")
-    with StoreClient(settings) as store:
-        cache = RoutingCache(store)
-        plan = cache.get_or_plan(
-            manifest, simulated_engines(model, CLUSTERS[mode], mode), mode, batch
-        )
+    cache = RoutingCache(store)
+    plan = cache.get_or_plan(manifest, simulated_engines(model, CLUSTERS[mode], mode), mode, batch)
     return plan, cache
 
 
 @pytest.mark.parametrize("mode", ["compat", "direct"])
 def test_a_fresh_process_loads_exactly_the_cold_table(
-    coordinator_settings: Settings, planned: list[Any], mode: str
+    store: StoreClient, planned: list[Any], mode: str
 ) -> None:
     model = specs()
-    cold, first = plan_in_fresh_process(coordinator_settings, mode, model, generation=1)
+    cold, first = plan_in_fresh_process(store, mode, model, generation=1)
     assert (first.hits, first.loads, first.misses) == (0, 0, 1) and len(planned) == 1
-    hit, second = plan_in_fresh_process(coordinator_settings, mode, model, generation=2)
+    hit, second = plan_in_fresh_process(store, mode, model, generation=2)
     assert (second.hits, second.loads, second.misses) == (0, 1, 0) and len(planned) == 1
     assert_same_table(hit.table, cold.table)
     assert hit.regions == cold.regions and hit.layout == cold.layout
     # Another batch is another plan key: planned, not loaded.
-    plan_in_fresh_process(coordinator_settings, mode, model, generation=2, batch=2 * BATCH)
+    plan_in_fresh_process(store, mode, model, generation=2, batch=2 * BATCH)
     assert len(planned) == 2
 
 
@@ -165,27 +170,26 @@ def _garbled_header(entry: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_a_bad_entry_is_ignored_replanned_and_replaced(
-    coordinator_settings: Settings,
+    store: StoreClient,
     planned: list[Any],
     caplog: pytest.LogCaptureFixture,
     corruption: str,
 ) -> None:
     corrupt, reason = CORRUPTIONS[corruption]
     model = specs()
-    cold, _ = plan_in_fresh_process(coordinator_settings, "direct", model, generation=1)
-    other, _ = plan_in_fresh_process(coordinator_settings, "direct", model, 1, batch=2 * BATCH)
+    cold, _ = plan_in_fresh_process(store, "direct", model, generation=1)
+    other, _ = plan_in_fresh_process(store, "direct", model, 1, batch=2 * BATCH)
     name = entry_key(key_of(cold.table))
-    with StoreClient(coordinator_settings) as store:
-        bad = corrupt(store.get_array(name).copy(), store.get_array(entry_key(key_of(other.table))))
-        store.remove([name], force=True)
-        store.put_tensor(name, torch.from_numpy(np.ascontiguousarray(bad)), hard_pin=False)
+    bad = corrupt(store.get_array(name).copy(), store.get_array(entry_key(key_of(other.table))))
+    store.remove([name], force=True)
+    store.put_tensor(name, torch.from_numpy(np.ascontiguousarray(bad)), hard_pin=False)
     with caplog.at_level(logging.WARNING, logger="mooncake_rl.plan.stored"):
-        replanned, cache = plan_in_fresh_process(coordinator_settings, "direct", model, 2)
+        replanned, cache = plan_in_fresh_process(store, "direct", model, 2)
     assert (cache.loads, cache.misses) == (0, 1) and len(planned) == 3
     assert any(name in r.message and reason in r.message for r in caplog.records), caplog.text
     assert_same_table(replanned.table, cold.table)
     # The replanned table replaced the bad entry: the next process loads it.
-    loaded, cache = plan_in_fresh_process(coordinator_settings, "direct", model, 3)
+    loaded, cache = plan_in_fresh_process(store, "direct", model, 3)
     assert (cache.loads, cache.misses) == (1, 0) and len(planned) == 3
     assert_same_table(loaded.table, cold.table)
 

@@ -46,6 +46,7 @@ from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from mooncake_rl.transport.rendezvous import slot_key
 from tests.conftest import repo_root, settings_for
+from tests.engine.test_receiver_routes import by_label, samples_of
 from tests.verl.docs_config import compose_docs
 from tests.verl.standins import EngineReplica, TrainerWorker, server_name, vllm_alias
 from verl_bridge.publish import sync_key, wait_outcome
@@ -66,6 +67,7 @@ class World:
     store: StoreClient
     engine: VllmServer
     config: DictConfig
+    textfile: Path  # the bridge's metrics_textfile
     replica: EngineReplica | None = None
     trainer_wg: RayWorkerGroup | None = None
 
@@ -129,6 +131,7 @@ def world(
             f"+{KV}.token={TOKEN}",
             f"+{KV}.timeout_s=120",
             f"+{KV}.drain_mode=wait",
+            f"+{KV}.metrics_textfile={root / 'verl.prom'}",
         ],
     )
     vllm = config.actor_rollout_ref.rollout.engine_kwargs.vllm
@@ -158,7 +161,7 @@ def world(
     )
     try:
         assert publish_checkpoint(store, MODEL, dirs[0], "float32").generation == 1
-        world = World(holders, dirs, refs, store, engine, config)
+        world = World(holders, dirs, refs, store, engine, config, root / "verl.prom")
         # Ray builds the job while the engine boots. The engine starts on this thread: its
         # process is signalled when the thread that started it ends (PR_SET_PDEATHSIG).
         with ThreadPoolExecutor(1) as executor:
@@ -221,6 +224,11 @@ def test_verl_manager_syncs_the_engine_and_verl_resumes_it(
     update = last_update(world.replica)  # the engine rollout rank 0 found through Ray
     assert update.generation == 2 and update.engines == [world.engine.url]
     assert update.store_read_bytes == sum(t.numel() * 4 for t in tensors.values())
+    # Rollout rank 0 rewrote its node-exporter textfile with that update's figures.
+    exported = samples_of(world.textfile.read_text())
+    assert by_label(exported, "updates_total") == {"committed": 1}
+    assert exported[("mooncake_rl_update_store_read_bytes_total", ())] == update.store_read_bytes
+    assert exported[("mooncake_rl_update_last_success", ())] == 1
     assert world.engine.complete(PROMPT) == world.refs[1]
 
     # VeRL's own methods run in the same extension (vLLMHttpServer calls this at launch).
