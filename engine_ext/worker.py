@@ -291,7 +291,8 @@ class UpdateWorker(ABC):
             arena, regions = allocate_arena(sizes, reuse=state.arena, device=self.device())
         else:
             arena, regions = state.arena, {n: state.apply.regions[n] for n in sizes}
-        live_regions = {n: region_of(n, t.view(-1).view(torch.uint8)) for n, t in in_place.items()}
+        live_bytes = {n: t.view(-1).view(torch.uint8) for n, t in in_place.items()}
+        live_regions = {n: region_of(n, flat) for n, flat in live_bytes.items()}
         # One covering for the arena and live parameters: on CUDA they may share segments.
         spans = covering_spans([region_of("arena", arena), *live_regions.values()])
         state.apply.prepare(
@@ -299,7 +300,7 @@ class UpdateWorker(ABC):
         )
         state.arena, state.sizes = arena, sizes
         state.buffers = arena_views(arena, regions)
-        state.buffers |= {n: t.view(-1).view(torch.uint8) for n, t in in_place.items()}
+        state.buffers |= live_bytes
         state.in_place = in_place
         state.slice, state.mode = worker_slice, call.mode
         state.layout = raw.get("layout", [])

@@ -164,6 +164,10 @@ def test_a_healthy_command_keeps_mooncakes_native_log_off_the_terminal(
     kept = (tmp_path / "mooncake-native.log").read_text()
     assert re.search(r"^E\d{4} .*metadata not found", kept, re.MULTILINE)
 
+    refused = run_cli(master, holder.segment, *publish, MOONCAKE_RL_LOG_LEVEL="loud", **logs)
+    assert refused.returncode == 2 and "invalid MOONCAKE_RL_* setting" in refused.stderr
+    assert "log_level" in refused.stderr and refused.stdout == ""  # nothing published
+
     loud = run_cli(master, holder.segment, "--verbose", *publish, **logs)
     assert loud.returncode == 0, loud.stderr
     assert re.search(r"^E\d{4} .*metadata not found", loud.stderr, re.MULTILINE)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake_rl.errors import InvariantViolation, StoreFull
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.plan import planner as planner_module
 from mooncake_rl.plan.cache import PlanKey
@@ -23,7 +23,6 @@ from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.stored import (
     FORMAT_VERSION,
     PREFIX,
-    StoredTables,
     decode_table,
     encode_table,
     entry_key,
@@ -37,9 +36,10 @@ from mooncake_rl.plan.table import (
     RoutingTable,
 )
 from mooncake_rl.plan.update import RoutingCache, RoutingPlan
+from mooncake_rl.services import EmbeddedMaster, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from tests.conftest import trainer_settings
+from tests.conftest import settings_for, trainer_settings
 
 from .helpers import bench_plan
 
@@ -194,31 +194,24 @@ def test_a_bad_entry_is_ignored_replanned_and_replaced(
     assert_same_table(loaded.table, cold.table)
 
 
-class BrokenStore:
-    """A Store that is full and cannot be read: the backing's failures must not fail planning."""
-
-    settings = Settings()
-
-    def get_array(self, key: str) -> np.ndarray:
-        raise StoreFull(-200, "get_into", f"key={key}")
-
-    def put_tensor(self, key: str, tensor: torch.Tensor, **options: Any) -> None:
-        raise StoreFull(-200, "put_from", f"key={key}")
-
-    def remove(self, keys: list[str], *, force: bool = False) -> dict[str, int]:
-        return {}
-
-
-def test_store_failures_only_warn(planned: list[Any], caplog: pytest.LogCaptureFixture) -> None:
+def test_a_lost_holder_only_warns(planned: list[Any], caplog: pytest.LogCaptureFixture) -> None:
+    """The holder keeping the table is stopped (its own master, so no other segment can take
+    the replacement): the read fails, the table is replanned, keeping it fails; planning
+    itself never does."""
     model = specs()
-    manifest = build_manifest("stored", 1, model, "now")
-    cache = RoutingCache()
-    cache.tables.backing = StoredTables(BrokenStore())  # type: ignore[arg-type]
-    with caplog.at_level(logging.WARNING, logger="mooncake_rl.plan.stored"):
-        plan = cache.get_or_plan(
-            manifest, simulated_engines(model, CLUSTERS["compat"], "compat"), "compat", BATCH
-        )
-    assert plan.table is not None and len(planned) == 1 and cache.misses == 1
+    with EmbeddedMaster() as master:
+        holder = SegmentHolder(master.master_address, master.metadata_url, 32 << 20).start()
+        try:
+            settings = settings_for(master, "plans", segment_bytes=0, local_segment=holder.segment)
+            with StoreClient(settings) as store:
+                cold, _ = plan_in_fresh_process(store, "compat", model, generation=1)
+                holder.stop()
+                with caplog.at_level(logging.WARNING, logger="mooncake_rl.plan.stored"):
+                    replanned, cache = plan_in_fresh_process(store, "compat", model, 2)
+        finally:
+            holder.stop()
+    assert (cache.loads, cache.misses) == (0, 1) and len(planned) == 2
+    assert_same_table(replanned.table, cold.table)
     assert "cannot be read" in caplog.text and "is not kept in the Store" in caplog.text
 
 
