@@ -721,13 +721,16 @@ class Coordinator:
         figures = LegFigures()
         received = plan.routing.received_bytes()
         for stage in range(plan.stages):
-            body = {
-                "session": session.id,
-                "generation": record.generation,
-                "stage": stage,
-                "peers": peers,
+            bodies = {
+                url: {
+                    "session": session.id,
+                    "generation": record.generation,
+                    "stage": stage,
+                    "peers": stage_peers(plan, url, stage, peers),
+                }
+                for url in members
             }
-            applied, failed = self._all(members, "POST", "apply", {u: body for u in members})
+            applied, failed = self._all(members, "POST", "apply", bodies)
             for url, reply in applied.items():
                 for worker in reply["workers"]:
                     result.store_read_bytes += worker["store_read_bytes"]
@@ -838,6 +841,21 @@ def advertised_peers(prepared: Mapping[str, dict[str, Any]]) -> dict[str, dict[s
         for reply in prepared.values()
         for w in reply["workers"]
     }
+
+
+def stage_peers(
+    plan: UpdatePlan, url: str, stage: int, peers: Mapping[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The advertised peers that ``url``'s workers push to in ``stage``: all an apply body
+    needs. Naming every prepared worker instead makes each body grow with the fleet, and a
+    stage's bytes with its square (1,000 engines: gigabytes of JSON per stage)."""
+    targets = {
+        op.peer
+        for worker in plan.engines[url]
+        for batch in plan.worker_slice(worker).stages[stage]
+        for op in batch.pushes
+    }
+    return {worker: peers[worker] for worker in sorted(targets)}
 
 
 def engine_gpus(
