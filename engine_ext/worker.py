@@ -60,6 +60,7 @@ from mooncake_rl.apply.worker import (
 )
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.protocol import BucketWire, PrepareRequest, stage_refusal
 from mooncake_rl.settings import Settings
@@ -68,7 +69,6 @@ from mooncake_rl.transport.buckets import this_host_id
 from mooncake_rl.transport.group import gpu_uuid
 from mooncake_rl.transport.modes import parse_gpu_ids
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 METHODS = ("status", "describe", "prepare", "promote", "apply", "commit", "abort", "rebuild")
 
 
@@ -382,13 +382,14 @@ class UpdateWorker(ABC):
                 raise RequestRefused(
                     409, "placement_mismatch", f"slice gives a dtype for {name}, no region here"
                 )
-            if stored not in DTYPES:
+            if stored not in ROLLOUT_DTYPES:
                 raise RequestRefused(
                     422,
                     "unsupported_dtype",
-                    f"{name} is stored as {stored}; direct mode lands only {', '.join(DTYPES)}",
+                    f"{name} is stored as {stored}; direct mode lands only "
+                    + ", ".join(ROLLOUT_DTYPES),
                 )
-            if specs[name].dtype != DTYPES[stored]:
+            if specs[name].dtype != ROLLOUT_DTYPES[stored]:
                 raise RequestRefused(
                     409,
                     "dtype_mismatch",
@@ -649,7 +650,7 @@ def staged_tensors(
     """Compat mode: full checkpoint tensors as views into the staging region."""
     for entry in layout:
         buffer = buffers[entry["region"]]
-        dtype = DTYPES[entry["dtype"]]
+        dtype = ROLLOUT_DTYPES[entry["dtype"]]
         nbytes = math.prod(entry["shape"]) * dtype.itemsize
         raw = buffer[entry["offset"] : entry["offset"] + nbytes]
         yield entry["name"], raw.view(dtype).view(entry["shape"])

@@ -12,6 +12,7 @@ import torch
 from mooncake.reshard.weight import StoredFragment, TensorDescriptor, WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations import fp8
 from mooncake_rl.generations.keys import (
     NAMESPACE,
     group_id,
@@ -23,7 +24,11 @@ ROLLOUT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
+"""Dtypes a stored tensor may have (an fp8 generation's weights are ``float8_e4m3fn``)."""
+PUBLISH_FORMATS = ("bfloat16", "float16", "float32", fp8.FP8_FORMAT)
+"""What a publisher casts to: one dtype for every tensor, or fp8 block quantization."""
 LAYOUT = "row-major-contiguous"
 
 
@@ -34,6 +39,20 @@ def rollout_dtype(name: str) -> torch.dtype:
         raise InvariantViolation(
             f"unknown rollout dtype {name!r}; choose one of {sorted(ROLLOUT_DTYPES)}"
         ) from None
+
+
+def publish_format(name: str) -> str:
+    """``name`` if a publisher can emit it; else an error that says what to choose."""
+    if name == fp8.FP8_DTYPE:
+        raise InvariantViolation(
+            f"a plain cast to {name} has no scales, so no engine can read it: publish with "
+            f"dtype {fp8.FP8_FORMAT!r} (128x128 block scales, DeepSeek-V3's fp8 layout)"
+        )
+    if name not in PUBLISH_FORMATS:
+        raise InvariantViolation(
+            f"unknown rollout dtype {name!r}; choose one of {', '.join(PUBLISH_FORMATS)}"
+        )
+    return name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -62,6 +81,19 @@ class TensorSpec:
     def of(cls, name: str, tensor: torch.Tensor, dtype: str) -> TensorSpec:
         # Scalars are stored as shape (1,): manifests need at least one dimension.
         return cls(name, tuple(int(d) for d in tensor.shape) or (1,), dtype)
+
+    @classmethod
+    def stored(cls, name: str, tensor: torch.Tensor, fmt: str) -> tuple[TensorSpec, ...]:
+        """What publishing ``tensor`` in format ``fmt`` stores: itself in one dtype, or (fp8,
+        a tensor :func:`fp8.quantizes`) its fp8 weight and then its block scales."""
+        if fmt != fp8.FP8_FORMAT:
+            return (cls.of(name, tensor, fmt),)
+        if not fp8.quantizes(name, tensor.shape):
+            return (cls.of(name, tensor, fp8.UNQUANTIZED_DTYPE),)
+        return (
+            cls.of(name, tensor, fp8.FP8_DTYPE),
+            cls(fp8.scale_name(name), fp8.scale_shape(tensor.shape), fp8.SCALE_DTYPE),
+        )
 
     @property
     def itemsize(self) -> int:

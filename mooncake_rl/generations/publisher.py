@@ -23,11 +23,13 @@ from datetime import UTC, datetime
 import torch
 
 from mooncake_rl.errors import InvariantViolation, MooncakeError, MooncakeRLError, ObjectNotFound
+from mooncake_rl.generations import fp8
 from mooncake_rl.generations.assignment import PublisherLoads, TrainerTopology
 from mooncake_rl.generations.catalog import (
     TensorSpec,
     build_manifest,
     check_specs,
+    publish_format,
     rollout_dtype,
     specs_digest,
 )
@@ -96,6 +98,7 @@ class GenerationPublisher:
     rank: int
     topology: TrainerTopology
     dtype: str = "bfloat16"
+    """A rollout format of ``PUBLISH_FORMATS``; ``fp8_e4m3`` block-quantizes (see fp8.py)."""
     replica_num: int = 1
     check_locality: bool = False
     attempt: str | None = None
@@ -105,7 +108,7 @@ class GenerationPublisher:
     _checksums: dict[str, ObjectChecksum] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        rollout_dtype(self.dtype)
+        publish_format(self.dtype)
         self.group = group_id(self.model, self.generation)
         if not 0 <= self.rank < self.topology.world_size:
             raise InvariantViolation(
@@ -115,35 +118,42 @@ class GenerationPublisher:
             raise InvariantViolation("replica_num must be at least 1")
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport:
-        """Consume the whole iterator; put this rank's share; write this rank's report."""
+        """Consume the whole iterator; put this rank's share; write this rank's report.
+
+        A tensor may store as several objects (fp8: the weight and its block scales); one
+        rank puts all of them, so it quantizes once.
+        """
         loads = PublisherLoads(self.topology)
-        dtype = rollout_dtype(self.dtype)
         failures: list[tuple[str, str]] = []
         seen: set[str] = set()
         put_tensors = put_bytes = nonlocal_bytes = 0
         for name, tensor in named_tensors:
             try:
-                spec = TensorSpec.of(name, tensor, self.dtype)
+                specs = TensorSpec.stored(name, tensor, self.dtype)
             except InvariantViolation as error:
                 failures.append((name, str(error)))
                 continue
-            if name in seen:
-                failures.append((name, f"duplicate tensor name {name!r}"))
+            clash = next((s.name for s in specs if s.name in seen), None)
+            if clash is not None:
+                failures.append((name, f"duplicate tensor name {clash!r}"))
                 continue
-            seen.add(name)
-            self._specs.append(spec)
-            publisher, loads = loads.assign(spec.nbytes)
+            seen.update(s.name for s in specs)
+            self._specs.extend(specs)
+            publisher, loads = loads.assign(sum(s.nbytes for s in specs))
             if publisher != self.rank or failures:
                 continue  # not ours, or this generation is already lost: keep iterating only
             try:
-                self._put(name, tensor, dtype)
-                self._put_names.append(name)
-                put_tensors += 1
-                put_bytes += spec.nbytes
-                if self.check_locality:
-                    where = self.store.replica_segments(payload_key(self.group, name))
-                    nonlocal_bytes += 0 if where == (self.store.local_segment,) else spec.nbytes
-            except MooncakeError as error:  # a failed put, or rank 0 already swept the group
+                for spec, staged in zip(specs, self._stage(name, tensor, specs), strict=True):
+                    self._put(spec.name, staged)
+                    self._put_names.append(spec.name)
+                    put_tensors += 1
+                    put_bytes += spec.nbytes
+                    if self.check_locality:
+                        where = self.store.replica_segments(payload_key(self.group, spec.name))
+                        local = where == (self.store.local_segment,)
+                        nonlocal_bytes += 0 if local else spec.nbytes
+            except (MooncakeError, InvariantViolation) as error:
+                # a failed put, rank 0 already swept the group, or weights fp8 cannot hold
                 failures.append((name, str(error)))
         if not self._specs and not failures:
             failures.append(("", "a generation needs at least one tensor (empty model)"))
@@ -175,9 +185,20 @@ class GenerationPublisher:
         mine = [payload_key(self.group, n) for n in self._put_names]
         self.store.remove([*mine, report_key(self.group, self.rank)], force=True)
 
-    def _put(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-        # Cast on the tensor's own device, then stage the contiguous result in host memory.
-        staged = tensor.detach().to(dtype=dtype).contiguous().cpu().reshape(-1)
+    @staticmethod
+    def _stage(
+        name: str, tensor: torch.Tensor, specs: tuple[TensorSpec, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """``tensor`` in its stored forms (``specs``: one cast, or fp8 weight and scales),
+        computed on the tensor's own device, as contiguous host tensors."""
+        source = tensor.detach()
+        if len(specs) == 2:
+            forms: tuple[torch.Tensor, ...] = fp8.block_quantize(name, source)
+        else:
+            forms = (source.to(rollout_dtype(specs[0].dtype)),)
+        return tuple(form.contiguous().cpu().reshape(-1) for form in forms)
+
+    def _put(self, name: str, staged: torch.Tensor) -> None:
         self._checksums[payload_key(self.group, name)] = ObjectChecksum.of(staged)
         self.store.put_tensor(
             payload_key(self.group, name),

@@ -1,0 +1,223 @@
+"""fp8 generations: the quantizer bit for bit against vLLM's, publish -> Store -> receive."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import xxhash
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from mooncake_rl.apply.process import WorkerCluster, WorkerMemory, run_planned_update
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations import TrainerTopology, fp8
+from mooncake_rl.generations.catalog import TensorSpec, publish_format, specs_of
+from mooncake_rl.generations.keys import payload_key
+from mooncake_rl.generations.publisher import GenerationPublisher, PublishFailed, publish_local
+from mooncake_rl.generations.registry import GenerationRegistry, active_generation
+from mooncake_rl.generations.weights import active_weights
+from mooncake_rl.plan.synthetic import shard_bytes, simulated_engines
+from mooncake_rl.plan.update import RoutingCache, plan_update
+from mooncake_rl.services import EmbeddedMaster
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
+from tests.conftest import settings_for, trainer_settings
+
+
+def reference_quantizer():
+    """vLLM's ``per_block_cast_to_fp8`` (DeepGEMM's), eager: vLLM wraps it in torch.compile,
+    which recompiles per shape (seconds each on this CPU); the compiled one gave the same
+    bytes on the shapes docs/models.md lists."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    return inspect.unwrap(per_block_cast_to_fp8)
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    cols=st.integers(1, 300),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    exponent=st.integers(-12, 6),
+    zero_rows=st.integers(0, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_block_quantize_is_bit_exact_with_vllms_quantizer(
+    rows: int, cols: int, dtype: torch.dtype, exponent: int, zero_rows: int, seed: int
+) -> None:
+    """Shapes off the 128 grid (partial edge blocks), magnitudes from 2^-12 to 2^6, and
+    all-zero blocks (the 1e-4 floor on the block maximum)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensor = (torch.randn(rows, cols, generator=generator) * 2.0**exponent).to(dtype)
+    tensor[:zero_rows] = 0
+    weight, scale = fp8.block_quantize("w", tensor)
+    want_weight, want_scale = reference_quantizer()(tensor)
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert scale.shape == fp8.scale_shape(tensor.shape)
+    assert as_bytes(weight) == as_bytes(want_weight)
+    assert as_bytes(scale) == as_bytes(want_scale)
+    # What the engine computes with is e4m3's rounding of the input, block by block.
+    expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    error = (weight.float() * expanded - tensor.float()).abs()
+    assert bool((error <= tensor.float().abs() * 2**-4 + expanded * 2**-10).all())
+
+
+def test_non_finite_weights_are_refused_by_name() -> None:
+    tensor = torch.ones(130, 4)
+    tensor[129, 0] = float("nan")
+    with pytest.raises(InvariantViolation, match=r"tensor layers\.0\.w holds inf or NaN"):
+        fp8.block_quantize("layers.0.w", tensor)
+
+
+# DeepSeek-V3 / Kimi-K2 checkpoint names: which carry weight_scale_inv in the fp8 release.
+DEEPSEEK_V3 = {
+    "model.embed_tokens.weight": False,
+    "model.layers.0.input_layernorm.weight": False,
+    "model.layers.0.self_attn.q_a_proj.weight": True,
+    "model.layers.0.self_attn.q_a_layernorm.weight": False,
+    "model.layers.0.self_attn.q_b_proj.weight": True,
+    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": True,
+    "model.layers.0.self_attn.kv_a_layernorm.weight": False,
+    "model.layers.0.self_attn.kv_b_proj.weight": True,
+    "model.layers.0.self_attn.o_proj.weight": True,
+    "model.layers.0.post_attention_layernorm.weight": False,
+    "model.layers.0.mlp.gate_proj.weight": True,
+    "model.layers.0.mlp.down_proj.weight": True,
+    "model.layers.3.mlp.gate.weight": False,
+    "model.layers.3.mlp.gate.e_score_correction_bias": False,
+    "model.layers.3.mlp.experts.17.up_proj.weight": True,
+    "model.layers.3.mlp.shared_experts.down_proj.weight": True,
+    "model.norm.weight": False,
+    "lm_head.weight": False,
+}
+
+
+def test_the_quantized_set_is_deepseek_v3s() -> None:
+    for name, quantized in DEEPSEEK_V3.items():
+        shape = (8,) if name.endswith(("norm.weight", "_bias")) else (8, 8)
+        assert fp8.quantizes(name, shape) is quantized, name
+    assert not fp8.quantizes("model.layers.0.self_attn.o_proj.bias", (8, 8))
+    assert not fp8.quantizes("model.layers.0.mlp.experts.w13_weight", (4, 8, 8))
+
+
+def test_formats_are_validated_with_the_fix_in_the_message() -> None:
+    assert publish_format("fp8_e4m3") == "fp8_e4m3"
+    with pytest.raises(InvariantViolation, match=r"no scales.*dtype 'fp8_e4m3'"):
+        publish_format("float8_e4m3fn")
+    with pytest.raises(InvariantViolation, match=r"unknown rollout dtype 'int8'.*fp8_e4m3"):
+        publish_format("int8")
+    specs = TensorSpec.stored("m.layers.0.mlp.up_proj.weight", torch.empty(300, 129), "fp8_e4m3")
+    assert [(s.name, s.shape, s.dtype, s.nbytes) for s in specs] == [
+        ("m.layers.0.mlp.up_proj.weight", (300, 129), "float8_e4m3fn", 300 * 129),
+        ("m.layers.0.mlp.up_proj.weight_scale_inv", (3, 2), "float32", 24),
+    ]
+
+
+def tiny_deepseek(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """DeepSeek-V3 names at shapes off the 128 grid, as a trainer yields them (float32)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {
+        "model.embed_tokens.weight": (160, 200),
+        "model.layers.0.input_layernorm.weight": (200,),
+        "model.layers.0.self_attn.q_a_proj.weight": (136, 200),
+        "model.layers.0.self_attn.kv_a_layernorm.weight": (64,),
+        "model.layers.0.mlp.gate.weight": (8, 200),
+        "model.layers.0.mlp.gate.e_score_correction_bias": (8,),
+        "model.layers.0.mlp.experts.0.down_proj.weight": (200, 96),
+        "lm_head.weight": (160, 200),
+    }
+    return [(n, torch.randn(s, generator=generator)) for n, s in shapes.items()]
+
+
+def stored_form(model: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """What an fp8 generation of ``model`` must hold, from the quantizer and plain casts."""
+    stored: dict[str, torch.Tensor] = {}
+    for name, tensor in model:
+        if fp8.quantizes(name, tensor.shape):
+            stored[name], stored[fp8.scale_name(name)] = fp8.block_quantize(name, tensor)
+        else:
+            stored[name] = tensor.to(torch.bfloat16)
+    return stored
+
+
+def test_fp8_generation_round_trips_through_the_store_byte_exact(settings: Settings) -> None:
+    """Manifest and checksums carry the fp8 weights and their scales; the Store loader
+    (``--load-format mooncake``) yields them bit for bit, checked against the checksums."""
+    model = tiny_deepseek(3)
+    want = stored_form(model)
+    with StoreClient(settings) as store:
+        record = publish_local(store, "fp8-roundtrip", model, dtype="fp8_e4m3")
+        registry = GenerationRegistry(store, "fp8-roundtrip")
+        manifest = registry.load_manifest(record.generation, record.manifest_digest)
+        checksums = registry.load_checksums(record.generation, record.checksums_digest).objects
+        assert {s.name: s.dtype for s in specs_of(manifest)} == {
+            name: str(tensor.dtype).removeprefix("torch.") for name, tensor in want.items()
+        }
+        assert {t.tensor_id: t.itemsize for t in manifest.tensors} == {
+            name: tensor.element_size() for name, tensor in want.items()
+        }
+        assert set(checksums) == {payload_key(manifest.group_id, name) for name in want}
+        _, tensors = active_weights(store, "fp8-roundtrip")
+        loaded = dict(tensors)
+    assert loaded.keys() == want.keys()
+    for name, tensor in want.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
+        assert as_bytes(loaded[name]) == as_bytes(tensor), name
+
+
+def test_a_scale_name_the_trainer_also_yields_is_refused(settings: Settings) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors = [(name, torch.ones(4, 4)), (fp8.scale_name(name), torch.ones(1, 1))]
+    with StoreClient(settings) as store:
+        with pytest.raises(PublishFailed, match=r"duplicate tensor name '.*weight_scale_inv'"):
+            publish_local(store, "fp8-clash", tensors, dtype="fp8_e4m3")
+        with pytest.raises(PublishFailed, match=r"tensor 'model\.layers\.0\.o_proj\.weight'.*NaN"):
+            publish_local(
+                store,
+                "fp8-clash",
+                [("model.layers.0.o_proj.weight", torch.full((2, 2), float("inf")))],
+                dtype="fp8_e4m3",
+            )
+        assert active_generation(store, "fp8-clash") is None
+        with pytest.raises(InvariantViolation, match="no scales"):
+            GenerationPublisher(
+                store, "fp8-clash", 1, 0, TrainerTopology.single("n"), "float8_e4m3fn"
+            )
+
+
+def test_direct_mode_lands_fp8_weights_and_scales_byte_exact(
+    master: EmbeddedMaster, holders
+) -> None:
+    """Publish fp8, plan direct mode for a TP-2 engine and a TP-1 engine on another node,
+    run it on real Store reads and TE pushes: every worker's regions hold exactly its boxes
+    of the fp8 weights, their float32 scales and the bf16 tensors, each read once."""
+    model = tiny_deepseek(5)
+    with StoreClient(trainer_settings(master, holders("fp8-store"), "trainer")) as store:
+        publish_local(store, "fp8-direct", model, dtype="fp8_e4m3")
+        registry = GenerationRegistry(store, "fp8-direct")
+        manifest = registry.load_manifest(registry.active().generation)
+    engines = simulated_engines(specs_of(manifest), [("node-a", 2), ("node-b", 1)], "direct")
+    plan = plan_update(manifest, engines, "direct", 4096, RoutingCache())
+    settings = {
+        w["worker_id"]: settings_for(
+            master, w["node"], segment_bytes=0, batch_bytes=4096, staging_watermark_bytes=16384
+        )
+        for workers in engines.values()
+        for w in workers
+    }
+    memory = WorkerMemory(parameters=True, in_place=True)
+    with WorkerCluster(settings, plan.routing.regions, memory) as cluster:
+        run = run_planned_update(cluster, plan)
+        digests = {w: cluster.call(w, "digest") for w in cluster.processes}
+    want = stored_form(model)
+    for worker, regions in shard_bytes(engines, want).items():
+        assert digests[worker] == {r: xxhash.xxh3_64_hexdigest(b) for r, b in regions.items()}
+    reads = sum(w["read"] for w in run["workers"].values())
+    assert reads == plan.store_read_bytes == sum(t.nbytes for t in want.values())
