@@ -1,12 +1,15 @@
 """Cluster simulator: bytes per NIC from the REAL planner, then estimated update seconds.
 
 ``mooncake-rl bench simulate`` (``python -m bench simulate``) builds a model shape
-(``mooncake_rl.plan.shapes``) and a cluster, runs the planner (``plan_routing``, the routing
+(``mooncake_rl.plan.shapes``, bf16 or fp8 rollout weights) and a cluster (TP or wide-EP
+engine instances), runs the planner (``plan_routing``, the routing
 plan ``plan_update`` wraps) for this design in direct and compat mode, and turns the routing
 table into bytes per trainer node, per rollout GPU NIC and per NVLink; naive Store reads
 come from the same table's demand records, NCCL broadcast from a ring model. A pure
 estimator turns bytes into seconds under a stated bandwidth and pipelining model; every
-assumption is written into the JSON.
+assumption is written into the JSON. Every approach is also compared with the scenario's
+physical bound (:func:`physical_bound`): the bytes the busiest NIC must carry whatever the
+transport.
 
 Why a simulator: this machine has 2 cores and no RDMA; the planner is the part that decides
 what crosses every NIC, and it runs here at full 1T scale.
@@ -27,8 +30,20 @@ from typing import Any
 import numpy as np
 
 from mooncake_rl.generations.assignment import TrainerTopology, assign_publishers
-from mooncake_rl.plan import CompatDemand, PlanParams, RoutingTable, plan_routing
-from mooncake_rl.plan.shapes import MODELS, ModelShape, cluster, weight_manifest
+from mooncake_rl.plan import CompatDemand, DirectDemand, PlanParams, RoutingTable, plan_routing
+from mooncake_rl.plan.merge import merge_demands
+from mooncake_rl.plan.shapes import (
+    DTYPES,
+    LAYOUTS,
+    MODELS,
+    ModelShape,
+    cluster,
+    model_shape,
+    weight_manifest,
+)
+from mooncake_rl.plan.source import source_layout
+from mooncake_rl.plan.targets import demand_set
+from mooncake_rl.plan.topology import Topology
 
 POOLING = ("per_node", "per_gpu")
 MODES = ("direct", "compat")
@@ -42,7 +57,8 @@ class Cluster:
     trainer_gpus: int = 256
     trainer_gpus_per_node: int = 8
     rollout_instances: int = 16
-    rollout_tp: int = 8  # TP size of one engine instance; MoE experts are EP over the same ranks
+    rollout_tp: int = 8  # GPUs of one engine instance (TP size, or EP size with layout "ep")
+    rollout_layout: str = "tp"  # "tp", or "ep": wide EP with data-parallel attention (shapes)
     rollout_gpus_per_node: int = 8
     nic_gbps: float = 400.0  # line rate of each GPU's NIC, Gb/s
     nvlink_gbs: float = 450.0  # GB/s per GPU per direction (NVLink 4: 900 GB/s both ways)
@@ -73,6 +89,8 @@ class Cluster:
             raise ValueError("trainer GPUs must fill whole nodes")
         if self.nic_pooling not in POOLING:
             raise ValueError(f"nic_pooling must be one of {POOLING}")
+        if self.rollout_layout not in LAYOUTS:
+            raise ValueError(f"rollout_layout must be one of {LAYOUTS}")
 
     @property
     def trainer_nodes(self) -> int:
@@ -107,6 +125,7 @@ class Scenario:
 
     model: str = "kimi-k2"
     cluster: Cluster = field(default_factory=Cluster)
+    dtype: str = "bfloat16"  # rollout weights: bfloat16, or fp8 (e4m3 + 128x128 block scales)
     modes: tuple[str, ...] = MODES
     batch_bytes: int = PlanParams().batch_bytes
     broadcast_chunk_bytes: int = 4 << 20  # NCCL_BUFFSIZE default: the pipelined unit
@@ -114,6 +133,8 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; one of {sorted(MODELS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}")
         if not self.modes or set(self.modes) - set(MODES):
             raise ValueError(f"modes must be a non-empty subset of {MODES}")
         if "direct" not in self.modes:
@@ -346,12 +367,73 @@ def publish_seconds(trainer_node_bytes: np.ndarray, cluster: Cluster) -> float:
     )
 
 
+def node_demand_bytes(manifest: Any, topology: Topology, demand: DirectDemand) -> np.ndarray:
+    """Distinct bytes each rollout node's GPUs hold, from the planner's own demand merge
+    (disjoint source ranges with their consumers): a range counts once per node that
+    consumes it, however many of the node's GPUs hold it."""
+    ranges = merge_demands(demand_set(manifest, source_layout(manifest), topology, demand))
+    nodes = len(topology.nodes)
+    nbytes = (ranges.r1 - ranges.r0) * (ranges.c1 - ranges.c0)
+    owner = np.repeat(np.arange(len(ranges), dtype=I64), np.diff(ranges.ptr))
+    pairs = np.unique(owner * nodes + np.asarray(topology.worker_node, I64)[ranges.worker])
+    return _bincount(pairs % nodes, nbytes[pairs // nodes], nodes)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The least time any transport needs at these NICs (the physical bound).
+
+    Every byte a rollout node's GPUs hold enters that node through its NICs at least once
+    (copies between its GPUs may use NVLink), and every published byte leaves its trainer
+    node's NICs at least once; each side at its NICs' pooled bandwidth. Fill, control
+    round trips and stage 2 are not in it, so no estimate reaches ratio 1 exactly.
+    """
+
+    rollout_node_bytes: int  # distinct bytes the busiest rollout node needs
+    trainer_node_bytes: int  # published bytes of the busiest trainer node
+    rollout_seconds: float
+    trainer_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.rollout_seconds, self.trainer_seconds)
+
+    @property
+    def bottleneck(self) -> str:
+        if self.rollout_seconds >= self.trainer_seconds:
+            return "rollout_node_nic_in"
+        return "trainer_node_nic_out"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": round(self.seconds, 4),
+            "bottleneck": self.bottleneck,
+            "max_rollout_node_distinct_bytes": self.rollout_node_bytes,
+            "rollout_node_nic_in_seconds": round(self.rollout_seconds, 4),
+            "max_trainer_node_published_bytes": self.trainer_node_bytes,
+            "trainer_node_nic_out_seconds": round(self.trainer_seconds, 4),
+        }
+
+
+def physical_bound(node_bytes: np.ndarray, published: np.ndarray, cluster: Cluster) -> Bound:
+    """The bound of one scenario (pure): see :class:`Bound`."""
+    rollout_bw = cluster.rollout_gpus_per_node * cluster.gpu_nic_bytes_per_s
+    trainer_bw = cluster.trainer_gpus_per_node * cluster.nic_bytes_per_s
+    return Bound(
+        int(node_bytes.max()),
+        int(published.max()),
+        float(node_bytes.max() / rollout_bw),
+        float(published.max() / trainer_bw),
+    )
+
+
 def summarize(
     traffic: Traffic,
     cluster: Cluster,
     weights_per_gpu: int,
     published: np.ndarray | None,
     extra: Mapping[str, Any],
+    bound: Bound,
 ) -> dict[str, Any]:
     """One approach's figures: bytes per endpoint, the estimate, memory feasibility."""
     chosen = estimate(traffic, cluster)
@@ -382,6 +464,7 @@ def summarize(
         "stage2_seconds": round(chosen.stage2_seconds, 4),
         "bottleneck": chosen.bottleneck,
         "update_seconds": round(chosen.update_seconds, 3),
+        "bound_ratio": round(chosen.update_seconds / bound.seconds, 3),
         **{f"update_seconds_{p}_nics": round(s, 3) for p, s in pooled.items()},
         "publish_seconds": round(publish, 3),
         "end_to_end_seconds": round(publish + chosen.update_seconds, 3),
@@ -394,8 +477,11 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
     """Every modelling choice, with the numbers used (written into the output)."""
     c = scenario.cluster
     return {
-        "state_dtype": "bfloat16 (rollout weights; mooncake-rl's catalog has no fp8 dtype, so "
-        "fp8 rollouts are not modelled; the e_score_correction_bias vectors stay float32)",
+        "state_dtype": f"{scenario.dtype} rollout weights. fp8: every 2-D linear weight but "
+        "the embeddings, lm_head and MoE router gates in e4m3 (1 byte), each followed by its "
+        "float32 weight_scale_inv, one per 128 x 128 block, sharded like the weight (the "
+        "DeepSeek-V3 / Kimi-K2 checkpoint layout); norms, biases and those weights bf16, "
+        "the e_score_correction_bias vectors float32",
         "nics_per_node": "one NIC per GPU: nics per node = GPUs per node (trainer "
         f"{c.trainer_gpus_per_node}, rollout {c.rollout_gpus_per_node})",
         "nic_line_rate_gbps": c.nic_gbps,
@@ -419,9 +505,18 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
         "publisher_assignment": "mooncake_rl.generations.assignment: byte-balanced over "
         "trainer nodes in checkpoint order (node chosen first, so one rank per node gives "
         "the same nodes)",
-        "rollout_placement": "engine instances of TP ranks packed onto rollout nodes in "
-        "order; MoE routed experts are EP over the instance's TP ranks in contiguous blocks "
+        "rollout_placement": f"layout {c.rollout_layout}. Engine instances of "
+        f"{c.rollout_tp} GPUs packed onto rollout nodes in order. tp: TP ranks, MoE routed "
+        "experts EP over the instance's TP ranks in contiguous blocks. ep (wide EP, as vLLM's "
+        "--data-parallel-size N --enable-expert-parallel with TP 1): each routed expert on "
+        "exactly one GPU of the instance (contiguous blocks), every other tensor (attention, "
+        "dense MLPs, shared experts, embeddings, norms) whole on every GPU "
         "(mooncake_rl.plan.shapes)",
+        "physical_bound": "max(distinct bytes the GPUs of the busiest rollout node hold / "
+        "that node's pooled NIC bandwidth, published bytes of the busiest trainer node / its "
+        "pooled NIC bandwidth): every byte a rollout node holds enters it through its NICs "
+        "at least once, every published byte leaves its trainer node at least once. "
+        "bound_ratio = update_seconds / bound seconds",
         "pipeline": "stage 1 (Store reads, cross-node pushes, intra-node pushes) overlaps "
         "batch by batch: time = busiest resource + fill, fill = (hops - 1) x batch_bytes / "
         "per-GPU NIC bandwidth (hops: read then push = 2); stage 2 (relays copying to their "
@@ -457,18 +552,20 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
     """Plan the scenario with the real planner and estimate every approach."""
     say = progress or (lambda _: None)
     c = scenario.cluster
-    say(f"build {scenario.model} shape and manifest")
+    say(f"build {scenario.model} {scenario.dtype} shape and manifest")
     started = time.perf_counter()
-    model = MODELS[scenario.model]()
+    model = model_shape(scenario.model, scenario.dtype)
     manifest = weight_manifest(model, 1)
     topology, direct_demand = cluster(
-        model, c.rollout_instances, c.rollout_tp, c.rollout_gpus_per_node
+        model, c.rollout_instances, c.rollout_tp, c.rollout_gpus_per_node, c.rollout_layout
     )
     say("assign published tensors to trainer nodes")
     by_name = trainer_nodes_of(model, c.trainer_nodes)
     published = np.zeros(c.trainer_nodes, I64)
     for spec in model.tensors:
         published[by_name[spec.name]] += spec.nbytes
+    say("distinct bytes per rollout node (the physical bound)")
+    bound = physical_bound(node_demand_bytes(manifest, topology, direct_demand), published, c)
     setup_seconds = time.perf_counter() - started
     params = PlanParams(batch_bytes=scenario.batch_bytes)
     approaches: dict[str, dict[str, Any]] = {}
@@ -496,6 +593,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
                 weights_per_gpu,
                 published,
                 planned,
+                bound,
             )
             approaches["naive_store"] = summarize(
                 naive_traffic(table, trainer_of_object, c.trainer_nodes),
@@ -503,6 +601,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
                 weights_per_gpu,
                 published,
                 {"planned_by": "the direct table's demand records (no routing)"},
+                bound,
             )
             approaches["naive_store_full"] = summarize(
                 naive_full_traffic(table, trainer_of_object, c.trainer_nodes),
@@ -510,6 +609,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
                 weights_per_gpu,
                 published,
                 {"planned_by": "every GPU reads every object"},
+                bound,
             )
             gpu_node = np.asarray(table.worker_node, I64)
         else:
@@ -519,6 +619,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
                 weights_per_gpu,
                 published,
                 planned,
+                bound,
             )
         del table
     approaches["nccl_broadcast"] = summarize(
@@ -527,15 +628,17 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
         weights_per_gpu,
         None,
         {"planned_by": "ring model (see assumptions.nccl_broadcast)"},
+        bound,
     )
     order = [a for a in ("direct", "compat", "naive_store", "naive_store_full", "nccl_broadcast")
              if a in approaches]  # fmt: skip
     approaches = {a: approaches[a] for a in order}
-    params_count = sum(math.prod(t.shape) for t in model.tensors)
+    params_count = model.parameters
     return {
         "bench": "simulate",
         "scenario": {
             "model": scenario.model,
+            "dtype": scenario.dtype,
             "parameters": params_count,
             "tensors": len(model.tensors),
             "model_bytes": model.nbytes,
@@ -548,13 +651,15 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
                 "min": int(published.min()),
             },
             "rollout_weight_bytes_per_gpu": weights_per_gpu,
+            "physical_bound": bound.to_json(),
             "setup_seconds": round(setup_seconds, 2),
             "load_average_1m": round(os.getloadavg()[0], 2),
             "summary": (
                 f"{scenario.model} ({params_count / 1e9:.0f}B params, {model.nbytes / 1e12:.2f} "
-                f"TB bf16): {c.trainer_gpus} trainer GPUs ({c.trainer_nodes} x "
-                f"{c.trainer_gpus_per_node}) -> {c.rollout_instances} x TP{c.rollout_tp} "
-                f"rollout GPUs, {c.nic_gbps:g} Gb/s per GPU"
+                f"TB {scenario.dtype}): {c.trainer_gpus} trainer GPUs ({c.trainer_nodes} x "
+                f"{c.trainer_gpus_per_node}) -> {c.rollout_instances} x "
+                f"{c.rollout_layout.upper()}{c.rollout_tp} rollout GPUs, {c.nic_gbps:g} Gb/s "
+                "per GPU"
             ),
         },
         "assumptions": assumptions(scenario),
@@ -585,7 +690,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-gpus", type=int, default=d.trainer_gpus)
     p.add_argument("--trainer-gpus-per-node", type=int, default=d.trainer_gpus_per_node)
     p.add_argument("--instances", type=int, default=d.rollout_instances, help="rollout engines")
-    p.add_argument("--tp", type=int, default=d.rollout_tp, help="TP (= EP) per rollout engine")
+    p.add_argument("--tp", type=int, default=d.rollout_tp, help="GPUs per rollout engine")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=d.rollout_layout,
+        help="tp: TP ranks (experts EP over them); ep: each expert once per engine, the rest "
+        "on every GPU (vLLM's data-parallel attention with expert parallelism)",
+    )
+    p.add_argument("--dtype", choices=DTYPES, default=Scenario().dtype, help="rollout weights")
     p.add_argument("--rollout-gpus-per-node", type=int, default=d.rollout_gpus_per_node)
     p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="per GPU NIC, Gb/s")
     p.add_argument("--nvlink-gbs", type=float, default=d.nvlink_gbs, help="GB/s per direction")
@@ -608,6 +721,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
             trainer_gpus_per_node=args.trainer_gpus_per_node,
             rollout_instances=args.instances,
             rollout_tp=args.tp,
+            rollout_layout=args.layout,
             rollout_gpus_per_node=args.rollout_gpus_per_node,
             nic_gbps=args.nic_gbps,
             nvlink_gbs=args.nvlink_gbs,
@@ -617,6 +731,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
             gpu_memory_gb=args.gpu_memory_gb,
             nic_pooling=args.nic_pooling,
         ),
+        dtype=args.dtype,
         modes=tuple(m for m in args.modes.split(",") if m),
         batch_bytes=args.batch_bytes,
     )

@@ -33,6 +33,7 @@ ASSUMPTION_KEYS = {
     "trainer_store_segments",
     "publisher_assignment",
     "rollout_placement",
+    "physical_bound",
     "pipeline",
     "batch_bytes",
     "naive_store",
@@ -115,6 +116,12 @@ def test_simulated_bytes_come_exactly_from_the_planner(toy: dict) -> None:
     assert ring["update_seconds"] == round(m / gpu_bw + fill, 3)
     assert ring["bottleneck"] == "trainer_gpu_nic_out"
     assert toy["ratios"]["naive_store"]["store_read_bytes"] == round(replicas * placement / m, 3)
+    bound = toy["scenario"]["physical_bound"]  # each node holds a full TP8 replica
+    assert bound["max_rollout_node_distinct_bytes"] == m
+    assert bound["seconds"] == round(m / (8 * gpu_bw), 4)
+    assert math.isclose(
+        direct["bound_ratio"], direct["update_seconds"] / (m / (8 * gpu_bw)), abs_tol=0.01
+    )
 
 
 def test_every_assumption_is_in_the_output(toy: dict) -> None:

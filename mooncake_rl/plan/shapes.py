@@ -4,6 +4,14 @@ Tensor names follow the Hugging Face checkpoints. Each tensor says how a TP engi
 it: ``column`` (output dim 0 split), ``row`` (input dim 1 split), ``replicated`` (every
 rank holds it: norms, MLA down-projections, the router) or ``expert`` (one routed expert,
 owned whole by one rank: EP over the instance's TP ranks, experts in contiguous blocks).
+
+Rollout weights are bf16, or fp8 (:func:`quantized`: e4m3 with a float32
+``weight_scale_inv`` per 128x128 block, the DeepSeek-V3 / Kimi-K2 checkpoint convention).
+Two instance layouts (:class:`Target`): ``tp`` shards as above; ``ep`` is wide expert
+parallelism, the layout vLLM runs with ``--data-parallel-size N --enable-expert-parallel``
+(TP 1 per rank): every routed expert lives on exactly one of the instance's N GPUs, and
+every other tensor (attention, dense MLPs, shared experts, embeddings, norms) is whole on
+each GPU (data-parallel attention), so instances may span several nodes.
 """
 
 from __future__ import annotations
@@ -18,18 +26,28 @@ from mooncake.reshard.weight import (
     PlacementFragment,
     ReplicatedAxis,
     SplitAxis,
+    StoredFragment,
     TensorDescriptor,
     WeightManifest,
     WeightPlacementPart,
 )
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations import catalog
+from mooncake_rl.generations import catalog, keys
 from mooncake_rl.plan.demand import DirectDemand
 from mooncake_rl.plan.topology import Topology, Worker
 
-ITEMSIZE = {name: dtype.itemsize for name, dtype in catalog.ROLLOUT_DTYPES.items()}
+FP8 = "float8_e4m3fn"
+"""torch's name of e4m3 (the catalog's dtype names are torch's)."""
+SCALE_BLOCK = 128
+"""fp8 block quantization: one float32 scale per 128 x 128 block (``weight_block_size``)."""
+ITEMSIZE = {name: dtype.itemsize for name, dtype in catalog.ROLLOUT_DTYPES.items()} | {FP8: 1}
 KINDS = ("column", "row", "replicated", "expert")
+LAYOUTS = ("tp", "ep")
+DTYPES = ("bfloat16", "fp8")
+UNQUANTIZED = ("model.embed_tokens.", "lm_head.", ".mlp.gate.")
+"""Name parts of 2-D weights fp8 checkpoints keep in bf16: embeddings, the output head and
+the MoE router (DeepSeek-V3's and Kimi-K2's checkpoints; norms and biases are 1-D)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,8 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvariantViolation(f"{self.name}: unknown shard kind {self.kind}")
+        if self.dtype not in ITEMSIZE:
+            raise InvariantViolation(f"{self.name}: unknown dtype {self.dtype}")
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +79,50 @@ class ModelShape:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def parameters(self) -> int:
+        """Weight elements (fp8 scales excluded)."""
+        return sum(math.prod(t.shape) for t in self.tensors if not _is_scale(t))
+
+
+def quantizable(spec: TensorSpec) -> bool:
+    """A 2-D linear weight an fp8 checkpoint stores in e4m3 (see ``UNQUANTIZED``)."""
+    return (
+        len(spec.shape) == 2
+        and spec.name.endswith(".weight")
+        and not any(part in spec.name for part in UNQUANTIZED)
+    )
+
+
+def _is_scale(spec: TensorSpec) -> bool:
+    return spec.name.endswith("_scale_inv")
+
+
+def quantized(model: ModelShape) -> ModelShape:
+    """The fp8 checkpoint of ``model``: each quantizable weight in e4m3, followed by its
+    ``<name>_scale_inv`` (float32, one per 128 x 128 block, sharded like the weight)."""
+    tensors: list[TensorSpec] = []
+    for spec in model.tensors:
+        if not quantizable(spec):
+            tensors.append(spec)
+            continue
+        blocks = tuple(math.ceil(n / SCALE_BLOCK) for n in spec.shape)
+        tensors += [
+            dataclasses.replace(spec, dtype=FP8),
+            dataclasses.replace(spec, name=spec.name + "_scale_inv", shape=blocks, dtype="float32"),
+        ]
+    return dataclasses.replace(model, name=f"{model.name}-fp8", tensors=tuple(tensors))
+
+
+def model_shape(name: str, dtype: str = "bfloat16") -> ModelShape:
+    """``MODELS[name]`` with rollout weights in ``dtype`` (``bfloat16`` or ``fp8``)."""
+    if name not in MODELS:
+        raise InvariantViolation(f"unknown model {name!r}; one of {sorted(MODELS)}")
+    if dtype not in DTYPES:
+        raise InvariantViolation(f"unknown rollout dtype {dtype!r}; one of {DTYPES}")
+    model = MODELS[name]()
+    return quantized(model) if dtype == "fp8" else model
 
 
 # meta-llama/Meta-Llama-3-70B config.json: num_hidden_layers 80, hidden_size 8192,
@@ -191,12 +255,32 @@ MODELS = {
 
 
 def weight_manifest(model: ModelShape, generation: int) -> WeightManifest:
-    """The manifest issue 3 publishes (``catalog.build_manifest``: one contiguous Store object
-    per tensor), its descriptors carrying the layer and expert ids the placements declare."""
-    specs = [catalog.TensorSpec(spec.name, spec.shape, spec.dtype) for spec in model.tensors]
-    manifest = catalog.build_manifest(model.name, generation, specs, "1970-01-01T00:00:00Z")
-    return dataclasses.replace(
-        manifest, tensors=tuple(_descriptor(spec, (), ()) for spec in model.tensors)
+    """The manifest issue 3 publishes: one contiguous Store object per tensor, the layout
+    ``catalog.build_manifest`` writes, its descriptors carrying the layer and expert ids the
+    placements declare. Built here so that shapes may use dtypes the publisher lacks."""
+    catalog.check_specs(model.tensors)
+    group = keys.group_id(model.name, generation)
+    return WeightManifest(
+        namespace=keys.NAMESPACE,
+        resource_id=model.name,
+        revision=f"g{generation:012d}",
+        weight_generation=generation,
+        group_id=group,
+        manifest_key=keys.manifest_key(group),
+        tensors=tuple(_descriptor(spec, (), ()) for spec in model.tensors),
+        fragments=tuple(
+            StoredFragment(
+                fragment_id=spec.name,
+                tensor_id=spec.name,
+                global_offset=(0,) * len(spec.shape),
+                local_shape=spec.shape,
+                object_key=keys.payload_key(group, spec.name),
+                object_offset=0,
+                nbytes=spec.nbytes,
+            )
+            for spec in model.tensors
+        ),
+        created_at="1970-01-01T00:00:00Z",
     )
 
 
@@ -214,17 +298,29 @@ def _descriptor(spec: TensorSpec, shard_dims, axes) -> TensorDescriptor:
     )
 
 
-def instance_parts(model: ModelShape, tp: int) -> tuple[WeightPlacementPart, ...]:
-    """One engine instance's placement: one part per TP rank (EP over the same ranks)."""
-    ep = tp if model.num_experts else 1
-    if model.num_experts % tp and model.num_experts:
-        raise InvariantViolation(f"{model.num_experts} experts do not split over TP{tp}")
+def instance_parts(
+    model: ModelShape, size: int, layout: str = "tp"
+) -> tuple[WeightPlacementPart, ...]:
+    """One engine instance's placement: one part per GPU of the instance.
+
+    ``tp``: TP ``size`` (routed experts EP over the same ranks); ``ep``: every routed expert
+    on one GPU, every other tensor whole on each (see the module docstring).
+    """
+    if layout not in LAYOUTS:
+        raise InvariantViolation(f"unknown instance layout {layout!r}; one of {LAYOUTS}")
+    if model.num_experts % size and model.num_experts:
+        raise InvariantViolation(f"{model.num_experts} experts do not split over {size} GPUs")
+    if layout == "ep" and not model.num_experts:
+        raise InvariantViolation(f"{model.name} has no routed experts to lay out EP")
     parts = []
-    for r in range(tp):
-        rank = ParallelRank(tp=r, ep=r if ep > 1 else 0)
+    for r in range(size):
+        if layout == "tp":
+            rank = ParallelRank(tp=r, ep=r if model.num_experts and size > 1 else 0)
+        else:
+            rank = ParallelRank(dp=r, ep=r)
         tensors, fragments = [], []
         for spec in model.tensors:
-            placed = _placed(spec, tp, r, model.num_experts)
+            placed = _placed(spec, size, r, model.num_experts, layout)
             if placed is None:
                 continue
             descriptor, offset, local = placed
@@ -236,9 +332,9 @@ def instance_parts(model: ModelShape, tp: int) -> tuple[WeightPlacementPart, ...
                 resource_id=model.name,
                 revision="r0",
                 weight_generation=0,
-                placement_set_id=f"{model.name}/tp{tp}",
-                topology_id=f"{model.name}/tp{tp}",
-                participant_id=f"tp{r}",
+                placement_set_id=f"{model.name}/{layout}{size}",
+                topology_id=f"{model.name}/{layout}{size}",
+                participant_id=f"{layout}{r}",
                 rank=rank,
                 tensors=tuple(tensors),
                 fragments=tuple(fragments),
@@ -247,45 +343,82 @@ def instance_parts(model: ModelShape, tp: int) -> tuple[WeightPlacementPart, ...
     return tuple(parts)
 
 
-def _placed(spec: TensorSpec, tp: int, r: int, num_experts: int):
+def _placed(spec: TensorSpec, size: int, r: int, num_experts: int, layout: str):
     zeros = (0,) * len(spec.shape)
-    if spec.kind == "replicated":
-        return _descriptor(spec, (), (ReplicatedAxis("tp"),)), zeros, spec.shape
     if spec.kind == "expert":
-        if spec.expert_id * tp // num_experts != r:
+        if spec.expert_id * size // num_experts != r:
             return None
-        axes = (OwnershipAxis("ep"), OwnershipAxis("tp"))
+        axes = (OwnershipAxis("ep"), OwnershipAxis("tp" if layout == "tp" else "dp"))
         return _descriptor(spec, (), axes), zeros, spec.shape
+    if spec.kind == "replicated" or layout == "ep":
+        axis = ReplicatedAxis("tp" if layout == "tp" else "dp")
+        return _descriptor(spec, (), (axis,)), zeros, spec.shape
     dim = 0 if spec.kind == "column" else 1
-    if spec.shape[dim] % tp:
-        raise InvariantViolation(f"{spec.name}: dim {dim} of {spec.shape} does not split by {tp}")
-    size = spec.shape[dim] // tp
-    offset = tuple(r * size if d == dim else 0 for d in range(len(spec.shape)))
-    local = tuple(size if d == dim else n for d, n in enumerate(spec.shape))
+    if spec.shape[dim] % size:
+        raise InvariantViolation(f"{spec.name}: dim {dim} of {spec.shape} does not split by {size}")
+    share = spec.shape[dim] // size
+    offset = tuple(r * share if d == dim else 0 for d in range(len(spec.shape)))
+    local = tuple(share if d == dim else n for d, n in enumerate(spec.shape))
     return _descriptor(spec, (dim,), (SplitAxis("tp", dim),)), offset, local
 
 
 def parse_target(target: str) -> tuple[int, int]:
     """``"16xTP8"`` -> (16 instances, TP 8)."""
-    instances, _, tp = target.lower().partition("xtp")
-    if not instances.isdigit() or not tp.isdigit():
+    parsed = Target.parse(target)
+    if parsed.layout != "tp":
         raise InvariantViolation(f"target must look like 16xTP8, got {target!r}")
-    return int(instances), int(tp)
+    return parsed.instances, parsed.size
+
+
+@dataclass(frozen=True)
+class Target:
+    """Rollout engines: ``instances`` engines of ``size`` GPUs, laid out ``tp`` or ``ep``."""
+
+    instances: int
+    size: int
+    layout: str = "tp"
+
+    def __post_init__(self) -> None:
+        for name in ("instances", "size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise InvariantViolation(f"{name} must be a positive int, got {value!r}")
+        if self.layout not in LAYOUTS:
+            raise InvariantViolation(f"unknown instance layout {self.layout!r}; one of {LAYOUTS}")
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        """``"16xTP8"`` (16 TP8 engines) or ``"4xEP32"`` (4 engines of 32 GPUs, wide EP)."""
+        instances, _, rest = text.lower().partition("x")
+        layout, size = rest[:2], rest[2:]
+        if not instances.isdigit() or layout not in LAYOUTS or not size.isdigit():
+            raise InvariantViolation(f"target must look like 16xTP8 or 4xEP32, got {text!r}")
+        return cls(int(instances), int(size), layout)
+
+    def __str__(self) -> str:
+        return f"{self.instances}x{self.layout.upper()}{self.size}"
 
 
 def cluster(
-    model: ModelShape, instances: int, tp: int, workers_per_node: int = 8
+    model: ModelShape,
+    instances: int,
+    tp: int,
+    workers_per_node: int = 8,
+    layout: str = "tp",
 ) -> tuple[Topology, DirectDemand]:
-    """``instances`` engines of TP ``tp`` packed onto nodes of ``workers_per_node`` GPUs.
+    """``instances`` engines of ``tp`` GPUs (laid out ``layout``) packed onto nodes of
+    ``workers_per_node`` GPUs.
 
     All instances share one placement (the same part objects), as identical engines do.
     """
-    parts = instance_parts(model, tp)
+    parts = instance_parts(model, tp, layout)
     workers, by_worker = [], {}
     for i in range(instances):
         for r in range(tp):
             g = i * tp + r
             worker_id = f"w{g:05d}"
-            workers.append(Worker(worker_id, f"node{g // workers_per_node:04d}", f"inst{i:04d}", r))
+            node = f"node{g // workers_per_node:04d}"
+            rank = r if layout == "tp" else None  # EP ranks are data-parallel, not TP
+            workers.append(Worker(worker_id, node, f"inst{i:04d}", rank))
             by_worker[worker_id] = parts[r]
     return Topology.of(workers), DirectDemand.of(by_worker)

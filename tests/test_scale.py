@@ -1,0 +1,131 @@
+"""Matched simulation and scale: fp8 shapes, wide-EP placements, the physical bound, and the
+coordinator's control plane against a fleet of fake engines (a smoke of
+``python -m bench.control_plane``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.simulate import Cluster, Scenario, node_demand_bytes, physical_bound, simulate
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan.shapes import (
+    FP8,
+    SCALE_BLOCK,
+    Target,
+    cluster,
+    instance_parts,
+    model_shape,
+    quantizable,
+    weight_manifest,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_fp8_quantizes_linear_weights_with_block_scales() -> None:
+    bf16, fp8 = model_shape("small"), model_shape("small", "fp8")
+    by_name = {t.name: t for t in fp8.tensors}
+    linear = [t for t in bf16.tensors if quantizable(t)]
+    assert len(fp8.tensors) == len(bf16.tensors) + len(linear)
+    assert fp8.parameters == bf16.parameters
+    for spec in linear:
+        weight, scale = by_name[spec.name], by_name[spec.name + "_scale_inv"]
+        assert (weight.dtype, weight.nbytes) == (FP8, math.prod(spec.shape))
+        assert scale.dtype == "float32" and scale.kind == spec.kind
+        assert scale.shape == tuple(math.ceil(n / SCALE_BLOCK) for n in spec.shape)
+    kept = {t.name for t in fp8.tensors if t.dtype == "bfloat16" and len(t.shape) == 2}
+    assert kept == {
+        t.name
+        for t in bf16.tensors
+        if len(t.shape) == 2
+        and ("embed_tokens" in t.name or "lm_head" in t.name or t.name.endswith("mlp.gate.weight"))
+    }
+    assert by_name["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == "float32"
+    # A scale's blocks split with its weight's rows: 64 rows per rank is half a block.
+    with pytest.raises(InvariantViolation):
+        instance_parts(model_shape("llama-70b", "fp8"), 16)
+
+
+def test_wide_ep_stores_each_expert_once_per_instance() -> None:
+    model = model_shape("small", "fp8")
+    parts = instance_parts(model, 8, "ep")
+    held = [{f.tensor_id for f in p.fragments} for p in parts]
+    experts = [t.name for t in model.tensors if t.kind == "expert"]
+    assert sorted(n for names in held for n in names if n in set(experts)) == sorted(experts)
+    others = {t.name for t in model.tensors if t.kind != "expert"}
+    assert all(others <= names for names in held)  # data-parallel attention: whole on each
+    shape = {t.name: t.shape for t in model.tensors}
+    assert all(f.local_shape == shape[f.tensor_id] for p in parts for f in p.fragments)
+    assert Target.parse("4xEP32") == Target(4, 32, "ep")
+    assert str(Target.parse("16xtp8")) == "16xTP8"
+    with pytest.raises(InvariantViolation):
+        instance_parts(model_shape("llama-70b"), 8, "ep")  # no experts to lay out
+    with pytest.raises(InvariantViolation):
+        Target.parse("4xDP32")
+
+
+def test_node_demand_and_the_physical_bound() -> None:
+    model = model_shape("small", "fp8")
+    topology, demand = cluster(model, 2, 8, workers_per_node=4, layout="ep")
+    per_node = node_demand_bytes(weight_manifest(model, 1), topology, demand)
+    others = sum(t.nbytes for t in model.tensors if t.kind != "expert")
+    experts = sum(t.nbytes for t in model.tensors if t.kind == "expert")
+    assert per_node.tolist() == [others + experts // 2] * 4  # half the experts per node
+    c = Cluster(trainer_gpus=16, rollout_instances=2, rollout_tp=8, rollout_gpus_per_node=4)
+    bound = physical_bound(per_node, np.array([10, 20]), c)
+    assert bound.bottleneck == "rollout_node_nic_in"
+    assert math.isclose(bound.seconds, (others + experts // 2) / (4 * 45e9))
+
+
+def test_simulated_ep_fp8_reads_once_and_reports_its_bound() -> None:
+    scenario = Scenario(
+        model="small",
+        dtype="fp8",
+        cluster=Cluster(
+            trainer_gpus=16,
+            rollout_instances=2,
+            rollout_tp=8,
+            rollout_layout="ep",
+            rollout_gpus_per_node=4,
+        ),
+        modes=("direct",),
+    )
+    result = simulate(scenario)
+    model = model_shape("small", "fp8")
+    bound = result["scenario"]["physical_bound"]
+    assert result["scenario"]["dtype"] == "fp8"
+    assert result["scenario"]["model_bytes"] == model.nbytes
+    assert "ep" in result["assumptions"]["rollout_placement"]
+    direct = result["approaches"]["direct"]
+    assert direct["store_read_bytes"] == model.nbytes  # single pull
+    assert bound["max_rollout_node_distinct_bytes"] == direct["max_rollout_node_nic_in_bytes"]
+    for figures in result["approaches"].values():
+        assert figures["bound_ratio"] >= 1.0
+
+
+@pytest.mark.timeout(60)
+def test_control_plane_smoke_on_twenty_fake_engines() -> None:
+    """The real Coordinator, routes and receivers; fake ranks that refuse an apply body
+    lacking a peer they push to."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.control_plane", "--engines", "20", "--tp", "2",
+         "--engines-per-node", "4"],
+        cwd=ROOT, env={**os.environ, "MC_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert (result["committed"], result["failed"], result["workers"]) == (20, 0, 40)
+    assert result["serving_generation"] == {"1": 20}
+    assert result["store_read_bytes"] == result["planned_read_bytes"] > 0
+    assert result["pushed_bytes"] == result["planned_pushed_bytes"] > 0
+    assert result["calls"]["apply"] == 2 * 20 and result["calls"]["commit"] == 20
+    assert set(result["phase_seconds"]) >= {"placement", "drain", "plan", "prepare", "apply"}
