@@ -4,6 +4,8 @@ python -m bench [run] [--size 256MiB --workers 4 --nodes 2 --out out/bench-compa
 python -m bench simulate [--model kimi-k2 --trainer-gpus 256 --instances 16 --tp 8 ...]
 python -m bench transports [--hidden 512 --layers 4 --repeats 3 --batch 8MiB --root DIR]
 python -m bench load [--updates 5 --clients 4 --modes rolling all_at_once --out out/bench-load.png]
+python -m bench control-plane [--engines 1000 --tp 1 --mode direct]
+python -m bench scale [--model llama-70b --engines 16,128,1000 --tp 8 --dtype fp8]
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.simulate import main as simulate
 
         return simulate(args[1:])
+    if args[:1] == ["control-plane"]:
+        from bench.control_plane import main as control_plane
+
+        return control_plane(args[1:])
+    if args[:1] == ["scale"]:
+        from bench.scale import main as scale
+
+        return scale(args[1:])
     if args[:1] in (["transports"], ["load"]):
         if args[0] == "load":
             from bench.load import main as load

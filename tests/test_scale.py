@@ -129,3 +129,18 @@ def test_control_plane_smoke_on_twenty_fake_engines() -> None:
     assert result["pushed_bytes"] == result["planned_pushed_bytes"] > 0
     assert result["calls"]["apply"] == 2 * 20 and result["calls"]["commit"] == 20
     assert set(result["phase_seconds"]) >= {"placement", "drain", "plan", "prepare", "apply"}
+
+
+def test_scale_point_plans_cold_then_hits_the_cache() -> None:
+    from bench.scale import Point, growth, measure
+
+    small, large = measure(Point("small", 2, 4)), measure(Point("small", 8, 4))
+    for point in (small, large):
+        assert point["store_read_bytes"] == point["model_bytes"]  # single pull at any scale
+        assert point["plan_seconds_cached"] < point["plan_seconds_cold"]
+        assert point["workers"] == 4 * point["engines"] and point["table_bytes"] > 0
+    assert large["delivered_bytes"] == 4 * small["delivered_bytes"]
+    assert large["demands"] == 4 * small["demands"]  # every replica names its own ranges
+    assert growth(small, large)["engines_x"] == 4.0
+    with pytest.raises(ValueError):
+        Point("small", 0)

@@ -1,0 +1,186 @@
+"""Planning at fleet scale: seconds, memory and table size from 16 to 1,000 engines; ONE JSON.
+
+    python -m bench.scale --model llama-70b --engines 16,128,1000 [--tp 8 --dtype fp8]
+
+Each point runs in a fresh process (so its peak memory is its own): it builds the model
+shape and ``engines`` identical engines of ``--tp`` GPUs (``mooncake_rl.plan.shapes``,
+8 GPUs per node), then plans direct mode the way ``bench.plan`` does: ``plan_routing`` on an
+empty cache with the layout digest the active record carries (``plan_seconds_cold``), then
+the next generation's call, a cache hit, plus ``bind`` (``plan_seconds_cached``). Memory:
+``plan_peak_rss_bytes`` is the process's peak resident set minus its resident set before
+planning (shapes, manifests and placements built). The table's size is its records
+(``reads``, ``pushes``, ``demands``: one per demanded byte range and consumer, the ranges
+the plan must name) and the bytes of its arrays. ``growth`` compares each point with the
+previous one; a point whose memory, extrapolated linearly in engines from the previous
+point (the resident set before planning, plus planning's peak times the engine ratio),
+would pass ``--max-rss-gb`` is not run, and the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mooncake_rl.plan.shapes import DTYPES, LAYOUTS, MODELS
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Point:
+    """One fleet: ``engines`` engines of ``tp`` GPUs laid out ``layout``."""
+
+    model: str
+    engines: int
+    tp: int = 8
+    dtype: str = "bfloat16"
+    layout: str = "tp"
+    workers_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; one of {sorted(MODELS)}")
+        if self.dtype not in DTYPES or self.layout not in LAYOUTS:
+            raise ValueError(f"dtype must be one of {DTYPES}, layout one of {LAYOUTS}")
+        for name in ("engines", "tp", "workers_per_node"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _rss(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process, in bytes."""
+    with open("/proc/self/status") as status:
+        line = next(x for x in status if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def measure(point: Point) -> dict[str, Any]:
+    """Plan one fleet cold and cached (run in a fresh process: see the module doc)."""
+    from mooncake_rl.generations.layout import layout_digest
+    from mooncake_rl.plan import PlanCache, bind, plan_routing
+    from mooncake_rl.plan.shapes import cluster, model_shape, weight_manifest
+
+    t0 = time.perf_counter()
+    model = model_shape(point.model, point.dtype)
+    manifest, following = weight_manifest(model, 1), weight_manifest(model, 2)
+    recorded, next_recorded = layout_digest(manifest), layout_digest(following)
+    topology, demand = cluster(model, point.engines, point.tp, point.workers_per_node, point.layout)
+    setup = time.perf_counter() - t0
+    before = _rss("VmRSS")
+    cache = PlanCache()
+    t0, c0 = time.perf_counter(), time.process_time()
+    table = plan_routing(manifest, topology, demand, cache=cache, layout_digest=recorded)
+    cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0 = time.perf_counter()
+    again = plan_routing(following, topology, demand, cache=cache, layout_digest=next_recorded)
+    bind(again, following.group_id)
+    cached = time.perf_counter() - t0
+    assert again is table and cache.hits == 1
+    arrays = (table.reads, table.pushes, table.demands, table.region_sizes)
+    peak = _rss("VmHWM")
+    return {
+        **asdict(point),
+        "workers": len(topology.workers),
+        "nodes": len(topology.nodes),
+        "tensors": len(model.tensors),
+        "model_bytes": model.nbytes,
+        "setup_seconds": round(setup, 2),
+        "plan_seconds_cold": round(cold, 3),
+        "plan_cpu_seconds_cold": round(cold_cpu, 3),
+        "plan_seconds_cached": round(cached, 4),
+        "rss_before_plan_bytes": before,
+        "peak_rss_bytes": peak,
+        "plan_peak_rss_bytes": peak - before,
+        "reads": len(table.reads),
+        "pushes": len(table.pushes),
+        "demands": len(table.demands),
+        "table_bytes": sum(a.nbytes for a in arrays),
+        "store_read_bytes": table.totals.store_read_bytes,
+        "delivered_bytes": int(table.totals.delivered_bytes.sum()),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def growth(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, float]:
+    """How each figure grew from one point to the next (pure); ``plan_memory_per_demand_x``
+    is 1 when planning memory grows exactly as the byte ranges the table names."""
+    keys = ("engines", "demands", "pushes", "table_bytes", "plan_peak_rss_bytes")
+    ratios = {k: current[k] / previous[k] for k in (*keys, "plan_seconds_cold") if previous[k]}
+    if "plan_peak_rss_bytes" in ratios and "demands" in ratios:
+        ratios["plan_memory_per_demand"] = ratios["plan_peak_rss_bytes"] / ratios["demands"]
+    return {f"{k}_x": round(v, 3) for k, v in ratios.items()}
+
+
+def run(points: Sequence[Point], max_rss_bytes: float) -> dict[str, Any]:
+    """Each point in a fresh process, smallest first, while memory extrapolates to fit."""
+    done: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for point in sorted(points, key=lambda p: p.engines):
+        if done:
+            last = done[-1]
+            scale = point.engines / last["engines"]
+            predicted = last["rss_before_plan_bytes"] + last["plan_peak_rss_bytes"] * scale
+            if predicted > max_rss_bytes:
+                skipped.append(
+                    {
+                        **asdict(point),
+                        "predicted_peak_rss_bytes": int(predicted),
+                        "why": f"extrapolated linearly in engines from {last['engines']} "
+                        f"engines: {predicted / GB:.1f} GB > --max-rss-gb "
+                        f"{max_rss_bytes / GB:g}",
+                    }
+                )
+                continue
+        child = subprocess.run(
+            [sys.executable, "-m", "bench.scale", "--point", json.dumps(asdict(point))],
+            capture_output=True,
+            text=True,
+        )
+        if child.returncode != 0:
+            raise SystemExit(f"{point} failed:\n{child.stderr[-3000:]}")
+        done.append(json.loads(child.stdout))
+    return {
+        "bench": "scale",
+        "points": done,
+        "growth": [growth(a, b) for a, b in itertools.pairwise(done)],
+        "skipped": skipped,
+        "max_rss_bytes": max_rss_bytes,
+        "host_cpus": os.cpu_count(),
+        "parent_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-70b")
+    p.add_argument("--engines", default="16,128,1000", help="comma-separated engine counts")
+    p.add_argument("--tp", type=int, default=8, help="GPUs per engine")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--layout", choices=LAYOUTS, default="tp")
+    p.add_argument("--workers-per-node", type=int, default=8)
+    p.add_argument("--max-rss-gb", type=float, default=10.0)
+    p.add_argument("--point", help=argparse.SUPPRESS)  # the child: one point
+    args = p.parse_args(argv)
+    if args.point:
+        print(json.dumps(measure(Point(**json.loads(args.point)))))
+        return 0
+    points = [
+        Point(args.model, int(n), args.tp, args.dtype, args.layout, args.workers_per_node)
+        for n in args.engines.split(",")
+    ]
+    print(json.dumps(run(points, args.max_rss_gb * GB)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
