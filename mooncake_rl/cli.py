@@ -475,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by bench itself (main() forwards before argparse sees its flags); listed for help.
     commands.add_parser(
         "bench",
-        help="benchmarks side by side (JSON + PNG); `bench simulate` estimates 1T-scale updates",
+        help="benchmarks side by side (JSON + PNG); `bench simulate` estimates 1T-scale updates; "
+        "`bench scale` plans for up to 1,000 engines; `bench control-plane` drives fake ones",
         add_help=False,
     )
 
