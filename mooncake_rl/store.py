@@ -329,20 +329,27 @@ class StoreClient:
 
     def complete_sizes(self, keys: Sequence[str]) -> list[int | None]:
         """Each key's size from a complete memory replica, or None; few RPCs for many keys."""
+        return [None if found is None else found[0] for found in self.complete_replicas(keys)]
+
+    def complete_replicas(self, keys: Sequence[str]) -> list[tuple[int, str] | None]:
+        """Each key's (size, segment) of its first complete memory replica, or None; few
+        RPCs for many keys. The segment is the replica's transport endpoint (segment name)."""
         from mooncake.store import ReplicaStatus
 
-        sizes: list[int | None] = []
+        found_all: list[tuple[int, str] | None] = []
         for start in range(0, len(keys), DESCRIPTOR_BATCH):
             chunk = list(keys[start : start + DESCRIPTOR_BATCH])
             found = self._store.batch_get_replica_desc(chunk)
             for key in chunk:
                 complete = [
-                    r.get_memory_descriptor().buffer_descriptor.size
+                    r.get_memory_descriptor().buffer_descriptor
                     for r in found.get(key, ())
                     if r.is_memory_replica() and r.status == ReplicaStatus.COMPLETE
                 ]
-                sizes.append(complete[0] if complete else None)
-        return sizes
+                found_all.append(
+                    (complete[0].size, complete[0].transport_endpoint) if complete else None
+                )
+        return found_all
 
     def replica_segments(self, key: str) -> tuple[str, ...]:
         """Transport endpoints (segment names) holding ``key``'s memory replicas."""
