@@ -1,24 +1,41 @@
-"""Reader assignment: exactly one reader per chunk, balancing each node's NIC load.
+"""Reader assignment: exactly one reader per chunk, balancing each node's full-duplex NIC.
 
-A node's NIC load is the bytes its workers read from the Store plus the bytes they push to
-other nodes (intra-node pushes are free). A chunk of ``b`` bytes consumed on ``n_c`` nodes
-costs its reader's node ``b * n_c`` if the reader is on a consumer node (one read, one
-push per *other* consumer node; relays fan out on their own node for free) and
-``b * (n_c + 1)`` otherwise.
+A full-duplex NIC's time is ``max(in, out) / bandwidth``, so inbound and outbound bytes are
+two budgets, not one sum. A chunk of ``b`` bytes consumed on ``n_c`` nodes is received once
+by every consumer node whoever reads it (by its read or by one push), so each node's
+inbound bytes are fixed in advance: ``in0`` = bytes its workers consume (each byte once per
+node). Only two things move with the reader choice:
 
-Greedy longest-processing-time: chunks in decreasing cost order. A chunk may go to any
-consumer node that it would leave at most ``min_load + cost_max`` (``min_load`` over all
-nodes, ``cost_max = max b * (n_c + 1)`` over all chunks, known before the loop); among
-those, the consuming worker (GPU) with the least load so far reads it (ties: the less
-loaded node, then the lowest index), so each GPU's NIC balances, not only each node's
-(choosing the node alone aliases equal-sized TP shards: node ``n`` read only rank
-``n mod TP``'s shards). When no consumer node qualifies, the least-loaded node reads into
-staging and relays. **Balance bound** (proof): the chunk that last raised the maximum node
-left it at most ``min_load + cost_max`` either way (a non-consumer adds ``b * (n_c + 1)``
-to ``min_load``), so ``max <= mean + cost_max`` (loads only grow, the minimum never exceeds
-the final mean). Ranges are chunked so ``cost_max <= balance_slack * (estimated mean)``
-unless that would make chunks smaller than ``min_chunk_bytes``; chunks also never exceed
-``batch_bytes`` (except a single row wider than it).
+* a consumer reader's node sends ``o = b * (n_c - 1)`` (one push per *other* consumer node;
+  relays fan out on their own node, off the NIC);
+* a non-consumer reader's node sends ``b * n_c`` and receives ``b`` more (into staging).
+
+**Locality.** A read whose object sits in a segment on the reader's node (``home``) stays
+on that node: it is not inbound NIC traffic (``in`` drops by ``b``).
+
+Greedy longest-processing-time, chunks in decreasing ``b * n_c``. ``cost_max = max b * n_c``
+over chunks (known before the loop), ``low`` = the least outbound load of any node. A
+consumer node ``n`` *keeps the bound* if ``o == 0`` or ``out[n] + o <= max(in[n],
+low + cost_max)`` (``in[n]``: ``in0`` less local reads so far, plus staging so far): sending
+up to what the node receives anyway costs its NIC nothing. Among consumer nodes that keep
+it, the consuming worker (GPU) with the least outbound bytes reads (ties: a worker on the
+object's home node, then fewer bytes read, the less loaded node, the lowest index), so
+each GPU's NIC balances too (choosing the node alone aliases equal-sized TP shards: node
+``n`` read only rank ``n mod TP``'s shards). Only when no consumer node keeps the bound does
+the node with the least outbound load (the home node among equals) read into staging and
+relay; that node is never a consumer (the least-loaded consumer would keep the bound).
+
+**Balance bound** (proof). For every node, ``out <= max(in0 + staged, mean(out) +
+cost_max)``, where ``staged`` is what the node read into staging: the chunk that last
+raised a node's ``out`` left it at most ``max(in0 + staged, low + cost_max)`` (a consumer
+by the rule, since ``in`` never exceeds ``in0 + staged``; a non-consumer was the ``low``
+node and added ``b * n_c <= cost_max``), and ``low`` never exceeds the final minimum, hence
+the final mean. With ``in = in0 + staged - local reads``, every node's NIC time is at most
+``max(in0 + staged, mean(out) + cost_max) / bandwidth``; when nothing is staged the first
+term is the bytes the node must receive under any plan. Ranges are chunked so
+``cost_max <= balance_slack * (mean in0)`` unless that would make chunks smaller than
+``min_chunk_bytes``; chunks also never exceed ``batch_bytes`` (except a single row wider
+than it).
 """
 
 from __future__ import annotations
@@ -34,6 +51,7 @@ from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.topology import Topology
 
 I64 = np.int64
+READ_BITS = 64  # a worker's key packs (outbound bytes, bytes read) into one int
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,11 +65,16 @@ class Chunks:
     cols: np.ndarray
     reader: np.ndarray
     consumer_nodes: np.ndarray  # distinct consumer nodes of the chunk's range
-    max_cost: int  # max over chunks of bytes * (consumer nodes + 1): the balance-bound term
+    max_cost: int  # max over chunks of bytes * consumer nodes: the balance-bound term
 
 
-def assign_readers(ranges: Ranges, topology: Topology, params: PlanParams) -> Chunks:
-    """Chunk ranges and pick one reader per chunk (deterministic, see module docstring)."""
+def assign_readers(
+    ranges: Ranges, topology: Topology, params: PlanParams, homes: np.ndarray | None = None
+) -> Chunks:
+    """Chunk ranges and pick one reader per chunk (deterministic, see module docstring).
+
+    ``homes``: node index of each object's segment (-1: not on a rollout node, or unknown).
+    """
     node_of = np.array(topology.worker_node, I64)
     n_nodes = len(topology.nodes)
     n = len(ranges)
@@ -68,10 +91,12 @@ def assign_readers(ranges: Ranges, topology: Topology, params: PlanParams) -> Ch
     g_node = cons_node[order][g_start]
     n_c = np.bincount(g_range, minlength=n).astype(I64)
     range_groups = np.searchsorted(g_range, np.arange(n + 1))
+    in0 = np.bincount(g_node, nbytes[g_range], n_nodes)  # float64: exact below 2**53
+    range_home = np.full(n, -1, I64) if homes is None else np.asarray(homes, I64)[ranges.obj]
 
-    est_mean = max(1.0, float((nbytes * n_c).sum()) / n_nodes)
+    est_mean = max(1.0, float(in0.sum()) / n_nodes)
     cap = params.balance_slack * est_mean
-    k_bal = np.ceil(nbytes * (n_c + 1) / cap).astype(I64)
+    k_bal = np.ceil(nbytes * n_c / cap).astype(I64)
     k_small = np.maximum(1, nbytes // params.min_chunk_bytes)
     k = np.maximum(_ceil_div(nbytes, params.batch_bytes), np.minimum(k_bal, k_small))
     multi = rows > 1
@@ -95,22 +120,25 @@ def assign_readers(ranges: Ranges, topology: Topology, params: PlanParams) -> Ch
     cost = c_bytes * n_c[owner]
     lpt = np.lexsort((np.arange(len(owner)), -cost))
 
-    max_cost = int((c_bytes * (n_c[owner] + 1)).max()) if len(owner) else 0
+    max_cost = int(cost.max()) if len(owner) else 0
     workers_on: list[list[int]] = [[] for _ in range(n_nodes)]
     for w, node in enumerate(topology.worker_node):
         workers_on[node].append(w)
     reader = _greedy(
+        _Loop(
+            owner=owner.tolist(),
+            c_bytes=c_bytes.tolist(),
+            range_groups=range_groups.tolist(),
+            range_home=range_home.tolist(),
+            g_node=g_node.tolist(),
+            g_bounds=[*g_start.tolist(), len(order)],
+            g_workers=ranges.worker[order].tolist(),
+            workers_on=workers_on,
+            in0=[int(x) for x in in0.tolist()],
+            n_workers=len(topology.workers),
+            max_cost=max_cost,
+        ),
         lpt.tolist(),
-        owner.tolist(),
-        c_bytes.tolist(),
-        range_groups.tolist(),
-        g_node.tolist(),
-        [*g_start.tolist(), len(order)],
-        ranges.worker[order].tolist(),
-        workers_on,
-        n_nodes,
-        len(topology.workers),
-        max_cost,
     )
     return Chunks(
         range_=owner,
@@ -128,51 +156,65 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _greedy(
-    lpt,
-    owner,
-    c_bytes,
-    range_groups,
-    g_node,
-    g_bounds,
-    g_workers,
-    workers_on,
-    n_nodes,
-    n_w,
-    max_cost,
-):
-    """The LPT loop; plain lists because it runs once per chunk."""
-    load = [0] * n_nodes
-    wload = [0] * n_w
+@dataclass(frozen=True)
+class _Loop:
+    """What the greedy loop reads, as plain lists (it runs once per chunk)."""
+
+    owner: list[int]
+    c_bytes: list[int]
+    range_groups: list[int]  # consumer-node groups of range r: range_groups[r]..[r+1]
+    range_home: list[int]
+    g_node: list[int]
+    g_bounds: list[int]  # consuming workers of group g: g_workers[g_bounds[g]:g_bounds[g+1]]
+    g_workers: list[int]
+    workers_on: list[list[int]]
+    in0: list[int]
+    n_workers: int
+    max_cost: int
+
+
+def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
+    """The LPT loop (see the module docstring for the rule and its bound)."""
+    n_nodes = len(loop.in0)
+    inbound = list(loop.in0)
+    out = [0] * n_nodes
+    wkey = [0] * loop.n_workers  # (outbound bytes << READ_BITS) + bytes read
     heap = [(0, node) for node in range(n_nodes)]
-    reader = [0] * len(owner)
+    reader = [0] * len(loop.owner)
+    g_node, g_bounds, g_workers = loop.g_node, loop.g_bounds, loop.g_workers
+    max_cost = loop.max_cost
     for j in lpt:
-        r = owner[j]
-        b = c_bytes[j]
-        gs, ge = range_groups[r], range_groups[r + 1]
-        cost = b * (ge - gs)
-        while heap[0][0] != load[heap[0][1]]:
+        r = loop.owner[j]
+        b = loop.c_bytes[j]
+        home = loop.range_home[r]
+        gs, ge = loop.range_groups[r], loop.range_groups[r + 1]
+        o = b * (ge - gs - 1)
+        while heap[0][0] != out[heap[0][1]]:
             heapq.heappop(heap)
         low, low_node = heap[0]
-        # Consumer nodes this chunk leaves within cost_max of the least-loaded node keep the
-        # balance bound; among them the least-loaded consuming GPU reads.
-        best: tuple[int, int, int] | None = None  # (GPU load, node load, node)
+        best: tuple[int, bool, int, int] | None = None  # (GPU key, not home, node out, node)
         reader_of_best = -1
         for g in range(gs, ge):
             node = g_node[g]
-            if load[node] + cost > low + max_cost:
+            if o and out[node] + o > max(inbound[node], low + max_cost):
                 continue
-            w = min(g_workers[g_bounds[g] : g_bounds[g + 1]], key=wload.__getitem__)
-            key = (wload[w], load[node], node)
+            w = min(g_workers[g_bounds[g] : g_bounds[g + 1]], key=wkey.__getitem__)
+            key = (wkey[w], node != home, out[node], node)
             if best is None or key < best:
                 best, reader_of_best = key, w
-        if best is None:  # every consumer node is busier: a non-consumer node reads and relays
-            node, cost = low_node, cost + b
-            w = min(workers_on[node], key=wload.__getitem__)
-        else:
-            w, node = reader_of_best, best[2]
+        if best is not None:
+            w, node = reader_of_best, best[3]
+            if node == home:
+                inbound[node] -= b  # read inside the node: off the NIC
+        else:  # no consumer node keeps the bound: the least-loaded node reads and relays
+            node = home if 0 <= home < n_nodes and out[home] == low else low_node
+            o = b * (ge - gs)
+            if node != home:
+                inbound[node] += b
+            w = min(loop.workers_on[node], key=wkey.__getitem__)
         reader[j] = w
-        wload[w] += cost
-        load[node] += cost
-        heapq.heappush(heap, (load[node], node))
+        wkey[w] += (o << READ_BITS) + b
+        if o:
+            out[node] += o
+            heapq.heappush(heap, (out[node], node))
     return reader

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.layout import is_digest
+from mooncake_rl.generations.layout import SegmentMap, is_digest
 from mooncake_rl.plan.assign import assign_readers
 from mooncake_rl.plan.cache import PlanCache, PlanKey
 from mooncake_rl.plan.demand import CompatDemand, DirectDemand
@@ -26,14 +28,20 @@ def plan_key(
     demand: CompatDemand | DirectDemand,
     params: PlanParams,
     layout_digest: str | None = None,
+    *,
+    segments: SegmentMap | None = None,
 ) -> PlanKey:
     """The cache key. Demand and topology digests are cached on their objects; the source
     digest is ``layout_digest`` when the generation's record carries one, else it is
-    computed from the manifest (the only per-generation work of a hit)."""
+    computed from the manifest (the only per-generation work of a hit). Segment hints that
+    put objects on a rollout node change the plan, so their digest joins the source digest."""
     if layout_digest is None:
         layout_digest = source_digest(manifest)
     elif not is_digest(layout_digest):
         raise InvariantViolation(f"layout digest {layout_digest!r} is not a SHA-256 hex digest")
+    if segments is not None and not set(segments.segments).isdisjoint(topology.segment_node):
+        joined = f"mooncake-rl/located/v1\0{layout_digest}\0{segments.digest}".encode()
+        layout_digest = hashlib.sha256(joined).hexdigest()
     return PlanKey(layout_digest, demand.digest, topology.digest, params)
 
 
@@ -45,6 +53,7 @@ def plan_routing(
     params: PlanParams | None = None,
     cache: PlanCache | None = None,
     layout_digest: str | None = None,
+    segments: SegmentMap | None = None,
 ) -> RoutingTable:
     """The routing table for this layout, demand and topology; validated before it is cached.
 
@@ -52,10 +61,12 @@ def plan_routing(
     record at announce (``ActiveRecord.layout_digest``). A hit then touches nothing of the
     manifest; a miss recomputes the digest and refuses a record that does not match, so no
     table is ever cached under another layout's key. The table names objects, not keys:
-    bind it to a generation with :func:`mooncake_rl.plan.bind`.
+    bind it to a generation with :func:`mooncake_rl.plan.bind`. ``segments``: the
+    announce's segment map (``GenerationRegistry.load_segments``); objects in a segment that
+    a worker declares (``Worker.segment``) are preferably read on that node, off the NIC.
     """
     params = params or PlanParams()
-    key = plan_key(manifest, topology, demand, params, layout_digest)
+    key = plan_key(manifest, topology, demand, params, layout_digest, segments=segments)
     if cache is not None:
         cached = cache.get(key)
         if cached is not None:
@@ -64,7 +75,7 @@ def plan_routing(
         raise InvariantViolation(
             f"the recorded layout digest of {manifest.group_id} does not match its manifest"
         )
-    table = build_routing_table(manifest, topology, demand, params, key)
+    table = build_routing_table(manifest, topology, demand, params, key, segments=segments)
     validate_routing_table(table)
     if cache is not None:
         cache.put(key, table)
@@ -77,12 +88,16 @@ def build_routing_table(
     demand: CompatDemand | DirectDemand,
     params: PlanParams,
     key: PlanKey,
+    *,
+    segments: SegmentMap | None = None,
 ) -> RoutingTable:
     """Plan without validating or caching (the pure pipeline)."""
     layout = source_layout(manifest, key.source_digest)
     demands = demand_set(manifest, layout, topology, demand)
     ranges = merge_demands(demands)
-    chunks = assign_readers(ranges, topology, params)
+    chunks = assign_readers(
+        ranges, topology, params, object_homes(layout.objects, topology, segments)
+    )
     routes = route(ranges, chunks, topology, params)
     staging = np.flatnonzero(routes.staging_bytes)
     regions = np.zeros(len(demands.region_worker) + len(staging), REGION_DTYPE)
@@ -109,3 +124,13 @@ def build_routing_table(
         lower_bound_bytes=demands.lower_bound_bytes,
         max_chunk_cost=chunks.max_cost,
     )
+
+
+def object_homes(
+    objects: tuple[str, ...], topology: Topology, segments: SegmentMap | None
+) -> np.ndarray | None:
+    """Node index of each object's segment (-1: not on a rollout node), or None (no hints)."""
+    nodes = topology.segment_node
+    if segments is None or set(segments.segments).isdisjoint(nodes):
+        return None
+    return np.array([nodes.get(segments.segment(name) or "", -1) for name in objects], np.int64)

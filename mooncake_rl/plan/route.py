@@ -2,10 +2,19 @@
 
 For each chunk: one Store read by its reader, landing in the reader's own destination when
 the reader consumes the chunk, else in its ``staging`` region. Stage 1: the reader pushes
-to every other consumer on its node and to ONE *relay* on every other consumer node (the
-node's delegate if it consumes the chunk, else that node's lowest-index consumer), so a
+to every other consumer on its node and to ONE *relay* on every other consumer node, so a
 chunk crosses ``consumer nodes - 1`` NICs however many workers need it. Stage 2 (after the
 barrier): each relay copies from its own destination to the other consumers on its node.
+
+**Relays are spread over a node's GPUs**, not one delegate per node (which fanned the whole
+model out of one GPU in compat mode). A node's relayed chunks form *streams*: chunks whose
+consumers on the node are the same set of ``k`` workers (compat: every worker of the node).
+Within a stream, in chunk order, a chunk goes to the candidate ``i`` whose slice
+``[i T / k, (i + 1) T / k)`` of the stream's running byte total ``T`` holds the chunk's
+midpoint. **Relay bound** (proof): the chunks a candidate relays have midpoints in one slice
+of width ``T / k``, so they lie within ``b_max / 2`` of it on each side: each candidate
+relays between ``T / k - b_max`` and ``T / k + b_max`` bytes of the stream (``b_max``: its
+largest chunk), i.e. receives that much in stage 1 and sends ``k - 1`` times it in stage 2.
 """
 
 from __future__ import annotations
@@ -33,7 +42,6 @@ class Routes:
 
 def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams) -> Routes:
     node_of = np.array(topology.worker_node, I64)
-    delegate = np.array(topology.delegates, I64)
     r = chunks.range_
     pitch = ranges.pitch[r]
     src = (ranges.r0[r] + chunks.dr) * pitch + ranges.c0[r] + chunks.dc
@@ -96,13 +104,13 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     remote = ~is_reader & (node != node_of[reader[owner]])
     local = ~is_reader & ~remote
     rem = np.flatnonzero(remote)
-    prio = (worker[rem] != delegate[node[rem]]).astype(I64)
-    rem = rem[grid.lex_order(owner[rem], node[rem], prio, worker[rem])]
-    first = grid.group_starts(owner[rem], node[rem])
-    relay_of = rem[np.flatnonzero(first)[np.cumsum(first) - 1]]
-    stage1 = np.concatenate([np.flatnonzero(local), rem[first]])
-    stage2 = rem[~first]
-    relay2 = relay_of[~first]
+    rem = rem[grid.lex_order(owner[rem], node[rem], worker[rem])]
+    is_relay = _relays(owner[rem], node[rem], worker[rem], (length * count)[owner[rem]], topology)
+    group = np.cumsum(grid.group_starts(owner[rem], node[rem])) - 1
+    relay_of = rem[np.flatnonzero(is_relay)][group]
+    stage1 = np.concatenate([np.flatnonzero(local), rem[is_relay]])
+    stage2 = rem[~is_relay]
+    relay2 = relay_of[~is_relay]
     sender = np.concatenate([reader[owner[stage1]], worker[relay2]])
     pair = np.concatenate([stage1, stage2])
     o = owner[pair]
@@ -132,6 +140,42 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     ):
         pushes[name] = value[push_order]
     return Routes(reads=reads, pushes=pushes, staging_bytes=staging_bytes)
+
+
+def _relays(
+    chunk: np.ndarray, node: np.ndarray, worker: np.ndarray, nbytes: np.ndarray, topology: Topology
+) -> np.ndarray:
+    """Mark one relay per (chunk, node) group of remote consumers (rows sorted by chunk,
+    node, worker), striping each stream's bytes over its candidates (module docstring)."""
+    is_relay = np.zeros(len(chunk), bool)
+    if not len(chunk):
+        return is_relay
+    starts = np.flatnonzero(grid.group_starts(chunk, node))
+    k = np.diff(np.append(starts, len(chunk)))
+    # A stream is (node, k, the candidates' positions on their node): a bit set, exact up to
+    # 64 workers per node (beyond, positions share bits: streams merge, relays stay valid).
+    bit = np.zeros(len(topology.workers), np.uint64)
+    for members in _workers_by_node(topology):
+        bit[members] = np.uint64(1) << (np.arange(len(members), dtype=np.uint64) % np.uint64(64))
+    mask = np.bitwise_or.reduceat(bit[worker], starts)
+    order = grid.lex_order(node[starts], k, mask.view(I64))  # stable: chunk order inside
+    kk, size = k[order], nbytes[starts][order]
+    s_starts = np.flatnonzero(grid.group_starts(node[starts][order], kk, mask[order]))
+    s_id = np.cumsum(grid.group_starts(node[starts][order], kk, mask[order])) - 1
+    end = np.cumsum(size)
+    before = end - size - (end - size)[s_starts][s_id]
+    total = np.add.reduceat(size, s_starts)[s_id]
+    pick = np.empty(len(starts), I64)
+    pick[order] = np.minimum((2 * before + size) * kk // np.maximum(2 * total, 1), kk - 1)
+    is_relay[starts + pick] = True
+    return is_relay
+
+
+def _workers_by_node(topology: Topology) -> list[np.ndarray]:
+    """Worker indices of each node, in worker order."""
+    node_of = np.array(topology.worker_node, I64)
+    order = np.argsort(node_of, kind="stable")
+    return np.split(order, np.flatnonzero(np.diff(node_of[order])) + 1)
 
 
 def _allocate_staging(staged, reader, nbytes, land_off, align, topology) -> np.ndarray:

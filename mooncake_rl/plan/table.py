@@ -100,6 +100,8 @@ class Totals:
     intra_node_push_bytes: int
     node_nic_bytes: np.ndarray  # per node: reads + cross-node pushes sent
     worker_nic_bytes: np.ndarray  # per worker (GPU): the same, for a NIC per GPU
+    node_nic_in: np.ndarray  # per node: reads + cross-node pushes received (full duplex)
+    node_nic_out: np.ndarray  # per node: cross-node pushes sent
     delivered_bytes: np.ndarray  # per worker: bytes landed outside staging
     demanded_bytes: np.ndarray  # per worker
     unique_demand_bytes: int  # size of the union of demanded source bytes
@@ -213,16 +215,44 @@ class RoutingTable:
         demanded = np.bincount(
             demands["worker"], demands["length"] * demands["count"], len(self.workers)
         )
+        nic_in, nic_out = duplex_nic_bytes(self)
         return Totals(
             store_read_bytes=int(read_bytes.sum()),
             cross_node_push_bytes=int(push_bytes[cross].sum()),
             intra_node_push_bytes=int(push_bytes[~cross].sum()),
             node_nic_bytes=nic.astype(np.int64),
             worker_nic_bytes=per_worker.astype(np.int64),
+            node_nic_in=nic_in,
+            node_nic_out=nic_out,
             delivered_bytes=landed.astype(np.int64),
             demanded_bytes=demanded.astype(np.int64),
             unique_demand_bytes=demanded_union_bytes(demands),
         )
+
+
+def duplex_nic_bytes(
+    table: RoutingTable, object_node: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per node (inbound, outbound) NIC bytes: a full-duplex NIC's time is their max.
+
+    Inbound: Store reads and cross-node pushes received; outbound: cross-node pushes sent.
+    ``object_node``: node index of each object's segment (-1: off the rollout nodes); a
+    read by a worker on that node stays on the node and is not counted.
+    """
+    reads, pushes, node = table.reads, table.pushes, table.worker_node
+    n = len(table.nodes)
+    read_node = node[reads["worker"]]
+    over_nic = np.ones(len(reads), bool)
+    if object_node is not None:
+        over_nic = np.asarray(object_node, np.int64)[reads["object"]] != read_node
+    push_bytes = pushes["length"] * pushes["count"]
+    src, dst = node[pushes["worker"]], node[pushes["peer"]]
+    cross = src != dst
+    inbound = np.bincount(
+        read_node[over_nic], (reads["length"] * reads["count"])[over_nic], n
+    ) + np.bincount(dst[cross], push_bytes[cross], n)
+    outbound = np.bincount(src[cross], push_bytes[cross], n)
+    return inbound.astype(np.int64), outbound.astype(np.int64)
 
 
 def demanded_union_bytes(demands: np.ndarray) -> int:

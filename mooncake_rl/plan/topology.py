@@ -1,15 +1,15 @@
-"""Rollout cluster topology: workers, their nodes, engine instances, and node delegates.
+"""Rollout cluster topology: workers, their nodes and engine instances.
 
 NIC accounting is per node label, so the topology is what turns "bytes pushed" into "bytes
-that crossed a NIC". Each node has one delegate: the worker that receives one copy of a
-tensor for the whole node in compat mode (and the preferred relay in direct mode).
+that crossed a NIC". Which worker of a node relays a chunk is the router's choice
+(``route.py`` spreads relays over the node's GPUs), not part of the topology.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
@@ -23,13 +23,16 @@ class Worker:
 
     ``engine_instance`` groups the workers of one engine (its TP ranks); workers without one
     are single-worker instances. ``tp_rank`` is informative; in direct mode it must agree
-    with the rank of the worker's placement part.
+    with the rank of the worker's placement part. ``segment``: the Mooncake Store segment on
+    the worker's node, if any (its client's local segment); objects announced in it are read
+    on this node without crossing a NIC (locality hints).
     """
 
     worker_id: str
     node: str
     engine_instance: str | None = None
     tp_rank: int | None = None
+    segment: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -42,18 +45,15 @@ class Worker:
             raise InvariantViolation(f"worker {self.worker_id}: bad engine_instance")
         if self.tp_rank is not None and (type(self.tp_rank) is not int or self.tp_rank < 0):
             raise InvariantViolation(f"worker {self.worker_id}: bad tp_rank {self.tp_rank!r}")
+        if self.segment is not None and (not isinstance(self.segment, str) or not self.segment):
+            raise InvariantViolation(f"worker {self.worker_id}: bad segment {self.segment!r}")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Workers sorted by id, plus delegate overrides (node -> worker id).
-
-    Without an override a node's delegate is its lowest worker id (string order), so the
-    choice is deterministic and survives restarts of other nodes.
-    """
+    """Workers, sorted by id."""
 
     workers: tuple[Worker, ...]
-    delegate_overrides: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         workers = tuple(sorted(self.workers, key=lambda w: w.worker_id))
@@ -65,21 +65,17 @@ class Topology:
         duplicate = next((a for a, b in pairwise(ids) if a == b), None)
         if duplicate is not None:
             raise InvariantViolation(f"duplicate worker id {duplicate}")
-        overrides = dict(self.delegate_overrides)
-        if len(overrides) != len(self.delegate_overrides):
-            raise InvariantViolation("delegate overrides name a node twice")
-        node_of = {w.worker_id: w.node for w in workers}
-        for node, worker_id in overrides.items():
-            if node_of.get(worker_id) != node:
+        homes: dict[str, str] = {}
+        for w in workers:
+            if w.segment is not None and homes.setdefault(w.segment, w.node) != w.node:
                 raise InvariantViolation(
-                    f"delegate override {worker_id} for node {node} is not a worker on that node"
+                    f"segment {w.segment} is on node {homes[w.segment]} and on node {w.node}"
                 )
         object.__setattr__(self, "workers", workers)
-        object.__setattr__(self, "delegate_overrides", tuple(sorted(overrides.items())))
 
     @classmethod
-    def of(cls, workers: Iterable[Worker], delegates: Mapping[str, str] | None = None) -> Topology:
-        return cls(tuple(workers), tuple((delegates or {}).items()))
+    def of(cls, workers: Iterable[Worker]) -> Topology:
+        return cls(tuple(workers))
 
     @cached_property
     def worker_ids(self) -> tuple[str, ...]:
@@ -103,21 +99,9 @@ class Topology:
         return tuple(self.node_index[w.node] for w in self.workers)
 
     @cached_property
-    def delegates(self) -> tuple[int, ...]:
-        """Worker index of every node's delegate, in node order."""
-        overrides = dict(self.delegate_overrides)
-        chosen: dict[str, int] = {}
-        for i, w in enumerate(self.workers):
-            chosen.setdefault(w.node, i)
-        for node, worker_id in overrides.items():
-            chosen[node] = self.worker_index[worker_id]
-        return tuple(chosen[n] for n in self.nodes)
-
-    def delegate(self, node: str) -> str:
-        """Worker id of the delegate of ``node``."""
-        if node not in self.node_index:
-            raise InvariantViolation(f"unknown node {node}")
-        return self.worker_ids[self.delegates[self.node_index[node]]]
+    def segment_node(self) -> dict[str, int]:
+        """Node index of every segment a worker declared."""
+        return {w.segment: self.node_index[w.node] for w in self.workers if w.segment}
 
     @cached_property
     def instances(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -130,11 +114,12 @@ class Topology:
 
     @cached_property
     def digest(self) -> str:
-        """SHA-256 over workers, nodes, instances, ranks and delegates (routing-relevant)."""
+        """SHA-256 over workers, nodes, instances, ranks and segments (routing-relevant)."""
         content = {
-            "schema": "mooncake-rl/topology/v1",
-            "workers": [[w.worker_id, w.node, w.engine_instance, w.tp_rank] for w in self.workers],
-            "delegates": [self.worker_ids[i] for i in self.delegates],
+            "schema": "mooncake-rl/topology/v2",
+            "workers": [
+                [w.worker_id, w.node, w.engine_instance, w.tp_rank, w.segment] for w in self.workers
+            ],
         }
         encoded = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(encoded).hexdigest()

@@ -117,19 +117,3 @@ def test_misses_when_topology_target_or_params_change(counted):
     assert len(counted) == 4 and cache.misses == 4 and len(cache) == 2  # LRU bound
     plan_routing(m, topology, CompatDemand(), params=PlanParams(batch_bytes=1 << 20), cache=cache)
     assert len(counted) == 4 and cache.hits == 1
-
-
-def test_delegates_topology_digest_and_validation():
-    topology = Topology.of([Worker("b", "n0"), Worker("a", "n0"), Worker("c", "n1")])
-    assert topology.worker_ids == ("a", "b", "c") and topology.delegate("n0") == "a"
-    moved = Topology.of(topology.workers, {"n0": "b"})
-    assert moved.delegate("n0") == "b" and moved.digest != topology.digest
-    assert Topology.of(reversed(topology.workers)).digest == topology.digest
-    with pytest.raises(InvariantViolation, match="not a worker on that node"):
-        Topology.of(topology.workers, {"n0": "c"})
-    with pytest.raises(InvariantViolation, match="duplicate worker id"):
-        Topology.of([Worker("a", "n0"), Worker("a", "n1")])
-    with pytest.raises(InvariantViolation, match="needs a node label"):
-        Worker("x", "")
-    with pytest.raises(InvariantViolation, match="unknown node"):
-        topology.delegate("n9")

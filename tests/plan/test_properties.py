@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mooncake_rl.generations.layout import SegmentMap
 from mooncake_rl.plan import (
     CompatDemand,
     Destinations,
@@ -17,6 +18,8 @@ from mooncake_rl.plan import (
     Worker,
     plan_routing,
 )
+from mooncake_rl.plan.planner import object_homes
+from mooncake_rl.plan.table import demanded_union_bytes, duplex_nic_bytes
 
 from .helpers import (
     ITEMSIZE,
@@ -71,6 +74,8 @@ def scenarios(draw, mode: str, mixed: bool = False):
         tps.append(tp)
         left -= tp
     workers, part_of, g = [], {}, 0
+    # Locality: some nodes hold a Store segment (colocated trainers), named after the node.
+    located = {f"n{i}" for i in range(n_nodes) if draw(st.booleans())}
     pieces = mode == "direct" and draw(st.booleans())  # several fragments per tensor and rank
     for i, tp in enumerate(tps):
         dims = {}
@@ -81,15 +86,11 @@ def scenarios(draw, mode: str, mixed: bool = False):
         instance = parts(specs, tp, pieces, dims)
         for r in range(tp):
             worker_id = f"w{g:02d}"
-            workers.append(Worker(worker_id, f"n{g // per_node}", f"i{i}", r))
+            node = f"n{g // per_node}"
+            segment = f"seg-{node}" if node in located else None
+            workers.append(Worker(worker_id, node, f"i{i}", r, segment))
             part_of[worker_id] = instance[r]
             g += 1
-    delegates = {}
-    if draw(st.booleans()):
-        for node in {w.node for w in workers}:
-            delegates[node] = draw(
-                st.sampled_from([w.worker_id for w in workers if w.node == node])
-            )
     destinations = {}
     if mode == "direct" and draw(st.booleans()):
         for worker_id, part in part_of.items():  # pack all fragments into one region
@@ -112,7 +113,13 @@ def scenarios(draw, mode: str, mixed: bool = False):
     else:
         demand = DirectDemand.of(part_of, destinations)
     packed = draw(st.booleans())
-    return specs, Topology.of(workers, delegates), demand, part_of, destinations, params, packed
+    segments = None
+    if located or draw(st.booleans()):
+        names = {f.object_key.rsplit("/", 1)[1] for f in manifest(specs, packed=packed).fragments}
+        homes = [*sorted(f"seg-{n}" for n in located), "seg-trainer"]
+        segments = SegmentMap.of({name: draw(st.sampled_from(homes)) for name in names})
+    topology = Topology.of(workers)
+    return specs, topology, demand, part_of, destinations, params, packed, segments
 
 
 def expected_delivery(table, specs, data, demand, part_of, destinations):
@@ -136,12 +143,14 @@ def expected_delivery(table, specs, data, demand, part_of, destinations):
 
 
 def nodes_per_read(table):
-    """For each read: the reader's node and the nodes of every worker its bytes reach."""
+    """For each read: the nodes of every worker its bytes reach (the reader's node only when
+    it consumes them), its cross-node sends, and per other node (relay, workers reached)."""
     origin = {}
     for i, r in enumerate(table.reads):
         origin[(int(r["worker"]), int(r["dst_region"]), int(r["dst_offset"]))] = i
     cross = defaultdict(int)
     reached = defaultdict(set)
+    relays = defaultdict(dict)  # read -> {node: (relay, set of workers reached)}
     for i, r in enumerate(table.reads):
         if table.regions[int(r["dst_region"])] != "staging":
             reached[i].add(int(table.worker_node[r["worker"]]))
@@ -149,15 +158,37 @@ def nodes_per_read(table):
         for p in table.pushes[table.pushes["stage"] == stage]:
             i = origin[(int(p["worker"]), int(p["src_region"]), int(p["src_offset"]))]
             origin[(int(p["peer"]), int(p["dst_region"]), int(p["dst_offset"]))] = i
-            reached[i].add(int(table.worker_node[p["peer"]]))
-            cross[i] += int(table.worker_node[p["worker"]] != table.worker_node[p["peer"]])
-    return reached, cross
+            node, peer = int(table.worker_node[p["peer"]]), int(p["peer"])
+            reached[i].add(node)
+            if table.worker_node[p["worker"]] != node:
+                cross[i] += 1
+                relays[i][node] = (peer, {peer})
+            elif node in relays[i]:
+                relays[i][node][1].add(peer)
+    return reached, cross, relays
+
+
+def check_relay_bound(table, relays) -> None:
+    """Each stream (a node's chunks with one set of k consumers there) is striped: every
+    candidate relays within T / k +- b_max of the stream's T bytes."""
+    streams = defaultdict(list)
+    for i, per_node in relays.items():
+        size = int(table.reads[i]["length"]) * int(table.reads[i]["count"])
+        for node, (relay, members) in per_node.items():
+            streams[(node, frozenset(members))].append((relay, size))
+    for (_, members), chunks in streams.items():
+        total, b_max = sum(b for _, b in chunks), max(b for _, b in chunks)
+        relayed = dict.fromkeys(members, 0)
+        for relay, size in chunks:
+            relayed[relay] += size
+        for got in relayed.values():
+            assert abs(got * len(members) - total) <= b_max * len(members), (relayed, total)
 
 
 def check(scenario) -> None:
-    specs, topology, demand, part_of, destinations, params, packed = scenario
+    specs, topology, demand, part_of, destinations, params, packed, segments = scenario
     m = manifest(specs, packed=packed)
-    table = plan_routing(m, topology, demand, params=params)
+    table = plan_routing(m, topology, demand, params=params, segments=segments)
     totals = table.totals
     model_bytes = sum(s.nbytes for s in specs)
 
@@ -177,24 +208,47 @@ def check(scenario) -> None:
     assert list(nic) == list(totals.node_nic_bytes)
 
     # Hierarchical push: each remote consumer node receives each read's bytes exactly once.
-    reached, cross = nodes_per_read(table)
+    reached, cross, relays = nodes_per_read(table)
     for i, r in enumerate(table.reads):
         own = int(table.worker_node[r["worker"]])
         assert cross[i] == len(reached[i] - {own})
+    check_relay_bound(table, relays)
 
-    # Balance bound: max <= mean + max over chunks of bytes * (consumer nodes + 1).
-    term = max(
-        (
-            int(r["length"]) * int(r["count"]) * (len(reached[i]) + 1)
-            for i, r in enumerate(table.reads)
-        ),
-        default=0,
-    )
+    # Full duplex, reads from a segment on the reader's node off the NIC (as measured).
+    homes = object_homes(table.objects, topology, segments)
+    nic_in, nic_out = duplex_nic_bytes(table, homes)
+    n_nodes = len(table.nodes)
+    read_node = table.worker_node[table.reads["worker"]]
+    size = table.reads["length"] * table.reads["count"]
+    local = np.zeros(n_nodes, np.int64)
+    if homes is not None:
+        stays = homes[table.reads["object"]] == read_node
+        local = np.bincount(read_node[stays], size[stays], n_nodes).astype(np.int64)
+    staged_reads = table.reads["dst_region"] == 0
+    staged = np.bincount(read_node[staged_reads], size[staged_reads], n_nodes).astype(np.int64)
+    d_node = table.worker_node[table.demands["worker"]]
+    in0 = np.array([demanded_union_bytes(table.demands[d_node == n]) for n in range(n_nodes)])
+    assert list(nic_in) == list(in0 + staged - local)
+    assert list(nic_in + local) == list(totals.node_nic_in)
+    assert list(nic_out) == list(totals.node_nic_out)
+
+    # Balance bound: out <= max(in0 + staged, mean(out) + max over chunks of b * n_c).
+    term = max((int(size[i]) * len(reached[i]) for i in range(len(size))), default=0)
     assert term <= table.max_chunk_cost
-    assert nic.max() <= nic.mean() + term + 1e-6
+    assert (nic_out <= np.maximum(in0 + staged, nic_out.mean() + table.max_chunk_cost)).all()
+
+    # A consumer reads whenever one keeps the bound: a chunk is staged only if every consumer
+    # node already sent more than it receives, less the chunk's own sends.
+    for i in np.flatnonzero(staged_reads):
+        o = int(size[i]) * (len(reached[i]) - 1)
+        assert o > 0
+        for n in reached[i]:
+            assert nic_out[n] > in0[n] - local[n] - o
 
     # Determinism: the same inputs give an equal table.
-    again = plan_routing(manifest(specs, packed=packed), topology, demand, params=params)
+    again = plan_routing(
+        manifest(specs, packed=packed), topology, demand, params=params, segments=segments
+    )
     for name in ("reads", "pushes", "demands", "region_sizes"):
         assert np.array_equal(getattr(table, name), getattr(again, name))
     assert (table.objects, table.regions, table.workers) == (
@@ -222,7 +276,9 @@ def test_direct_mode_properties_engines_splitting_along_different_dims(scenario)
 @given(scenarios("compat"))
 def test_compat_mode_properties(scenario):
     check(scenario)
-    specs, topology, demand, _, _, params, packed = scenario
-    table = plan_routing(manifest(specs, packed=packed), topology, demand, params=params)
+    specs, topology, demand, _, _, params, packed, segments = scenario
+    table = plan_routing(
+        manifest(specs, packed=packed), topology, demand, params=params, segments=segments
+    )
     reads = table.totals.store_read_bytes
     assert table.totals.cross_node_push_bytes == reads * (len(topology.nodes) - 1)

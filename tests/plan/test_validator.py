@@ -11,7 +11,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan import DirectDemand, PlanParams, Topology, Worker, plan_routing
 from mooncake_rl.plan.validate import validate_routing_table
 
-from .helpers import Spec, check_delivery, contents, execute, fragment_bytes, manifest, parts
+from .helpers import Spec, check_delivery, contents, execute, manifest, parts
 
 SPECS = [
     Spec("q", (8, 8), kind="split", dim=0),
@@ -113,24 +113,34 @@ def test_undeclared_region_and_staging_targets(table):
 
 
 def test_reader_outside_the_demand_stages_through_staging():
-    """A node with spare NIC reads for a busy one: its read lands in staging, then moves on."""
-    specs = [Spec("big", (64,), "float32", kind="owned")]  # held by one rank of a TP2 engine
+    """Four TP2 engines, rank 0 on n0-n3 and rank 1 on n4; the five equal tensors ``t*`` are
+    owned by rank 0, so each is consumed on n0-n3 only. A consumer reader sends 3 copies:
+    after four reads every consumer sends 3 x 256 of the 5 x 256 bytes it receives. A fifth
+    on a consumer would send 6 x 256 > 5 x 256 (its NIC's busier side); n4 reads it into
+    staging instead (out 4 x 256), then relays it."""
+    specs = [Spec(f"t{i}", (64,), "float32", kind="owned") for i in (0, 2, 4, 6, 8)]
+    specs.append(Spec("y", (64,), "float32", kind="owned"))  # owned by rank 1
     ps = parts(specs, 2)
-    owner = next(r for r in range(2) if ps[r].fragments)
-    workers = [Worker("a", "n0", "i0", owner), Worker("b", "n1", "i0", 1 - owner)]
-    demand = DirectDemand.of({"a": ps[owner], "b": ps[1 - owner]})
-    params = PlanParams(batch_bytes=64, min_chunk_bytes=32, balance_slack=0.01)
+    assert [f.tensor_id for f in ps[1].fragments] == ["y"]
+    workers = [Worker(f"a{i}", f"n{i}", f"i{i}", 0) for i in range(4)]
+    workers += [Worker(f"b{i}", "n4", f"i{i}", 1) for i in range(4)]
+    demand = DirectDemand.of({w.worker_id: ps[w.tp_rank] for w in workers})
+    params = PlanParams(batch_bytes=256, min_chunk_bytes=256, balance_slack=1.0)
     table = plan_routing(manifest(specs), Topology.of(workers), demand, params=params)
     staged = table.reads[table.reads["dst_region"] == 0]
-    assert len(staged) and set(staged["worker"].tolist()) == {1}
-    assert table.totals.store_read_bytes == 256
+    assert len(staged) == 1 and table.worker_node[staged["worker"][0]] == 4
+    assert table.totals.store_read_bytes == 6 * 256
     data = contents(specs)
     buffers, written, _ = execute(table, data)
-    fragment = ps[owner].fragments[0]
-    chunk = fragment_bytes(specs[0], data["big"], fragment.global_offset, fragment.local_shape)
-    check_delivery(table, buffers, written, {(0, fragment.placement_fragment_id): [(0, chunk)]})
-    nic = table.totals.node_nic_bytes
-    assert nic.max() <= nic.mean() + table.max_chunk_cost
+    region = {f.tensor_id: f.placement_fragment_id for p in ps for f in p.fragments}
+    expected = {
+        (w, region[s.name]): [(0, data[s.name])]
+        for w in range(8)
+        for s in (specs[:5] if w < 4 else specs[5:])
+    }
+    check_delivery(table, buffers, written, expected)
+    assert table.totals.node_nic_in.tolist() == [5 * 256] * 4 + [2 * 256]
+    assert table.totals.node_nic_out.tolist() == [3 * 256] * 4 + [4 * 256]
 
 
 def test_sub_row_strided_write_with_wrong_source_bytes():

@@ -1,0 +1,140 @@
+"""Full-duplex reader choice, relays spread over a node's GPUs, and locality hints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.layout import SegmentMap
+from mooncake_rl.plan import CompatDemand, PlanParams, Topology, Worker, plan_key, plan_routing
+from mooncake_rl.plan.planner import object_homes
+from mooncake_rl.plan.shapes import MODELS, cluster, weight_manifest
+from mooncake_rl.plan.table import demanded_union_bytes, duplex_nic_bytes
+
+from .helpers import Spec, check_delivery, contents, execute, manifest
+
+
+def test_topology_order_digest_and_segments():
+    topology = Topology.of([Worker("b", "n0"), Worker("a", "n0"), Worker("c", "n1")])
+    assert topology.worker_ids == ("a", "b", "c")
+    assert Topology.of(reversed(topology.workers)).digest == topology.digest
+    located = Topology.of([Worker("a", "n0", segment="s0"), Worker("b", "n0", segment="s0")])
+    assert located.segment_node == {"s0": 0}
+    assert located.digest != Topology.of([Worker("a", "n0"), Worker("b", "n0")]).digest
+    with pytest.raises(InvariantViolation, match="is on node n0 and on node n1"):
+        Topology.of([Worker("a", "n0", segment="s"), Worker("b", "n1", segment="s")])
+    with pytest.raises(InvariantViolation, match="duplicate worker id"):
+        Topology.of([Worker("a", "n0"), Worker("a", "n1")])
+    with pytest.raises(InvariantViolation, match="needs a node label"):
+        Worker("x", "")
+    with pytest.raises(InvariantViolation, match="bad segment"):
+        Worker("x", "n0", segment="")
+
+
+def test_instances_spanning_two_nodes_are_read_by_their_consumers():
+    """Four TP4 engines, each spanning two 2-GPU nodes: every chunk is consumed on four of
+    eight nodes. Counting reads and pushes as one cost, readers that consume nothing took a
+    large share of the reads (inbound bytes above each node's own demand: 44 % of Kimi-K2's
+    8 x TP16 reads); full duplex, every node receives exactly what it consumes and sends
+    less than that."""
+    model = MODELS["small"]()
+    topology, demand = cluster(model, 4, 4, workers_per_node=2)
+    table = plan_routing(weight_manifest(model, 1), topology, demand)
+    assert not (table.reads["dst_region"] == 0).any()  # no staging
+    d_node = table.worker_node[table.demands["worker"]]
+    own = [demanded_union_bytes(table.demands[d_node == n]) for n in range(len(table.nodes))]
+    nic_in, nic_out = table.totals.node_nic_in, table.totals.node_nic_out
+    assert list(nic_in) == own
+    assert (nic_out <= nic_in).all()
+    assert table.totals.store_read_bytes == table.totals.unique_demand_bytes
+
+
+def test_compat_relays_spread_over_every_gpu_of_a_node():
+    """Compat, 2 nodes x 4 GPUs, 16 equal tensors: the remote node's relays are its four
+    GPUs in turn (each relays 4 tensors and fans each out 3 times after the barrier), where
+    one delegate used to relay all 16 and send all 48 copies."""
+    specs = [Spec(f"t{i:02d}", (64,), "float32") for i in range(16)]
+    workers = [Worker(f"w{n}{g}", f"n{n}", f"i{n}{g}") for n in range(2) for g in range(4)]
+    params = PlanParams(min_chunk_bytes=256, balance_slack=1.0)
+    table = plan_routing(manifest(specs), Topology.of(workers), CompatDemand(), params=params)
+    pushes = table.pushes
+    relayed = np.bincount(
+        pushes["peer"][(pushes["stage"] == 1) & (pushes["worker"] // 4 != pushes["peer"] // 4)],
+        minlength=8,
+    )
+    fanned = np.bincount(pushes["worker"][pushes["stage"] == 2], minlength=8)
+    per_node = relayed.reshape(2, 4)
+    for node in range(2):  # each node relays what the other read, spread over its 4 GPUs
+        assert per_node[node].max() - per_node[node].min() <= 1
+        assert (fanned.reshape(2, 4)[node] == 3 * per_node[node]).all()
+    assert relayed.sum() == 16 and fanned.sum() == 48
+    data = contents(specs)
+    buffers, written, _ = execute(table, data)
+    check_delivery(
+        table,
+        buffers,
+        written,
+        {
+            (w, "compat"): [(table.compat.offset(s.name), data[s.name]) for s in specs]
+            for w in range(8)
+        },
+    )
+
+
+def located_cluster(segment: str | None):
+    workers = [Worker("a", "n0", "i0"), Worker("b", "n1", "i1", segment=segment)]
+    return Topology.of(workers)
+
+
+def test_locality_prefers_the_segment_node_among_equals_and_reads_off_the_nic():
+    specs = [Spec("t", (64,), "float32")]
+    m = manifest(specs)
+    plain = plan_routing(m, located_cluster(None), CompatDemand())
+    assert plain.reads["worker"].tolist() == [0]  # no hint: the lowest index
+    topology = located_cluster("holder-n1")
+    segments = SegmentMap.of({"t": "holder-n1"})
+    table = plan_routing(m, topology, CompatDemand(), segments=segments)
+    assert table.reads["worker"].tolist() == [1]  # equally loaded: the segment's node reads
+    homes = object_homes(table.objects, topology, segments)
+    nic_in, nic_out = duplex_nic_bytes(table, homes)
+    assert list(nic_in) == [256, 0] and list(nic_out) == [0, 256]  # the read stayed on n1
+    assert list(table.totals.node_nic_in) == [256, 256]  # without hints: every read counts
+    # Hints that name no rollout node change nothing, not even the cache key.
+    elsewhere = SegmentMap.of({"t": "holder-trainer"})
+    key = plan_key(m, topology, CompatDemand(), PlanParams())
+    assert plan_key(m, topology, CompatDemand(), PlanParams(), segments=elsewhere) == key
+    assert plan_key(m, topology, CompatDemand(), PlanParams(), segments=segments) != key
+    assert object_homes(table.objects, topology, elsewhere) is None
+
+
+def test_reads_on_the_segment_node_are_off_the_nic():
+    """Every tensor sits on n1: n0 receives each once (read or pushed); n1's reads stay on
+    n1, so its inbound bytes are only what n0 read and pushed over."""
+    specs = [Spec(f"t{i}", (64,), "float32") for i in range(6)]
+    topology = located_cluster("holder-n1")
+    segments = SegmentMap.of({s.name: "holder-n1" for s in specs})
+    params = PlanParams(min_chunk_bytes=256, balance_slack=1.0)
+    table = plan_routing(
+        manifest(specs), topology, CompatDemand(), params=params, segments=segments
+    )
+    nic_in, nic_out = duplex_nic_bytes(table, object_homes(table.objects, topology, segments))
+    read_by_n1 = int((table.reads["worker"] == 1).sum()) * 256
+    assert 0 < read_by_n1 < 6 * 256
+    assert list(nic_in) == [6 * 256, 6 * 256 - read_by_n1]
+    assert list(nic_out) == [6 * 256 - read_by_n1, read_by_n1]
+
+
+def test_segment_map_round_trip_and_validation():
+    segments = SegmentMap.of({"b": "s1", "a": "s0", "c": "s1"})
+    assert segments.objects == ("a", "b", "c") and segments.segments == ("s0", "s1")
+    assert segments.segment("c") == "s1" and segments.segment("z") is None
+    assert SegmentMap.decode(segments.encode()) == segments
+    assert SegmentMap.decode(segments.encode()).digest == segments.digest
+    assert SegmentMap.of({"a": "s0"}).digest != segments.digest
+    with pytest.raises(InvariantViolation, match="sorted and distinct"):
+        SegmentMap(("b", "a"), (0, 0), ("s",))
+    with pytest.raises(InvariantViolation, match="indices"):
+        SegmentMap(("a",), (1,), ("s",))
+    with pytest.raises(InvariantViolation, match="not a segment map"):
+        SegmentMap.decode(b"{}")
