@@ -11,12 +11,17 @@ of a plan-cache hit, and the consumer would otherwise redo it on every update.
 from __future__ import annotations
 
 import hashlib
+import json
 import marshal
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from operator import attrgetter, itemgetter
 
 from mooncake.reshard.weight import WeightManifest
 
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.keys import payload_prefix
 
 # Plain-data fields (str, int, None, int tuples) serialized with marshal format 2: a pure
@@ -60,3 +65,60 @@ def layout_digest(manifest: WeightManifest) -> str:
 def is_digest(value: object) -> bool:
     """Whether ``value`` looks like a SHA-256 hex digest (lowercase, 64 characters)."""
     return isinstance(value, str) and DIGEST_PATTERN.fullmatch(value) is not None
+
+
+@dataclass(frozen=True)
+class SegmentMap:
+    """Which Mooncake Store segment holds each payload object: the announce's locality hints.
+
+    Recorded at announce from the master's replica descriptors (a replica's transport
+    endpoint is its segment's name), by object *name* (the key less the group prefix), so a
+    plan can use it for every generation placed alike. A hint, never needed for correctness:
+    the planner prefers readers on the segment's node and counts their reads off the NIC.
+    """
+
+    objects: tuple[str, ...]  # object names, sorted
+    segment_of: tuple[int, ...]  # per object: index into ``segments``
+    segments: tuple[str, ...]  # distinct segment names, sorted
+
+    def __post_init__(self) -> None:
+        if list(self.objects) != sorted(set(self.objects)):
+            raise InvariantViolation("segment map objects must be sorted and distinct")
+        if list(self.segments) != sorted(set(self.segments)) or not all(self.segments):
+            raise InvariantViolation("segment map segments must be sorted, distinct, non-empty")
+        if len(self.segment_of) != len(self.objects) or any(
+            type(i) is not int or not 0 <= i < len(self.segments) for i in self.segment_of
+        ):
+            raise InvariantViolation("segment map indices do not match its objects and segments")
+
+    @classmethod
+    def of(cls, segment_by_object: Mapping[str, str]) -> SegmentMap:
+        segments = tuple(sorted(set(segment_by_object.values())))
+        index = {segment: i for i, segment in enumerate(segments)}
+        objects = tuple(sorted(segment_by_object))
+        return cls(objects, tuple(index[segment_by_object[o]] for o in objects), segments)
+
+    def segment(self, name: str) -> str | None:
+        """The segment holding object ``name``, or None if the announce recorded none."""
+        i = self._position.get(name)
+        return None if i is None else self.segments[self.segment_of[i]]
+
+    @cached_property
+    def _position(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.objects)}
+
+    def encode(self) -> bytes:
+        body = {"objects": self.objects, "segment_of": self.segment_of, "segments": self.segments}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> SegmentMap:
+        try:
+            body = json.loads(data)
+            return cls(tuple(body["objects"]), tuple(body["segment_of"]), tuple(body["segments"]))
+        except (ValueError, KeyError, TypeError) as error:
+            raise InvariantViolation(f"not a segment map record ({error})") from error
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(b"mooncake-rl/segments/v1\0" + self.encode()).hexdigest()
