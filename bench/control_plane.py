@@ -61,6 +61,7 @@ class Config:
     tensors: int = 32
     batch_bytes: int = 64 << 20
     max_connections: int = 100
+    session_ttl_s: float = 30.0  # the coordinator renews every engine's lease every third
 
     def __post_init__(self) -> None:
         for name in ("engines", "tp", "engines_per_node", "model_bytes", "tensors", "batch_bytes"):
@@ -69,6 +70,8 @@ class Config:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if type(self.max_connections) is not int or self.max_connections < 0:
             raise ValueError("max_connections must be an int >= 0")
+        if not 1 <= self.session_ttl_s <= 3600:
+            raise ValueError("session_ttl_s must lie in 1..3600 (engines refuse others)")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
 
@@ -245,7 +248,9 @@ def run(config: Config) -> dict[str, Any]:
             ports = json.loads(child.stdout.readline())["ports"]
             setup = time.perf_counter() - started
             urls = [f"http://127.0.0.1:{port}" for port in ports]
-            with Coordinator(store, urls, holder="bench.control_plane") as coordinator:
+            with Coordinator(
+                store, urls, holder="bench.control_plane", session_ttl_s=config.session_ttl_s
+            ) as coordinator:
                 if config.max_connections:
                     coordinator._client.close()
                     coordinator._client = httpx.Client(
@@ -306,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=d.tensors)
     p.add_argument("--batch-bytes", type=int, default=d.batch_bytes)
     p.add_argument("--max-connections", type=int, default=d.max_connections)
+    p.add_argument("--session-ttl", type=float, default=d.session_ttl_s)
     p.add_argument("--serve", help=argparse.SUPPRESS)  # the child: the fake engines
     args = p.parse_args(argv)
     if args.serve:
@@ -320,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tensors=args.tensors,
         batch_bytes=args.batch_bytes,
         max_connections=args.max_connections,
+        session_ttl_s=args.session_ttl,
     )
     print(json.dumps(run(config)))
     return 0
