@@ -16,16 +16,8 @@ import pytest
 
 from bench.simulate import Cluster, Scenario, node_demand_bytes, physical_bound, simulate
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan.shapes import (
-    FP8,
-    SCALE_BLOCK,
-    Target,
-    cluster,
-    instance_parts,
-    model_shape,
-    quantizable,
-    weight_manifest,
-)
+from mooncake_rl.generations import fp8 as fp8_format
+from mooncake_rl.plan.shapes import Target, cluster, instance_parts, model_shape, weight_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,14 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_fp8_quantizes_linear_weights_with_block_scales() -> None:
     bf16, fp8 = model_shape("small"), model_shape("small", "fp8")
     by_name = {t.name: t for t in fp8.tensors}
-    linear = [t for t in bf16.tensors if quantizable(t)]
+    linear = [t for t in bf16.tensors if fp8_format.quantizes(t.name, t.shape)]
     assert len(fp8.tensors) == len(bf16.tensors) + len(linear)
     assert fp8.parameters == bf16.parameters
     for spec in linear:
         weight, scale = by_name[spec.name], by_name[spec.name + "_scale_inv"]
-        assert (weight.dtype, weight.nbytes) == (FP8, math.prod(spec.shape))
+        assert (weight.dtype, weight.nbytes) == ("float8_e4m3fn", math.prod(spec.shape))
         assert scale.dtype == "float32" and scale.kind == spec.kind
-        assert scale.shape == tuple(math.ceil(n / SCALE_BLOCK) for n in spec.shape)
+        assert scale.shape == tuple(math.ceil(n / 128) for n in spec.shape)
     kept = {t.name for t in fp8.tensors if t.dtype == "bfloat16" and len(t.shape) == 2}
     assert kept == {
         t.name

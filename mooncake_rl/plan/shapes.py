@@ -6,7 +6,8 @@ rank holds it: norms, MLA down-projections, the router) or ``expert`` (one route
 owned whole by one rank: EP over the instance's TP ranks, experts in contiguous blocks).
 
 Rollout weights are bf16, or fp8 (:func:`quantized`: e4m3 with a float32
-``weight_scale_inv`` per 128x128 block, the DeepSeek-V3 / Kimi-K2 checkpoint convention).
+``weight_scale_inv`` per 128x128 block, the DeepSeek-V3 / Kimi-K2 checkpoint convention,
+chosen by the publisher's own rule, :func:`mooncake_rl.generations.fp8.quantizes`).
 Two instance layouts (:class:`Target`): ``tp`` shards as above; ``ep`` is wide expert
 parallelism, the layout vLLM runs with ``--data-parallel-size N --enable-expert-parallel``
 (TP 1 per rank): every routed expert lives on exactly one of the instance's N GPUs, and
@@ -26,28 +27,20 @@ from mooncake.reshard.weight import (
     PlacementFragment,
     ReplicatedAxis,
     SplitAxis,
-    StoredFragment,
     TensorDescriptor,
     WeightManifest,
     WeightPlacementPart,
 )
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations import catalog, keys
+from mooncake_rl.generations import catalog, fp8
 from mooncake_rl.plan.demand import DirectDemand
 from mooncake_rl.plan.topology import Topology, Worker
 
-FP8 = "float8_e4m3fn"
-"""torch's name of e4m3 (the catalog's dtype names are torch's)."""
-SCALE_BLOCK = 128
-"""fp8 block quantization: one float32 scale per 128 x 128 block (``weight_block_size``)."""
-ITEMSIZE = {name: dtype.itemsize for name, dtype in catalog.ROLLOUT_DTYPES.items()} | {FP8: 1}
+ITEMSIZE = {name: dtype.itemsize for name, dtype in catalog.ROLLOUT_DTYPES.items()}
 KINDS = ("column", "row", "replicated", "expert")
 LAYOUTS = ("tp", "ep")
 DTYPES = ("bfloat16", "fp8")
-UNQUANTIZED = ("model.embed_tokens.", "lm_head.", ".mlp.gate.")
-"""Name parts of 2-D weights fp8 checkpoints keep in bf16: embeddings, the output head and
-the MoE router (DeepSeek-V3's and Kimi-K2's checkpoints; norms and biases are 1-D)."""
 
 
 @dataclass(frozen=True)
@@ -83,20 +76,9 @@ class ModelShape:
     @property
     def parameters(self) -> int:
         """Weight elements (fp8 scales excluded)."""
-        return sum(math.prod(t.shape) for t in self.tensors if not _is_scale(t))
-
-
-def quantizable(spec: TensorSpec) -> bool:
-    """A 2-D linear weight an fp8 checkpoint stores in e4m3 (see ``UNQUANTIZED``)."""
-    return (
-        len(spec.shape) == 2
-        and spec.name.endswith(".weight")
-        and not any(part in spec.name for part in UNQUANTIZED)
-    )
-
-
-def _is_scale(spec: TensorSpec) -> bool:
-    return spec.name.endswith("_scale_inv")
+        return sum(
+            math.prod(t.shape) for t in self.tensors if not t.name.endswith(fp8.SCALE_SUFFIX)
+        )
 
 
 def quantized(model: ModelShape) -> ModelShape:
@@ -104,13 +86,17 @@ def quantized(model: ModelShape) -> ModelShape:
     ``<name>_scale_inv`` (float32, one per 128 x 128 block, sharded like the weight)."""
     tensors: list[TensorSpec] = []
     for spec in model.tensors:
-        if not quantizable(spec):
+        if not fp8.quantizes(spec.name, spec.shape):
             tensors.append(spec)
             continue
-        blocks = tuple(math.ceil(n / SCALE_BLOCK) for n in spec.shape)
         tensors += [
-            dataclasses.replace(spec, dtype=FP8),
-            dataclasses.replace(spec, name=spec.name + "_scale_inv", shape=blocks, dtype="float32"),
+            dataclasses.replace(spec, dtype=fp8.FP8_DTYPE),
+            dataclasses.replace(
+                spec,
+                name=fp8.scale_name(spec.name),
+                shape=fp8.scale_shape(spec.shape),
+                dtype=fp8.SCALE_DTYPE,
+            ),
         ]
     return dataclasses.replace(model, name=f"{model.name}-fp8", tensors=tuple(tensors))
 
@@ -255,32 +241,12 @@ MODELS = {
 
 
 def weight_manifest(model: ModelShape, generation: int) -> WeightManifest:
-    """The manifest issue 3 publishes: one contiguous Store object per tensor, the layout
-    ``catalog.build_manifest`` writes, its descriptors carrying the layer and expert ids the
-    placements declare. Built here so that shapes may use dtypes the publisher lacks."""
-    catalog.check_specs(model.tensors)
-    group = keys.group_id(model.name, generation)
-    return WeightManifest(
-        namespace=keys.NAMESPACE,
-        resource_id=model.name,
-        revision=f"g{generation:012d}",
-        weight_generation=generation,
-        group_id=group,
-        manifest_key=keys.manifest_key(group),
-        tensors=tuple(_descriptor(spec, (), ()) for spec in model.tensors),
-        fragments=tuple(
-            StoredFragment(
-                fragment_id=spec.name,
-                tensor_id=spec.name,
-                global_offset=(0,) * len(spec.shape),
-                local_shape=spec.shape,
-                object_key=keys.payload_key(group, spec.name),
-                object_offset=0,
-                nbytes=spec.nbytes,
-            )
-            for spec in model.tensors
-        ),
-        created_at="1970-01-01T00:00:00Z",
+    """The manifest issue 3 publishes (``catalog.build_manifest``: one contiguous Store object
+    per tensor), its descriptors carrying the layer and expert ids the placements declare."""
+    specs = [catalog.TensorSpec(spec.name, spec.shape, spec.dtype) for spec in model.tensors]
+    manifest = catalog.build_manifest(model.name, generation, specs, "1970-01-01T00:00:00Z")
+    return dataclasses.replace(
+        manifest, tensors=tuple(_descriptor(spec, (), ()) for spec in model.tensors)
     )
 
 
