@@ -6,7 +6,9 @@ parameters come from the model's packed-module mapping and the layer's
 ``output_sizes``/``output_partition_sizes``; split dimensions from ``input_size`` vs
 ``input_size_per_partition`` (row-parallel) and ``output_size`` vs
 ``output_size_per_partition`` (column-parallel) with the parameter's ``input_dim`` /
-``output_dim``; vocabulary shards from ``shard_indices``.
+``output_dim``; vocabulary shards from ``shard_indices``. A block-fp8 layer's
+``weight_scale_inv`` has one entry per weight block, so its sizes and offsets are the
+weight's, in blocks (rounded up, as the engines' scale loaders do).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def describe_shards(
     for full, layer, param_name, meta in params:
         shape = tuple(int(d) for d in meta.shape)
         regions.append(RegionSpec(full, shape, meta.dtype))
+        block = _scale_block(layer, param_name)
         prefix = full.rpartition(".")[0]  # e.g. model.layers.0.self_attn.qkv_proj
         module_prefix, _, module_leaf = prefix.rpartition(".")
         row_bytes = math.prod(shape[1:]) * meta.dtype.itemsize if shape else 0
@@ -58,6 +61,10 @@ def describe_shards(
             # QKV with fewer key/value heads than ranks: output_sizes count each replica.
             replicas = int(getattr(layer, "num_kv_head_replicas", 1) or 1)
             totals = [n if index == 0 else n // replicas for index, n in enumerate(totals)]
+            parts, totals = (
+                [_blocks(n, block, 0) for n in parts],
+                [_blocks(n, block, 0) for n in totals],
+            )
             if len(subs) not in (1, len(parts)) or len(totals) != len(parts):
                 continue  # undescribed: direct mode lands it through the fallback
             # One checkpoint tensor per part, or (Phi-3) one tensor holding every part.
@@ -107,13 +114,27 @@ def describe_shards(
         if split is None:
             shards.append(ShardSpec(full, shape, (0,) * len(shape), shape, full, 0))
             continue
-        dim, total = split
+        dim, total = split[0], _blocks(split[1], block, split[0])
         offset = [0] * len(shape)
         offset[dim] = rank_of(layer, 0) * shape[dim]
         global_shape = list(shape)
         global_shape[dim] = total
         shards.append(ShardSpec(full, tuple(global_shape), tuple(offset), shape, full, 0))
     return regions, shards
+
+
+def _scale_block(layer: torch.nn.Module, param_name: str) -> tuple[int, int] | None:
+    """The (rows, columns) of a weight block if ``param_name`` is a block-fp8 scale."""
+    if param_name != "weight_scale_inv":
+        return None
+    config = getattr(getattr(layer, "quant_method", None), "quant_config", None)
+    block = getattr(layer, "weight_block_size", None) or getattr(config, "weight_block_size", None)
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def _blocks(extent: int, block: tuple[int, int] | None, dim: int) -> int:
+    """``extent`` weight rows (dim 0) or columns (dim 1) in scale entries."""
+    return extent if block is None else -(-extent // block[dim])
 
 
 def _split_dim(layer: torch.nn.Module, meta: torch.Tensor) -> tuple[int, int] | None:

@@ -60,6 +60,9 @@ def _rank_of(layer: torch.nn.Module, sub: int) -> int:
     return rank if sub == 0 else rank // replicas  # QKV: key/value heads may be replicated
 
 
+EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+
+
 def expert_shards(
     full: str, layer: torch.nn.Module, param_name: str, meta: torch.Tensor
 ) -> list[ShardSpec] | None:
@@ -68,10 +71,12 @@ def expert_shards(
     vLLM's ``RoutedExperts`` stacks local experts on dim 0 of ``w13_weight`` (gate rows,
     then up rows, each this rank's slice of the intermediate dim) and ``w2_weight`` (this
     rank's columns of ``down_proj``); ``get_expert_mapping()`` names the checkpoint tensor
-    and shard of every (expert, w1/w2/w3). ``None`` when the layout is not that one.
+    and shard of every (expert, w1/w2/w3). Block-fp8 experts' ``w13_weight_scale_inv`` and
+    ``w2_weight_scale_inv`` stack their blocks the same way (TP slices are whole blocks).
+    ``None`` when the layout is not that one.
     """
     mapping = getattr(layer, "get_expert_mapping", None)
-    if mapping is None or param_name not in ("w13_weight", "w2_weight") or meta.dim() != 3:
+    if mapping is None or param_name not in EXPERT_PARAMS or meta.dim() != 3:
         return None
     if getattr(meta, "is_transposed", False) or not layer.moe_config.is_act_and_mul:
         return None
