@@ -181,6 +181,10 @@ def test_two_publishers_on_two_nodes(master: EmbeddedMaster, holders) -> None:
             [(n, t.numel() * 2) for n, t in tensors], TrainerTopology(("node-a", "node-b"))
         )
         assert placed_on == {name: segments[rank] for name, rank in assignment.items()}
+        # The announce recorded the same segments: the planner's locality hints.
+        record = active_generation(store, model)
+        hints = GenerationRegistry(store, model).load_segments(1, record.segments_digest)
+        assert {name: hints.segment(name) for name in placed_on} == placed_on
     with ProcessGroup() as group:
         group.start(read_generation, settings_for(master, "fresh"), model)
         got = group.results()[0]

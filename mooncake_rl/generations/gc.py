@@ -30,6 +30,7 @@ from mooncake_rl.generations.keys import (
     group_id,
     lease_key,
     manifest_key,
+    segments_key,
 )
 from mooncake_rl.generations.registry import (
     FENCES_KEPT,
@@ -225,7 +226,7 @@ def _remove_generation(
     failed = store.remove(keys)
     if failed:
         return len(keys) - len(failed), failed
-    records = [manifest_key(group), checksums_key(group), claim_key(group)]
+    records = [manifest_key(group), checksums_key(group), segments_key(group), claim_key(group)]
     failed = store.remove(records, force=True)
     return len(keys) + len(records) - len(failed), failed
 

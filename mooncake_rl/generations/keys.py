@@ -54,6 +54,11 @@ def checksums_key(group: str) -> str:
     return f"{group}/checksums"
 
 
+def segments_key(group: str) -> str:
+    """The announce's record of which Store segment holds each payload (locality hints)."""
+    return f"{group}/segments"
+
+
 def report_key(group: str, rank: int) -> str:
     return f"{group}/report/{rank}"
 

@@ -51,8 +51,10 @@ from mooncake_rl.generations.keys import (
     group_id,
     index_key,
     manifest_key,
+    payload_prefix,
+    segments_key,
 )
-from mooncake_rl.generations.layout import is_digest
+from mooncake_rl.generations.layout import SegmentMap, is_digest
 from mooncake_rl.store import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -155,9 +157,12 @@ class ActiveRecord:
     """Active record number ``fence``: the generation engines must serve, and how to check it.
 
     ``layout_digest`` is computed once at announce, so every consumer's plan-cache lookup
-    reads it instead of re-hashing the manifest. ``newest`` is the newest generation ever
-    announced (the floor every later announce must exceed, whatever ``activate`` did);
-    ``previous`` the generation this record replaced; ``at`` its wall-clock time.
+    reads it instead of re-hashing the manifest. ``segments_digest``: the digest of the
+    generation's segment map (``segments_key``: which segment holds each payload, the
+    planner's locality hints); None in records written before it was recorded. ``newest``
+    is the newest generation ever announced (the floor every later announce must exceed,
+    whatever ``activate`` did); ``previous`` the generation this record replaced; ``at`` its
+    wall-clock time.
     """
 
     model: str
@@ -174,8 +179,11 @@ class ActiveRecord:
     tensors: int
     bytes: int
     created_at: str
+    segments_digest: str | None = None
 
     def __post_init__(self) -> None:
+        if self.segments_digest is not None and not is_digest(self.segments_digest):
+            raise FenceError(f"active record segments digest {self.segments_digest!r} is malformed")
         if not is_digest(self.manifest_digest):
             raise FenceError(f"active record manifest digest {self.manifest_digest!r} is malformed")
         if not is_digest(self.layout_digest):
@@ -198,6 +206,7 @@ class ActiveRecord:
         checksums_digest: str,
         incarnation: str,
         newest: int,
+        segments_digest: str | None = None,
     ) -> ActiveRecord:
         """The record that follows ``current`` (fence + 1) and makes ``manifest`` active."""
         return cls(
@@ -215,6 +224,7 @@ class ActiveRecord:
             len(manifest.tensors),
             sum(f.nbytes for f in manifest.fragments),
             manifest.created_at,
+            segments_digest,
         )
 
     def info(self) -> GenerationInfo:
@@ -298,14 +308,24 @@ class Claim:
 
 def payload_problems(store: StoreClient, manifest: WeightManifest) -> list[str]:
     """Fragments not held whole: absent, not yet complete, or of another size than declared."""
+    return payload_state(store, manifest)[0]
+
+
+def payload_state(store: StoreClient, manifest: WeightManifest) -> tuple[list[str], SegmentMap]:
+    """``payload_problems`` and, from the same replica descriptors, the segment of every
+    payload held whole (the announce's locality hints)."""
     keys = [f.object_key for f in manifest.fragments]
-    return [
-        f"missing {f.object_key}"
-        if size is None
-        else f"{f.object_key} holds {size} bytes, expected {f.nbytes}"
-        for f, size in zip(manifest.fragments, store.complete_sizes(keys), strict=True)
-        if size != f.nbytes
-    ]
+    problems: list[str] = []
+    segments: dict[str, str] = {}
+    prefix = len(payload_prefix(manifest.group_id))
+    for f, found in zip(manifest.fragments, store.complete_replicas(keys), strict=True):
+        if found is None:
+            problems.append(f"missing {f.object_key}")
+        elif found[0] != f.nbytes:
+            problems.append(f"{f.object_key} holds {found[0]} bytes, expected {f.nbytes}")
+        else:
+            segments[f.object_key[prefix:]] = found[1]
+    return problems, SegmentMap.of(segments)
 
 
 class GenerationRegistry:
@@ -356,6 +376,17 @@ class GenerationRegistry:
         if record is None:
             return None
         return self.load_manifest(record.generation, record.manifest_digest)
+
+    def load_segments(self, generation: int, digest: str) -> SegmentMap:
+        """The generation's segment map, refused unless it hashes to ``digest``."""
+        data = self.store.get_bytes(segments_key(group_id(self.model, generation)))
+        segments = SegmentMap.decode(data)
+        if segments.digest != digest:
+            raise CorruptObject(
+                f"the segment map of generation {generation} of {self.model} does not match "
+                "its digest in the active record"
+            )
+        return segments
 
     def load_checksums(self, generation: int, digest: str) -> ChecksumTable:
         """The generation's checksum table, refused unless it hashes to ``digest``."""
@@ -450,7 +481,7 @@ class GenerationRegistry:
         ):
             raise FenceError("manifest does not belong to this model's key space")
         claim = self.check_owner(generation, attempt)
-        problems = payload_problems(self.store, manifest)
+        problems, segments = payload_state(self.store, manifest)
         sizes = {f.object_key: f.nbytes for f in manifest.fragments}
         if set(sizes) != set(checksums.objects) or any(
             checksums.objects[k].nbytes != n for k, n in sizes.items()
@@ -462,6 +493,7 @@ class GenerationRegistry:
             )
         encoded = checksums.encode()
         self.store.put_bytes(checksums_key(manifest.group_id), encoded)
+        self.store.upsert_bytes(segments_key(manifest.group_id), segments.encode())
         self.store.put_bytes(manifest.manifest_key, manifest.to_json().encode())
 
         def record(current: ActiveRecord | None) -> ActiveRecord:
@@ -472,7 +504,9 @@ class GenerationRegistry:
                     "nothing of it was changed"
                 )
             digest = ChecksumTable.digest_of(encoded)
-            return ActiveRecord.replacing(current, manifest, digest, claim.incarnation, generation)
+            return ActiveRecord.replacing(
+                current, manifest, digest, claim.incarnation, generation, segments.digest
+            )
 
         return self._advance(record)
 
@@ -485,13 +519,14 @@ class GenerationRegistry:
                 "`mooncake-rl status` lists the ones that can be activated"
             )
         manifest = self.load_manifest(generation, info.digest)
-        problems = payload_problems(self.store, manifest)
+        problems, segments = payload_state(self.store, manifest)
         if problems:
             raise InvariantViolation(
                 f"cannot activate generation {generation}: {len(problems)} object(s) unreadable, "
                 f"first: {problems[0]}"
             )
         self.load_checksums(generation, info.checksums_digest)
+        self.store.upsert_bytes(segments_key(manifest.group_id), segments.encode())
         incarnation = Incarnation.ensure(self.store)
 
         def record(current: ActiveRecord | None) -> ActiveRecord:
@@ -500,7 +535,12 @@ class GenerationRegistry:
             if current.generation == generation:
                 raise FenceError(f"generation {generation} of {self.model} is already active")
             return ActiveRecord.replacing(
-                current, manifest, info.checksums_digest, incarnation.id, current.newest
+                current,
+                manifest,
+                info.checksums_digest,
+                incarnation.id,
+                current.newest,
+                segments.digest,
             )
 
         return self._advance(record)
