@@ -11,9 +11,9 @@ the next generation's call, a cache hit, plus ``bind`` (``plan_seconds_cached``)
 planning (shapes, manifests and placements built). The table's size is its records
 (``reads``, ``pushes``, ``demands``: one per demanded byte range and consumer, the ranges
 the plan must name) and the bytes of its arrays. ``growth`` compares each point with the
-previous one; a point whose memory, extrapolated linearly in engines from the previous
-point (the resident set before planning, plus planning's peak times the engine ratio),
-would pass ``--max-rss-gb`` is not run, and the output says so.
+previous one. A point whose memory, extrapolated from the points before it
+(:func:`predicted_peak`), would pass ``--max-rss-gb`` is not run, and one whose resident set
+passes it while it runs is killed; ``skipped`` says which and why (this machine is shared).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import resource
 import subprocess
@@ -121,34 +122,72 @@ def growth(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, float
     return {f"{k}_x": round(v, 3) for k, v in ratios.items()}
 
 
+def predicted_peak(done: Sequence[dict[str, Any]], engines: int) -> float:
+    """Peak memory of a point of ``engines``, extrapolated from the measured ones (pure):
+    planning memory as a power of engines fitted to the last two points (linear from one),
+    on top of the last point's memory before planning."""
+    last = done[-1]
+    exponent = 1.0
+    if len(done) > 1 and done[-2]["plan_peak_rss_bytes"] > 0:
+        first = done[-2]
+        exponent = max(
+            1.0,
+            math.log(last["plan_peak_rss_bytes"] / first["plan_peak_rss_bytes"])
+            / math.log(last["engines"] / first["engines"]),
+        )
+    scale = (engines / last["engines"]) ** exponent
+    return last["rss_before_plan_bytes"] + last["plan_peak_rss_bytes"] * scale
+
+
+def watched(point: Point, max_rss_bytes: float) -> dict[str, Any]:
+    """Run one point in a fresh process; kill it if its resident set passes the cap."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "bench.scale", "--point", json.dumps(asdict(point))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started, peak = time.perf_counter(), 0
+    while child.poll() is None:
+        try:
+            with open(f"/proc/{child.pid}/status") as status:
+                line = next(x for x in status if x.startswith("VmRSS:"))
+            peak = max(peak, int(line.split()[1]) * 1024)
+        except (FileNotFoundError, StopIteration):
+            pass  # ended between poll() and the read
+        if peak > max_rss_bytes:
+            child.kill()
+            child.communicate()
+            return {
+                **asdict(point),
+                "why": f"stopped after {time.perf_counter() - started:.0f} s: its resident set "
+                f"passed --max-rss-gb {max_rss_bytes / GB:g}",
+            }
+        time.sleep(0.2)
+    out, err = child.communicate()
+    if child.returncode != 0:
+        raise SystemExit(f"{point} failed:\n{err[-3000:]}")
+    return json.loads(out)
+
+
 def run(points: Sequence[Point], max_rss_bytes: float) -> dict[str, Any]:
-    """Each point in a fresh process, smallest first, while memory extrapolates to fit."""
+    """Each point in a fresh process, smallest first, while memory is predicted to fit (and
+    is watched while it runs)."""
     done: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for point in sorted(points, key=lambda p: p.engines):
-        if done:
-            last = done[-1]
-            scale = point.engines / last["engines"]
-            predicted = last["rss_before_plan_bytes"] + last["plan_peak_rss_bytes"] * scale
-            if predicted > max_rss_bytes:
-                skipped.append(
-                    {
-                        **asdict(point),
-                        "predicted_peak_rss_bytes": int(predicted),
-                        "why": f"extrapolated linearly in engines from {last['engines']} "
-                        f"engines: {predicted / GB:.1f} GB > --max-rss-gb "
-                        f"{max_rss_bytes / GB:g}",
-                    }
-                )
-                continue
-        child = subprocess.run(
-            [sys.executable, "-m", "bench.scale", "--point", json.dumps(asdict(point))],
-            capture_output=True,
-            text=True,
-        )
-        if child.returncode != 0:
-            raise SystemExit(f"{point} failed:\n{child.stderr[-3000:]}")
-        done.append(json.loads(child.stdout))
+        if done and (predicted := predicted_peak(done, point.engines)) > max_rss_bytes:
+            skipped.append(
+                {
+                    **asdict(point),
+                    "predicted_peak_rss_bytes": int(predicted),
+                    "why": f"extrapolated from {done[-1]['engines']} engines: "
+                    f"{predicted / GB:.1f} GB > --max-rss-gb {max_rss_bytes / GB:g}",
+                }
+            )
+            continue
+        figures = watched(point, max_rss_bytes)
+        (skipped if "why" in figures else done).append(figures)
     return {
         "bench": "scale",
         "points": done,

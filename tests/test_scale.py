@@ -136,3 +136,12 @@ def test_scale_point_plans_cold_then_hits_the_cache() -> None:
     assert growth(small, large)["engines_x"] == 4.0
     with pytest.raises(ValueError):
         Point("small", 0)
+
+
+def test_scale_extrapolates_memory_by_the_measured_growth() -> None:
+    from bench.scale import predicted_peak
+
+    one = [{"engines": 16, "rss_before_plan_bytes": 100, "plan_peak_rss_bytes": 1000}]
+    assert predicted_peak(one, 32) == 100 + 2000  # linear from a single point
+    two = [*one, {"engines": 64, "rss_before_plan_bytes": 100, "plan_peak_rss_bytes": 16000}]
+    assert predicted_peak(two, 128) == pytest.approx(100 + 64000)  # quadratic growth seen
