@@ -9,11 +9,12 @@ empty cache with the layout digest the active record carries (``plan_seconds_col
 the next generation's call, a cache hit, plus ``bind`` (``plan_seconds_cached``). Memory:
 ``plan_peak_rss_bytes`` is the process's peak resident set minus its resident set before
 planning (shapes, manifests and placements built). The table's size is its records
-(``reads``, ``pushes``, ``demands``: one per demanded byte range and consumer, the ranges
-the plan must name) and the bytes of its arrays. ``growth`` compares each point with the
-previous one. A point whose memory, extrapolated from the points before it
-(:func:`predicted_peak`), would pass ``--max-rss-gb`` is not run, and one whose resident set
-passes it while it runs is killed; ``skipped`` says which and why (this machine is shared).
+(``reads``, ``pushes``, ``demands``: one per demanded byte range and consumer; ``records``
+their sum, every byte range the plan names) and the bytes of its arrays. ``growth``
+compares each point with the previous one. A point whose memory, extrapolated from the
+points before it (:func:`predicted_peak`), would pass ``--max-rss-gb`` is not run, and one
+whose resident set passes it while it runs is killed; ``skipped`` says which and why (this
+machine is shared).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def measure(point: Point) -> dict[str, Any]:
         "reads": len(table.reads),
         "pushes": len(table.pushes),
         "demands": len(table.demands),
+        "records": sum(len(a) for a in arrays[:3]),
         "table_bytes": sum(a.nbytes for a in arrays),
         "store_read_bytes": table.totals.store_read_bytes,
         "delivered_bytes": int(table.totals.delivered_bytes.sum()),
@@ -113,12 +115,18 @@ def measure(point: Point) -> dict[str, Any]:
 
 
 def growth(previous: dict[str, Any], current: dict[str, Any]) -> dict[str, float]:
-    """How each figure grew from one point to the next (pure); ``plan_memory_per_demand_x``
-    is 1 when planning memory grows exactly as the byte ranges the table names."""
-    keys = ("engines", "demands", "pushes", "table_bytes", "plan_peak_rss_bytes")
+    """How each figure grew from one point to the next (pure). ``plan_memory_per_record_x``
+    is 1 when planning memory grows exactly as the records (byte ranges read, pushed and
+    demanded) the table names; ``plan_memory_per_demand_x`` compares with the demanded
+    ranges alone."""
+    keys = ("engines", "demands", "pushes", "records", "table_bytes", "plan_peak_rss_bytes")
     ratios = {k: current[k] / previous[k] for k in (*keys, "plan_seconds_cold") if previous[k]}
-    if "plan_peak_rss_bytes" in ratios and "demands" in ratios:
-        ratios["plan_memory_per_demand"] = ratios["plan_peak_rss_bytes"] / ratios["demands"]
+    if "plan_peak_rss_bytes" in ratios:
+        for per in ("demands", "records"):
+            if per in ratios:
+                ratios[f"plan_memory_per_{per.rstrip('s')}"] = (
+                    ratios["plan_peak_rss_bytes"] / ratios[per]
+                )
     return {f"{k}_x": round(v, 3) for k, v in ratios.items()}
 
 
