@@ -230,7 +230,7 @@ def run(config: Config) -> dict[str, Any]:
     """Publish, start the fleet, run one update through the real Coordinator."""
     import httpx
 
-    from mooncake_rl.coordinator import Coordinator
+    from mooncake_rl.coordinator import Coordinator, UpdateFailed
     from mooncake_rl.generations.publisher import publish_local
     from mooncake_rl.store import StoreClient
 
@@ -263,7 +263,12 @@ def run(config: Config) -> dict[str, Any]:
                 coordinator.status()  # the floor: one GET on every engine, nothing else
                 status_round = time.perf_counter() - t0
                 t0, c0, e0 = time.perf_counter(), time.process_time(), _cpu_seconds(child.pid)
-                result = coordinator.update(MODEL, mode=config.mode, batch_bytes=config.batch_bytes)
+                try:
+                    result = coordinator.update(
+                        MODEL, mode=config.mode, batch_bytes=config.batch_bytes
+                    )
+                except UpdateFailed as failed:  # reported, with the phases that ran
+                    result = failed.result
                 seconds = time.perf_counter() - t0
                 cpu, engines_cpu = time.process_time() - c0, _cpu_seconds(child.pid) - e0
                 statuses = coordinator.status()
@@ -284,6 +289,8 @@ def run(config: Config) -> dict[str, Any]:
         "status_round_seconds": round(status_round, 3),
         "committed": len(result.committed),
         "failed": len(result.failed),
+        "error": result.error and result.error[:500],
+        "failure_codes": Counter(result.failure_codes.values()),
         "serving_generation": Counter(s.get("generation") for s in statuses.values()),
         "store_read_bytes": result.store_read_bytes,
         "planned_read_bytes": result.planned_read_bytes,
