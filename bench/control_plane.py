@@ -87,6 +87,14 @@ class Config:
         }
 
 
+class Refused(Exception):
+    """A rank refuses a call and changes nothing (the worker's ``RequestRefused``)."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.code, self.detail = status, code, detail
+
+
 class FakeRanks(WorkerBackend):
     """One engine's TP ranks, replying as ``UpdateWorker.call`` does; nothing is stored."""
 
@@ -114,10 +122,10 @@ class FakeRanks(WorkerBackend):
         for rank, worker in enumerate(self.workers):
             try:
                 replies.append({"ok": True, "rank": rank, **self._reply(worker, method, *args)})
-            except KeyError as unknown:  # refused as the worker's PeerBook refuses
-                refused = {"status": 422, "code": "untrusted_peer"}
+            except Refused as refused:
+                status = {"status": refused.status, "code": refused.code}
                 replies.append(
-                    {"ok": False, "rank": rank, "refused": refused, "error": str(unknown)}
+                    {"ok": False, "rank": rank, "refused": status, "error": refused.detail}
                 )
         return replies
 
@@ -147,8 +155,12 @@ class FakeRanks(WorkerBackend):
             stage = args[0]["stage"]
             batches = stages[stage] if stage < len(stages) else ()
             for op in (p for b in batches for p in b.pushes):
-                if op.peer not in args[0]["peers"]:
-                    raise KeyError(f"the stage pushes to {op.peer}, which the body does not name")
+                if op.peer not in args[0]["peers"]:  # as the worker's PeerBook refuses
+                    raise Refused(
+                        422,
+                        "untrusted_peer",
+                        f"the stage pushes to {op.peer}, which the apply body's peers do not name",
+                    )
             return {
                 "worker_id": worker_id,
                 "seconds": 0.0,
