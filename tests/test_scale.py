@@ -145,3 +145,21 @@ def test_scale_extrapolates_memory_by_the_measured_growth() -> None:
     assert predicted_peak(one, 32) == 100 + 2000  # linear from a single point
     two = [*one, {"engines": 64, "rss_before_plan_bytes": 100, "plan_peak_rss_bytes": 16000}]
     assert predicted_peak(two, 128) == pytest.approx(100 + 64000)  # quadratic growth seen
+
+
+def test_fake_ranks_refuse_an_apply_body_without_their_push_targets() -> None:
+    import asyncio
+
+    from bench.control_plane import FakeRanks
+    from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
+    from mooncake_rl.apply.wire import WorkerSlice, encode_slice
+
+    batch = Batch((ReadOp("k", 0, "w", 0, 8),), (PushOp("peer", "w", 0, "w", 0, 8),))
+    raw = encode_slice(WorkerSlice({"w": 8}, ((batch,),)))
+    ranks = FakeRanks("fake0", [{"worker_id": "e0/tp0", "node": "n0"}], 8000)
+    prepared = asyncio.run(ranks.call_workers("prepare", {"workers": {"e0/tp0": {"slice": raw}}}))
+    assert prepared[0]["regions"] == {"w": {"base": 0, "size": 8}}
+    refused = asyncio.run(ranks.call_workers("apply", {"stage": 0, "peers": {}}))
+    assert refused[0]["refused"] == {"status": 422, "code": "untrusted_peer"}
+    applied = asyncio.run(ranks.call_workers("apply", {"stage": 0, "peers": {"peer": {}}}))
+    assert (applied[0]["store_read_bytes"], applied[0]["pushed_bytes"]) == (8, 8)
