@@ -64,7 +64,6 @@ class Chunks:
     dc: np.ndarray
     cols: np.ndarray
     reader: np.ndarray
-    consumer_nodes: np.ndarray  # distinct consumer nodes of the chunk's range
     max_cost: int  # max over chunks of bytes * consumer nodes: the balance-bound term
 
 
@@ -147,7 +146,6 @@ def assign_readers(
         dc=dc,
         cols=c_cols,
         reader=np.array(reader, I64),
-        consumer_nodes=n_c[owner],
         max_cost=max_cost,
     )
 

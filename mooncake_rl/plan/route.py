@@ -160,8 +160,8 @@ def _relays(
     mask = np.bitwise_or.reduceat(bit[worker], starts)
     order = grid.lex_order(node[starts], k, mask.view(I64))  # stable: chunk order inside
     kk, size = k[order], nbytes[starts][order]
-    s_starts = np.flatnonzero(grid.group_starts(node[starts][order], kk, mask[order]))
-    s_id = np.cumsum(grid.group_starts(node[starts][order], kk, mask[order])) - 1
+    s_first = grid.group_starts(node[starts][order], kk, mask[order])
+    s_starts, s_id = np.flatnonzero(s_first), np.cumsum(s_first) - 1
     end = np.cumsum(size)
     before = end - size - (end - size)[s_starts][s_id]
     total = np.add.reduceat(size, s_starts)[s_id]
