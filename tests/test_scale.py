@@ -163,3 +163,14 @@ def test_fake_ranks_refuse_an_apply_body_without_their_push_targets() -> None:
     assert refused[0]["refused"] == {"status": 422, "code": "untrusted_peer"}
     applied = asyncio.run(ranks.call_workers("apply", {"stage": 0, "peers": {"peer": {}}}))
     assert (applied[0]["store_read_bytes"], applied[0]["pushed_bytes"]) == (8, 8)
+
+
+def test_simulate_flags_reach_the_scenario() -> None:
+    from bench.simulate import parser, scenario_from
+
+    args = ["--model", "kimi-k2", "--dtype", "fp8", "--instances", "4", "--tp", "32"]
+    scenario = scenario_from(parser().parse_args([*args, "--layout", "ep", "--modes", "direct"]))
+    assert (scenario.dtype, scenario.modes) == ("fp8", ("direct",))
+    assert (scenario.cluster.rollout_layout, scenario.cluster.rollout_gpus) == ("ep", 128)
+    with pytest.raises(ValueError):
+        Cluster(rollout_layout="dp")
