@@ -262,4 +262,5 @@ def test_each_gpu_nic_balances_not_only_each_node():
     per_gpu, per_node = table.totals.worker_nic_bytes, table.totals.node_nic_bytes
     assert per_gpu.sum() == per_node.sum()
     assert per_gpu.max() / per_gpu.mean() < 1.02
-    assert per_node.max() <= per_node.mean() + table.max_chunk_cost
+    nic_in, nic_out = table.totals.node_nic_in, table.totals.node_nic_out  # nothing staged
+    assert (nic_out <= np.maximum(nic_in, nic_out.mean() + table.max_chunk_cost)).all()
