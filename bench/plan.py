@@ -29,12 +29,15 @@ one byte for byte.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +57,7 @@ from mooncake_rl.plan import (
     plan_key,
     plan_routing,
 )
+from mooncake_rl.plan.demand import declared_digest, part_digest
 from mooncake_rl.plan.shapes import MODELS, cluster, parse_target, weight_manifest
 from mooncake_rl.plan.stored import StoredTables, decode_table, encode_table, entry_key
 from mooncake_rl.settings import Settings
@@ -121,25 +125,60 @@ def table_digest(table: RoutingTable) -> str:
     return xxhash.xxh3_128_hexdigest(encode_table(table))
 
 
+def worker_reports(demand: CompatDemand | DirectDemand) -> dict[str, str]:
+    """What each engine worker reports with its placement: a digest of what it receives
+    (engines compute it from their own description, ``placement_digest``; here from the
+    part and destinations the synthetic shapes give each worker). Parts shared by several
+    workers are hashed once, as equal engines would each hash their own."""
+    if isinstance(demand, CompatDemand):
+        return {}
+    memo: dict[int, str] = {}
+    destinations = dict(demand.destinations)
+    reports = {}
+    for worker, part in demand.parts:
+        if id(part) not in memo:
+            memo[id(part)] = part_digest(part)
+        where = destinations[worker].digest if worker in destinations else "-"
+        reports[worker] = hashlib.sha256(f"{memo[id(part)]}/{where}".encode()).hexdigest()
+    return reports
+
+
+def as_reported(
+    demand: CompatDemand | DirectDemand, reports: dict[str, str]
+) -> CompatDemand | DirectDemand:
+    """The demand keyed by the workers' reports, as the coordinator builds it."""
+    if isinstance(demand, CompatDemand):
+        return demand
+    return DirectDemand(demand.parts, demand.destinations, declared_digest(reports.items()))
+
+
 def fresh_store_hit(args: argparse.Namespace) -> dict[str, Any]:
-    """The next generation's call in this fresh process, on an empty cache over the Store."""
+    """The next generation's call in this fresh process, on an empty cache over the Store
+    (and the node-local copy when ``plan_dir`` is given)."""
     given = inputs(args)
-    master, metadata, segment = args.load_from
-    settings = Settings(master=master, metadata=metadata, segment_bytes=0, local_segment=segment)
+    master, metadata, segment, reports_file, plan_dir = args.load_from
+    settings = Settings(
+        master=master,
+        metadata=metadata,
+        segment_bytes=0,
+        local_segment=segment,
+        plan_dir=Path(plan_dir) if plan_dir != "-" else None,
+    )
     t0 = time.perf_counter()
     store = StoreClient(settings)
     connect = time.perf_counter() - t0
     with store:
         cache = PlanCache(backing=StoredTables(store))
         t0, c0 = time.perf_counter(), time.process_time()
+        demand = as_reported(given.demand, json.loads(Path(reports_file).read_text()))
         key = plan_key(
-            given.next_manifest, given.topology, given.demand, given.params, given.next_recorded
+            given.next_manifest, given.topology, demand, given.params, given.next_recorded
         )
         t1 = time.perf_counter()
         table = plan_routing(
             given.next_manifest,
             given.topology,
-            given.demand,
+            demand,
             params=given.params,
             cache=cache,
             layout_digest=given.next_recorded,
@@ -164,36 +203,48 @@ def fresh_store_hit(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def store_figures(args: argparse.Namespace, given: Inputs, table: RoutingTable) -> dict[str, Any]:
-    """Keep ``table`` in a fresh Store, then time its load in a fresh process."""
+def store_figures(
+    args: argparse.Namespace, given: Inputs, reports: dict[str, str], table: RoutingTable
+) -> dict[str, Any]:
+    """Keep ``table`` in a fresh Store (and a node-local copy), then time its load in two
+    fresh processes: one that reads the Store, one that maps the node-local copy."""
     key = plan_key(given.manifest, given.topology, given.demand, given.params, given.recorded)
     with (
+        tempfile.TemporaryDirectory() as scratch,
         store_services(parse_size(args.store_segment)) as (master, holder, settings),
-        StoreClient(settings) as store,
+        StoreClient(settings.model_copy(update={"plan_dir": Path(scratch) / "plans"})) as store,
     ):
         t0 = time.perf_counter()
         StoredTables(store).save(key, table)
         saved = time.perf_counter() - t0
         assert store.exists([entry_key(key)]) == [True], "the table was not kept in the Store"
         entry_bytes = store.size(entry_key(key))
-        flags = [
-            *("--model", args.model, "--target", args.target, "--mode", args.mode),
-            *("--workers-per-node", str(args.workers_per_node)),
-            *("--batch-bytes", str(args.batch_bytes)),
-            *("--load-from", master.master_address, master.metadata_url, holder.segment),
-        ]
-        child = subprocess.run(
-            [sys.executable, "-m", "bench.plan", *flags], capture_output=True, text=True
-        )
-    if child.returncode != 0:
-        raise SystemExit(f"the fresh process failed:\n{child.stderr[-3000:]}")
-    figures = json.loads(child.stdout)
-    loaded = figures.pop("store_hit_table_digest")
+        reports_file = Path(scratch) / "reports.json"
+        reports_file.write_text(json.dumps(reports))
+        figures = {}
+        for plan_dir, label in (("-", "store"), (str(Path(scratch) / "plans"), "local")):
+            flags = [
+                *("--model", args.model, "--target", args.target, "--mode", args.mode),
+                *("--workers-per-node", str(args.workers_per_node)),
+                *("--batch-bytes", str(args.batch_bytes)),
+                "--load-from",
+                *(master.master_address, master.metadata_url, holder.segment),
+                *(str(reports_file), plan_dir),
+            ]
+            child = subprocess.run(
+                [sys.executable, "-m", "bench.plan", *flags], capture_output=True, text=True
+            )
+            if child.returncode != 0:
+                raise SystemExit(f"the fresh process failed:\n{child.stderr[-3000:]}")
+            loaded = json.loads(child.stdout)
+            digest = loaded.pop("store_hit_table_digest")
+            loaded["store_hit_equals_cold"] = digest == table_digest(table)
+            figures[label] = loaded
     return {
-        **figures,
         "store_save_seconds": round(saved, 3),
         "store_entry_bytes": entry_bytes,
-        "store_hit_equals_cold": loaded == table_digest(table),
+        "fresh_process_store": figures["store"],
+        "fresh_process_local_copy": figures["local"],
     }
 
 
@@ -210,7 +261,7 @@ def main() -> None:
         help="also keep the table in a Store and time its load in a fresh process",
     )
     parser.add_argument("--store-segment", default="1GiB", help="the Store's segment holder")
-    parser.add_argument("--load-from", nargs=3, help=argparse.SUPPRESS)  # the fresh process
+    parser.add_argument("--load-from", nargs=5, help=argparse.SUPPRESS)  # the fresh process
     args = parser.parse_args()
     if args.load_from:
         print(json.dumps(fresh_store_hit(args)))
@@ -218,6 +269,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     given = inputs(args)
+    reports = worker_reports(given.demand)  # the engines' work, once per placement
+    given = replace(given, demand=as_reported(given.demand, reports))
     model, manifest, next_manifest = given.model, given.manifest, given.next_manifest
     topology, demand, params = given.topology, given.demand, given.params
     setup = time.perf_counter() - t0
@@ -293,7 +346,7 @@ def main() -> None:
         result["cross_node_sends_per_tensor"] = cross_node_sends_per_tensor(table)
         result["nodes - 1"] = len(topology.nodes) - 1
     if args.store:
-        result.update(store_figures(args, given, table))
+        result.update(store_figures(args, given, reports, table))
     print(json.dumps(result))
 
 

@@ -62,7 +62,13 @@ from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
-from mooncake_rl.protocol import BucketWire, PrepareRequest, stage_refusal
+from mooncake_rl.protocol import (
+    PLACEMENT_DIGEST,
+    BucketWire,
+    PrepareRequest,
+    placement_digest,
+    stage_refusal,
+)
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.buckets import this_host_id
@@ -225,7 +231,7 @@ class UpdateWorker(ABC):
         state = self._state(engine_id)
         regions, shards = self.regions()
         tp_rank, tp_size = self.tp()
-        return {
+        described = {
             "worker_id": state.apply.worker_id,
             "node": state.apply.settings.node,
             "tp_rank": tp_rank,
@@ -241,6 +247,7 @@ class UpdateWorker(ABC):
             },
             "shards": [s.to_json() for s in shards],
         }
+        return {**described, PLACEMENT_DIGEST: placement_digest(described)}
 
     def gpu_id(self) -> str | None:
         """The physical GPU this rank runs on: its CUDA UUID, else the declared id

@@ -10,7 +10,10 @@ before anything is staged or written.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +22,22 @@ PROTOCOL_VERSION = 2
 change a coordinator of the previous version could misread (2: direct mode receives in
 place, so an aborted update may leave the engine rebuilding). A coordinator refuses engines
 of another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
+PLACEMENT_DIGEST = "placement_digest"
+PLANNED_FIELDS = ("worker_id", "tp_rank", "tp_size", "regions", "shards")
+"""What a direct-mode plan reads of a worker's placement (its node is the topology's)."""
+
+
+def placement_digest(worker: Mapping[str, Any]) -> str:
+    """SHA-256 of the planned fields of one worker's placement (canonical JSON).
+
+    Each engine worker reports it with its placement; a coordinator keys its routing table
+    on the reports (:func:`mooncake_rl.plan.demand.declared_digest`) instead of hashing
+    every fragment of a 1T MoE, and checks them against the descriptions before it plans."""
+    planned = {name: worker.get(name) for name in PLANNED_FIELDS}
+    canonical = json.dumps(planned, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 MAX_GENERATION = 2**53
 """Above any generation a Store will hand out; the workers bound it by the active record."""
 MAX_STAGES = 1 << 16

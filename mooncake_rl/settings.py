@@ -61,6 +61,12 @@ class Settings(BaseSettings):
         "client's setup logs to mooncake-native.log in log_dir (mooncake_rl.native_logs)",
     )
     log_dir: Path | None = Field(None, description="where logs go (default: $TMPDIR or /tmp)")
+    plan_dir: Path | None = Field(
+        None,
+        description="a node-local folder for copies of the routing tables kept in the Store: "
+        "the next coordinator on this node maps its table from here instead of reading it "
+        "over the network (a 1T MoE's table is ~185 MB); unset: the Store only",
+    )
     lease_ttl_s: float = Field(
         60.0, gt=0, description="serving lease lifetime; engines renew at 1/3"
     )

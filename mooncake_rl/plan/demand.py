@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import marshal
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
@@ -23,7 +23,7 @@ import numpy as np
 from mooncake.reshard.weight import WeightPlacementPart
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.layout import TENSOR_AXES, TENSOR_FIELDS
+from mooncake_rl.generations.layout import TENSOR_AXES, TENSOR_FIELDS, is_digest
 from mooncake_rl.plan.source import SourceLayout
 
 STAGING_REGION = "staging"
@@ -161,14 +161,40 @@ def part_digest(part: WeightPlacementPart) -> str:
     return h.hexdigest()
 
 
+def declared_digest(reports: Iterable[tuple[str, str]], scope: str = "") -> str:
+    """One demand digest from each worker's report of what it receives.
+
+    Each worker digests its own placement once (an engine, at every ``/mooncake/placement``
+    reply) and reports it, so a coordinator learns its cache key by combining one digest per
+    worker instead of hashing a 1T MoE's ~1M fragments. ``scope`` names anything else the
+    demand depends on (the operator's direct fallback). Planning checks the reports first
+    (``plan_routing``'s ``before_planning``), so no table is stored under a false one.
+    """
+    h = hashlib.sha256(b"mooncake-rl/declared/v1\x00" + scope.encode() + b"\x00")
+    for worker, digest in sorted(reports):
+        if not is_digest(digest):
+            raise InvariantViolation(
+                f"worker {worker} reported placement digest {digest!r}, not a SHA-256 hex digest"
+            )
+        h.update(f"{worker}\x00{digest}\x00".encode())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True, eq=False)
 class DirectDemand:
-    """Each worker's placement part, and optionally its destinations (worker id -> value)."""
+    """Each worker's placement part, and optionally its destinations (worker id -> value).
+
+    ``declared``: the demand's digest as the workers reported it (:func:`declared_digest`);
+    it is then the cache key's demand digest, and nothing is hashed here.
+    """
 
     parts: tuple[tuple[str, WeightPlacementPart], ...]
     destinations: tuple[tuple[str, Destinations], ...] = ()
+    declared: str | None = None
 
     def __post_init__(self) -> None:
+        if self.declared is not None and not is_digest(self.declared):
+            raise InvariantViolation(f"declared demand digest {self.declared!r} is not SHA-256")
         parts = tuple(sorted(self.parts, key=lambda p: p[0]))
         destinations = tuple(sorted(self.destinations, key=lambda d: d[0]))
         if len({w for w, _ in parts}) != len(parts):
@@ -192,11 +218,17 @@ class DirectDemand:
         cls,
         parts: Mapping[str, WeightPlacementPart],
         destinations: Mapping[str, Destinations] | None = None,
+        declared: str | None = None,
     ) -> DirectDemand:
-        return cls(tuple(parts.items()), tuple((destinations or {}).items()))
+        return cls(tuple(parts.items()), tuple((destinations or {}).items()), declared)
 
     @cached_property
     def digest(self) -> str:
+        """The declared digest, else :attr:`content_digest`."""
+        return self.declared or self.content_digest
+
+    @cached_property
+    def content_digest(self) -> str:
         """Computed once per demand; parts shared by several workers are hashed once."""
         memo: dict[int, str] = {}
         h = hashlib.sha256(b"mooncake-rl/direct/v1")

@@ -280,7 +280,8 @@ def _rows_of(records: np.ndarray, value: int, field: str = "worker") -> np.ndarr
 def _is_sorted(*keys: np.ndarray) -> bool:
     """Whether rows are in non-decreasing lexicographic order of ``keys``."""
     undecided = np.ones(max(len(keys[0]) - 1, 0), dtype=bool)
-    for key in keys:
+    for field in keys:
+        key = np.ascontiguousarray(field)  # a record field is strided: compare a packed copy
         a, b = key[:-1], key[1:]
         if (undecided & (b < a)).any():
             return False

@@ -40,12 +40,15 @@ from mooncake_rl.plan.demand import (
     CompatDemand,
     Destinations,
     DirectDemand,
+    declared_digest,
 )
 from mooncake_rl.plan.params import PlanParams
+from mooncake_rl.plan.planner import plan_key
 from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.stored import StoredTables
 from mooncake_rl.plan.table import RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
+from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
 from mooncake_rl.store import StoreClient
 
 
@@ -206,6 +209,28 @@ def require_staging(engines: Mapping[str, Sequence[Mapping[str, Any]]], batch_by
         )
 
 
+def reported_digest(workers: Sequence[Mapping[str, Any]], direct_fallback: str | None) -> str:
+    """The direct demand's digest from the workers' ``placement_digest`` reports (computed
+    here for a worker that reports none): the cache key costs one hash per worker."""
+    return declared_digest(
+        ((w["worker_id"], w.get(PLACEMENT_DIGEST) or placement_digest(w)) for w in workers),
+        scope=f"direct-fallback={direct_fallback or ''}",
+    )
+
+
+def require_true_reports(workers: Sequence[Mapping[str, Any]]) -> None:
+    """Before a table is planned (and kept under the reported key): every worker's report
+    must be the digest of the description it sent."""
+    for w in workers:
+        reported = w.get(PLACEMENT_DIGEST)
+        if reported is not None and reported != placement_digest(w):
+            raise InvariantViolation(
+                f"worker {w['worker_id']} reported placement digest {reported}, but its "
+                f"placement hashes to {placement_digest(w)}: the engine runs another "
+                "mooncake-rl version; upgrade it to the coordinator's"
+            )
+
+
 def topology_of(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> Topology:
     """One ``Worker`` per worker description; an engine (its URL) is one instance."""
     return Topology.of(
@@ -249,10 +274,14 @@ def plan_routing(
                 regions[worker_id] = dict(wanted.destinations.regions)
                 region_dtypes[worker_id] = wanted.region_dtypes
                 fallback[worker_id] = wanted.fallback
-        demand = DirectDemand.of(parts, destinations)
-    table = plan_table(
-        manifest, topology, demand, params=params, cache=tables, layout_digest=layout_digest
-    )
+        demand = DirectDemand.of(parts, destinations, reported_digest(workers, direct_fallback))
+    key = plan_key(manifest, topology, demand, params, layout_digest)
+    table = tables.get(key) if tables is not None else None
+    if table is None:
+        require_true_reports(workers)
+        table = plan_table(manifest, topology, demand, params=params, layout_digest=layout_digest)
+        if tables is not None:
+            tables.put(key, table)
     for row in table.region_sizes.tolist():
         worker, region, size = table.workers[row[0]], table.regions[row[1]], row[2]
         if regions[worker].setdefault(region, size) != size:

@@ -4,8 +4,10 @@ entry is never used, and the entry encoding round-trips any table."""
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.plan import demand as demand_module
 from mooncake_rl.plan import planner as planner_module
 from mooncake_rl.plan.cache import PlanKey
 from mooncake_rl.plan.demand import CompatLayout
@@ -23,6 +26,7 @@ from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.stored import (
     FORMAT_VERSION,
     PREFIX,
+    LocalTables,
     decode_table,
     encode_table,
     entry_key,
@@ -36,6 +40,7 @@ from mooncake_rl.plan.table import (
     RoutingTable,
 )
 from mooncake_rl.plan.update import RoutingCache, RoutingPlan
+from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
 from mooncake_rl.services import EmbeddedMaster, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -318,6 +323,95 @@ def test_a_name_with_nul_is_not_encoded() -> None:
 
 def test_the_plan_bench_loads_the_table_in_a_fresh_process() -> None:
     result = bench_plan("--model", "small", "--target", "2xTP4", "--store")
-    assert result["store_hit_equals_cold"] is True
     assert result["store_entry_bytes"] > 0
-    assert 0 < result["store_hit_load_seconds"] <= result["plan_seconds_store_hit"]
+    for path in ("fresh_process_store", "fresh_process_local_copy"):
+        fresh = result[path]
+        assert fresh["store_hit_equals_cold"] is True, path
+        assert 0 < fresh["store_hit_load_seconds"] <= fresh["plan_seconds_store_hit"], path
+
+
+# -- the node-local copy -----------------------------------------------------------------------
+def test_the_next_process_on_the_node_maps_its_copy_and_a_bad_copy_is_dropped(
+    coordinator_settings: Settings,
+    planned: list[Any],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = specs()
+    local = coordinator_settings.model_copy(update={"plan_dir": tmp_path / "plans"})
+    with StoreClient(local) as store:
+        cold, _ = plan_in_fresh_process(store, "direct", model, generation=1)
+        name = entry_key(key_of(cold.table))
+        copy = LocalTables(tmp_path / "plans").path(name)
+        assert copy.read_bytes() == store.get_array(name).tobytes()
+        store.remove([name], force=True)  # only the node-local copy is left
+        mapped, cache = plan_in_fresh_process(store, "direct", model, generation=2)
+        assert (cache.loads, cache.misses) == (1, 0) and len(planned) == 1
+        assert_same_table(mapped.table, cold.table)
+        assert not mapped.table.reads.flags.writeable  # a read-only map of the file
+        entry = bytearray(copy.read_bytes())
+        entry[-1] ^= 0xFF
+        copy.write_bytes(entry)
+        with caplog.at_level(logging.WARNING, logger="mooncake_rl.plan.stored"):
+            replanned, cache = plan_in_fresh_process(store, "direct", model, generation=3)
+    assert (cache.loads, cache.misses) == (0, 1) and len(planned) == 2
+    assert f"ignoring routing table file {copy}" in caplog.text
+    assert "does not match its digest" in caplog.text
+    assert_same_table(replanned.table, cold.table)
+    assert copy.read_bytes() == encode_table(cold.table).tobytes()  # replaced by the replan
+
+
+def test_the_plan_folder_keeps_the_newest_tables(tmp_path: Path) -> None:
+    folder = LocalTables(tmp_path, keep=2)
+    for index, name in enumerate(("a", "b", "c")):
+        folder.write(name, np.full(8, index, np.uint8))
+        os.utime(folder.path(name), (index, index))  # a strict age order
+    assert sorted(tmp_path.iterdir()) == sorted([folder.path("b"), folder.path("c")])
+    assert np.array_equal(folder.read("c"), np.full(8, 2, np.uint8))
+    assert folder.read("a") is None
+    with pytest.raises(InvariantViolation, match="at least one"):
+        LocalTables(tmp_path, keep=0)
+
+
+# -- the key from the engines' reports ---------------------------------------------------------
+def reporting(engines: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """The engines as real ones describe themselves: each worker reports its digest."""
+    return {
+        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
+        for url, workers in engines.items()
+    }
+
+
+def test_reported_placements_key_the_table_and_a_false_report_is_refused(
+    store: StoreClient, planned: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = specs()
+    engines = reporting(simulated_engines(model, CLUSTERS["direct"], "direct"))
+    cold = RoutingCache(store).get_or_plan(
+        build_manifest("stored", 1, model, "now"), engines, "direct", BATCH
+    )
+    hashed: list[Any] = []
+    real = demand_module.part_digest
+    monkeypatch.setattr(
+        demand_module, "part_digest", lambda part: hashed.append(part) or real(part)
+    )
+    fresh = RoutingCache(store)
+    hit = fresh.get_or_plan(build_manifest("stored", 2, model, "now"), engines, "direct", BATCH)
+    assert (fresh.loads, fresh.misses, len(planned)) == (1, 0, 1)
+    assert hashed == []  # the key came from the reports: no fragment was hashed
+    assert_same_table(hit.table, cold.table)
+    # Without reports (an engine of an older version) the same key is computed here.
+    unreported = simulated_engines(model, CLUSTERS["direct"], "direct")
+    again = RoutingCache(store)
+    again.get_or_plan(build_manifest("stored", 3, model, "now"), unreported, "direct", BATCH)
+    assert (again.loads, again.misses) == (1, 0)
+    # A report that is not its description's digest is refused before anything is planned.
+    other = specs()
+    lying = reporting(simulated_engines(other, CLUSTERS["direct"], "direct"))
+    worker = lying[next(iter(lying))][0]
+    worker[PLACEMENT_DIGEST] = placement_digest({**worker, "tp_rank": 99})
+    with pytest.raises(InvariantViolation, match=f"worker {worker['worker_id']} reported"):
+        RoutingCache(store).get_or_plan(
+            build_manifest("stored", 1, other, "now"), lying, "direct", BATCH
+        )
+    assert len(planned) == 1

@@ -43,7 +43,7 @@ from mooncake_rl.generations.keys import advert_key, group_id
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.update import RoutingCache, plan_update
-from mooncake_rl.protocol import ApplyRequest, PrepareRequest
+from mooncake_rl.protocol import PLACEMENT_DIGEST, ApplyRequest, PrepareRequest, placement_digest
 from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -330,7 +330,8 @@ def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
     assert world.compare(2) == [[], []]
     placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
     assert [(w["tp_rank"], w["tp_size"]) for w in placement] == [(0, 2), (1, 2)]
-    for worker in placement:
+    for worker in placement:  # each rank reports the digest its routing table is keyed by
+        assert worker[PLACEMENT_DIGEST] == placement_digest(worker)
         parameter_bytes = sum(r["bytes"] for r in worker["regions"].values())
         assert result.received_bytes[worker["worker_id"]] == parameter_bytes
     assert result.store_read_bytes == result.unique_demand_bytes
