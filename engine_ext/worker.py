@@ -234,6 +234,7 @@ class UpdateWorker(ABC):
         described = {
             "worker_id": state.apply.worker_id,
             "node": state.apply.settings.node,
+            "segment": state.apply.store.local_segment,  # locality hints: the node's segment
             "tp_rank": tp_rank,
             "tp_size": tp_size,
             "gpu": self.gpu_id(),

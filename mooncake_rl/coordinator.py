@@ -482,6 +482,7 @@ class Coordinator:
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
         # One table load per update; each worker gets the rows of the objects it reads.
         checksums = registry.load_checksums(record.generation, record.checksums_digest)
+        segments = registry.segment_hints(record)  # locality: reads stay on a segment's node
         result = UpdateResult(model, record.generation, mode, list(engines))
         result.transport = chosen.value
         clock = time.perf_counter()
@@ -554,6 +555,7 @@ class Coordinator:
                         self.cache,
                         record.layout_digest,
                         options.direct_fallback,
+                        segments,
                     ),
                     lambda url, plan: {
                         **base_body(url),

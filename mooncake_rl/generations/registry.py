@@ -36,6 +36,7 @@ from mooncake_rl.errors import (
     ConfigurationError,
     InvariantViolation,
     MooncakeError,
+    MooncakeRLError,
     ObjectAlreadyExists,
     ObjectNotFound,
 )
@@ -387,6 +388,19 @@ class GenerationRegistry:
                 "its digest in the active record"
             )
         return segments
+
+    def segment_hints(self, record: ActiveRecord) -> SegmentMap | None:
+        """The record's segment map, or None (a record older than hints, or a map that cannot
+        be read): hints only steer the reader choice, a plan without them is as correct."""
+        if record.segments_digest is None:
+            return None
+        try:
+            return self.load_segments(record.generation, record.segments_digest)
+        except MooncakeRLError as error:
+            logger.warning(
+                "generation %s: planning without locality hints: %s", record.generation, error
+            )
+            return None
 
     def load_checksums(self, generation: int, digest: str) -> ChecksumTable:
         """The generation's checksum table, refused unless it hashes to ``digest``."""

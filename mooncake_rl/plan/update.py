@@ -33,6 +33,7 @@ from mooncake_rl.apply.executor import Batch
 from mooncake_rl.apply.wire import WorkerSlice, encode_slice, with_checksums
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.checksums import ObjectChecksum
+from mooncake_rl.generations.layout import SegmentMap
 from mooncake_rl.plan.cache import PlanCache
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
@@ -179,9 +180,17 @@ class RoutingCache:
         batch_bytes: int,
         layout_digest: str | None = None,
         direct_fallback: str | None = None,
+        segments: SegmentMap | None = None,
     ) -> RoutingPlan:
         return plan_routing(
-            manifest, engines, mode, batch_bytes, self.tables, layout_digest, direct_fallback
+            manifest,
+            engines,
+            mode,
+            batch_bytes,
+            self.tables,
+            layout_digest,
+            direct_fallback,
+            segments,
         )
 
 
@@ -234,7 +243,7 @@ def require_true_reports(workers: Sequence[Mapping[str, Any]]) -> None:
 def topology_of(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> Topology:
     """One ``Worker`` per worker description; an engine (its URL) is one instance."""
     return Topology.of(
-        Worker(w["worker_id"], w["node"], url, int(w["tp_rank"]))
+        Worker(w["worker_id"], w["node"], url, int(w["tp_rank"]), w.get("segment"))
         for url, workers in engines.items()
         for w in workers
     )
@@ -248,10 +257,12 @@ def plan_routing(
     tables: PlanCache | None = None,
     layout_digest: str | None = None,
     direct_fallback: str | None = None,
+    segments: SegmentMap | None = None,
 ) -> RoutingPlan:
     """``direct_fallback``: a regex of parameter (region) names direct mode lands through
     the engines' ``load_weights`` whatever their discovery says (the operator's way around
-    a discovery that is wrong for a model)."""
+    a discovery that is wrong for a model). ``segments``: the generation's locality hints
+    (each worker description's ``segment`` says which segment is on its node)."""
     if mode not in ("compat", "direct"):
         raise InvariantViolation(f"unknown mode {mode!r}")
     workers = [w for ws in engines.values() for w in ws]
@@ -275,11 +286,18 @@ def plan_routing(
                 region_dtypes[worker_id] = wanted.region_dtypes
                 fallback[worker_id] = wanted.fallback
         demand = DirectDemand.of(parts, destinations, reported_digest(workers, direct_fallback))
-    key = plan_key(manifest, topology, demand, params, layout_digest)
+    key = plan_key(manifest, topology, demand, params, layout_digest, segments=segments)
     table = tables.get(key) if tables is not None else None
     if table is None:
         require_true_reports(workers)
-        table = plan_table(manifest, topology, demand, params=params, layout_digest=layout_digest)
+        table = plan_table(
+            manifest,
+            topology,
+            demand,
+            params=params,
+            layout_digest=layout_digest,
+            segments=segments,
+        )
         if tables is not None:
             tables.put(key, table)
     for row in table.region_sizes.tolist():
@@ -541,6 +559,7 @@ def plan_update(
     cache: RoutingCache,
     layout_digest: str | None = None,
     direct_fallback: str | None = None,
+    segments: SegmentMap | None = None,
 ) -> UpdatePlan:
     """Plan (or reuse) the update of ``engines`` to ``manifest``'s generation.
 
@@ -548,7 +567,7 @@ def plan_update(
     cache hit does not re-hash the manifest (see :func:`mooncake_rl.plan.plan_routing`).
     """
     routing = cache.get_or_plan(
-        manifest, engines, mode, batch_bytes, layout_digest, direct_fallback
+        manifest, engines, mode, batch_bytes, layout_digest, direct_fallback, segments
     )
     by_engine = {url: tuple(w["worker_id"] for w in ws) for url, ws in engines.items()}
     return UpdatePlan(routing, manifest.group_id, by_engine)

@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.layout import SegmentMap
 from mooncake_rl.plan import CompatDemand, PlanParams, Topology, Worker, plan_key, plan_routing
 from mooncake_rl.plan.planner import object_homes
-from mooncake_rl.plan.shapes import MODELS, cluster, weight_manifest
+from mooncake_rl.plan.shapes import MODELS, ModelShape, TensorSpec, cluster, weight_manifest
+from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.table import demanded_union_bytes, duplex_nic_bytes
+from mooncake_rl.plan.update import RoutingCache, plan_update
 
 from .helpers import Spec, check_delivery, contents, execute, manifest
 
@@ -138,3 +141,20 @@ def test_segment_map_round_trip_and_validation():
         SegmentMap(("a",), (1,), ("s",))
     with pytest.raises(InvariantViolation, match="not a segment map"):
         SegmentMap.decode(b"{}")
+
+
+def test_plan_update_takes_segments_from_the_worker_descriptions():
+    """The coordinator's path: each worker description names its node's segment, the
+    announce's map names each object's; between equally loaded readers, node-b's reads."""
+    model = ModelShape("m", (TensorSpec("t", (64,), "replicated"),))
+    m = weight_manifest(model, 1)
+    engines = simulated_engines(specs_of(m), [("node-a", 1), ("node-b", 1)], "compat")
+    for worker in engines["http://engine1"]:
+        worker["segment"] = "holder-b"
+    names = sorted(f.object_key.rsplit("/", 1)[1] for f in m.fragments)
+    segments = SegmentMap.of(dict.fromkeys(names, "holder-b"))
+    located = plan_update(m, engines, "compat", 4096, RoutingCache(), segments=segments)
+    plain = plan_update(m, engines, "compat", 4096, RoutingCache())
+    for plan, node in ((located, 1), (plain, 0)):
+        table = plan.routing.table
+        assert table.worker_node[table.reads["worker"]].tolist() == [node]
