@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mooncake_rl.plan import PlanParams
 from mooncake_rl.plan.shapes import DTYPES, LAYOUTS, MODELS
 
 GB = 1e9
@@ -47,12 +48,15 @@ class Point:
     dtype: str = "bfloat16"
     layout: str = "tp"
     workers_per_node: int = 8
+    balance_slack: float = PlanParams().balance_slack  # the planner's chunking knob
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; one of {sorted(MODELS)}")
         if self.dtype not in DTYPES or self.layout not in LAYOUTS:
             raise ValueError(f"dtype must be one of {DTYPES}, layout one of {LAYOUTS}")
+        if not 0 < self.balance_slack <= 1:
+            raise ValueError(f"balance_slack must lie in (0, 1], got {self.balance_slack}")
         for name in ("engines", "tp", "workers_per_node"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
@@ -80,15 +84,21 @@ def measure(point: Point) -> dict[str, Any]:
     setup = time.perf_counter() - t0
     before = _rss("VmRSS")
     cache = PlanCache()
+    params = PlanParams(balance_slack=point.balance_slack)
     t0, c0 = time.perf_counter(), time.process_time()
-    table = plan_routing(manifest, topology, demand, cache=cache, layout_digest=recorded)
+    table = plan_routing(
+        manifest, topology, demand, params=params, cache=cache, layout_digest=recorded
+    )
     cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0 = time.perf_counter()
-    again = plan_routing(following, topology, demand, cache=cache, layout_digest=next_recorded)
+    again = plan_routing(
+        following, topology, demand, params=params, cache=cache, layout_digest=next_recorded
+    )
     bind(again, following.group_id)
     cached = time.perf_counter() - t0
     assert again is table and cache.hits == 1
     arrays = (table.reads, table.pushes, table.demands, table.region_sizes)
+    nic = table.totals.node_nic_bytes
     peak = _rss("VmHWM")
     return {
         **asdict(point),
@@ -109,6 +119,7 @@ def measure(point: Point) -> dict[str, Any]:
         "records": sum(len(a) for a in arrays[:3]),
         "table_bytes": sum(a.nbytes for a in arrays),
         "store_read_bytes": table.totals.store_read_bytes,
+        "max_over_mean_node_nic_bytes": round(float(nic.max() / nic.mean()), 5),
         "delivered_bytes": int(table.totals.delivered_bytes.sum()),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
@@ -216,13 +227,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, default="tp")
     p.add_argument("--workers-per-node", type=int, default=8)
     p.add_argument("--max-rss-gb", type=float, default=10.0)
+    p.add_argument(
+        "--balance-slack",
+        type=float,
+        default=PlanParams().balance_slack,
+        help="the planner's chunking knob: larger, fewer chunks and pushes, looser balance",
+    )
     p.add_argument("--point", help=argparse.SUPPRESS)  # the child: one point
     args = p.parse_args(argv)
     if args.point:
         print(json.dumps(measure(Point(**json.loads(args.point)))))
         return 0
     points = [
-        Point(args.model, int(n), args.tp, args.dtype, args.layout, args.workers_per_node)
+        Point(
+            args.model,
+            int(n),
+            args.tp,
+            args.dtype,
+            args.layout,
+            args.workers_per_node,
+            args.balance_slack,
+        )
         for n in args.engines.split(",")
     ]
     print(json.dumps(run(points, args.max_rss_gb * GB)))
