@@ -114,8 +114,8 @@ class RoutingTable:
     ``region_sizes`` declares every region a record may touch, including each reader's
     ``staging`` region; ``demands`` is the coverage contract the validator checks against.
     ``compat`` is the compat-mode receive-buffer layout (None in direct mode).
-    ``max_chunk_cost`` is the term of the documented balance bound
-    ``max(node_nic_bytes) <= mean(node_nic_bytes) + max_chunk_cost``.
+    ``max_chunk_cost`` is the term of the documented duplex balance bound: per node,
+    ``out <= max(in + staged, mean(out) + max_chunk_cost)`` (see :mod:`.assign`).
     """
 
     mode: str
