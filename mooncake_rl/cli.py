@@ -335,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("model_dir")
     publish.add_argument("--name", required=True, help="model name in the Store")
     publish.add_argument(
-        "--dtype", default="bfloat16", help="rollout dtype (bfloat16, float16, float32)"
+        "--dtype",
+        default="bfloat16",
+        help="rollout dtype (bfloat16, float16, float32) or fp8_e4m3 (block fp8, docs/fp8.md)",
     )
     publish.add_argument(
         "--replicas",

@@ -32,7 +32,7 @@ from tests.conftest import settings_for, trainer_settings
 def reference_quantizer():
     """vLLM's ``per_block_cast_to_fp8`` (DeepGEMM's), eager: vLLM wraps it in torch.compile,
     which recompiles per shape (seconds each on this CPU); the compiled one gave the same
-    bytes on the shapes docs/models.md lists."""
+    bytes on the shapes docs/fp8.md lists."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
     return inspect.unwrap(per_block_cast_to_fp8)

@@ -17,7 +17,7 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
-from mooncake_rl.generations.catalog import rollout_dtype
+from mooncake_rl.generations.catalog import publish_format
 from mooncake_rl.generations.keys import check_model_name
 from mooncake_rl.metrics import MetricsExport
 from mooncake_rl.protocol import DrainRequest
@@ -115,7 +115,7 @@ class BridgeConfig:
         config = cls(**values)
         try:
             check_model_name(config.model)
-            rollout_dtype(config.dtype)
+            publish_format(config.dtype)
         except InvariantViolation as error:
             raise ConfigurationError(str(error)) from error
         if config.mode not in MODES:

@@ -48,7 +48,7 @@ from engine_ext.ranks import gather_json
 from engine_ext.vllm.worker import VllmUpdateWorker
 from mooncake_rl.coordinator import advertised_peers
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.catalog import rollout_dtype
+from mooncake_rl.generations.catalog import publish_format
 from mooncake_rl.generations.publisher import DEFAULT_KEEP, publish_local
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
 from mooncake_rl.plan.update import RoutingCache, plan_update, require_staging
@@ -403,7 +403,7 @@ class MooncakeStoreTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self) -> None:
         self.engine_init_info()
         try:
-            rollout_dtype(self.dtype)
+            publish_format(self.dtype)
         except InvariantViolation as error:
             raise ValueError(f"{BACKEND}: {error}") from None
         if self.keep is not None and (type(self.keep) is not int or self.keep < 1):

