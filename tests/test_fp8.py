@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from engine_ext.placement import assemble_regions, describe_shards
+from engine_ext.placement import RegionSpec, assemble_regions, describe_shards
+from engine_ext.vllm.placement import expert_shards
 from mooncake_rl.apply.process import WorkerCluster, WorkerMemory, run_planned_update
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import fp8
@@ -284,3 +285,52 @@ def test_block_scales_are_described_in_blocks(block_on_layer: bool) -> None:
     }
     for name, pieces in want.items():
         assert as_bytes(filled[name]) == as_bytes(torch.cat(pieces)), name
+
+
+EXPERT_SHAPES = {"gate_proj": (512, 300), "up_proj": (512, 300), "down_proj": (300, 512)}
+
+
+def test_fused_expert_scales_are_described_like_their_weights() -> None:
+    """vLLM's fused experts at rank 1 of 2 (intermediate 512, hidden 300), with vLLM's own
+    expert mapping: ``w13_weight_scale_inv`` holds each expert's gate then up block rows of
+    this rank, ``w2_weight_scale_inv`` its block columns of down_proj, like the weights."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    experts = torch.nn.Module()
+    experts.get_expert_mapping = lambda: RoutedExperts.build_expert_params_mapping(
+        "gate_proj", "down_proj", "up_proj", 2
+    )
+    experts.moe_config = SimpleNamespace(
+        is_act_and_mul=True, tp_rank=1, moe_parallel_config=SimpleNamespace(tp_size=2)
+    )
+    experts._map_global_expert_id_to_local_expert_id = lambda expert: expert
+    prefix = "m.layers.1.mlp.experts.routed_experts."
+    metas = {
+        "w13_weight": torch.empty(2, 512, 300, dtype=torch.float8_e4m3fn),
+        "w13_weight_scale_inv": torch.empty(2, 4, 3),
+        "w2_weight": torch.empty(2, 300, 256, dtype=torch.float8_e4m3fn),
+        "w2_weight_scale_inv": torch.empty(2, 3, 2),
+    }
+    regions, shards = [], []
+    for name, tensor in metas.items():
+        regions.append(RegionSpec(prefix + name, tuple(tensor.shape), tensor.dtype))
+        shards += expert_shards(prefix + name, experts, name, tensor) or []
+    generator = torch.Generator().manual_seed(1)
+    checkpoint: dict[str, torch.Tensor] = {}
+    for expert in range(2):
+        for proj, shape in EXPERT_SHAPES.items():
+            name = f"m.layers.1.mlp.experts.{expert}.{proj}.weight"
+            w, s = fp8.block_quantize(name, torch.randn(shape, generator=generator))
+            checkpoint[name], checkpoint[fp8.scale_name(name)] = w, s
+    filled, uncovered = assemble_regions(regions, shards, checkpoint)
+    assert uncovered == []
+
+    def of(expert: int, proj: str, suffix: str) -> torch.Tensor:
+        return checkpoint[f"m.layers.1.mlp.experts.{expert}.{proj}.weight{suffix}"]
+
+    for expert in range(2):
+        for suffix, rows in (("", slice(256, 512)), ("_scale_inv", slice(2, 4))):
+            w13 = torch.cat([of(expert, p, suffix)[rows] for p in ("gate_proj", "up_proj")])
+            w2 = of(expert, "down_proj", suffix)[:, rows]
+            assert as_bytes(filled[f"{prefix}w13_weight{suffix}"][expert]) == as_bytes(w13)
+            assert as_bytes(filled[f"{prefix}w2_weight{suffix}"][expert]) == as_bytes(w2)
