@@ -172,7 +172,7 @@ def fresh_store_hit(args: argparse.Namespace) -> dict[str, Any]:
         t0, c0 = time.perf_counter(), time.process_time()
         demand = as_reported(given.demand, json.loads(Path(reports_file).read_text()))
         key = plan_key(
-            given.next_manifest, given.topology, demand, given.params, given.next_recorded
+            given.next_manifest, given.topology, demand.digest, given.params, given.next_recorded
         )
         t1 = time.perf_counter()
         table = plan_routing(
@@ -208,7 +208,9 @@ def store_figures(
 ) -> dict[str, Any]:
     """Keep ``table`` in a fresh Store (and a node-local copy), then time its load in two
     fresh processes: one that reads the Store, one that maps the node-local copy."""
-    key = plan_key(given.manifest, given.topology, given.demand, given.params, given.recorded)
+    key = plan_key(
+        given.manifest, given.topology, given.demand.digest, given.params, given.recorded
+    )
     with (
         tempfile.TemporaryDirectory() as scratch,
         store_services(parse_size(args.store_segment)) as (master, holder, settings),

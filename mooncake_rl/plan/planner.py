@@ -25,13 +25,14 @@ from mooncake_rl.plan.validate import validate_routing_table
 def plan_key(
     manifest: WeightManifest,
     topology: Topology,
-    demand: CompatDemand | DirectDemand,
+    demand_digest: str,
     params: PlanParams,
     layout_digest: str | None = None,
     *,
     segments: SegmentMap | None = None,
 ) -> PlanKey:
-    """The cache key. Demand and topology digests are cached on their objects; the source
+    """The cache key. ``demand_digest`` is the demand's ``digest`` (declared by the engine
+    workers, or hashed once per demand object), the topology's is cached on it; the source
     digest is ``layout_digest`` when the generation's record carries one, else it is
     computed from the manifest (the only per-generation work of a hit). Segment hints that
     put objects on a rollout node change the plan, so their digest joins the source digest."""
@@ -42,7 +43,7 @@ def plan_key(
     if segments is not None and not set(segments.segments).isdisjoint(topology.segment_node):
         joined = f"mooncake-rl/located/v1\0{layout_digest}\0{segments.digest}".encode()
         layout_digest = hashlib.sha256(joined).hexdigest()
-    return PlanKey(layout_digest, demand.digest, topology.digest, params)
+    return PlanKey(layout_digest, demand_digest, topology.digest, params)
 
 
 def plan_routing(
@@ -66,7 +67,7 @@ def plan_routing(
     a worker declares (``Worker.segment``) are preferably read on that node, off the NIC.
     """
     params = params or PlanParams()
-    key = plan_key(manifest, topology, demand, params, layout_digest, segments=segments)
+    key = plan_key(manifest, topology, demand.digest, params, layout_digest, segments=segments)
     if cache is not None:
         cached = cache.get(key)
         if cached is not None:

@@ -271,25 +271,33 @@ def plan_routing(
     regions: dict[str, dict[str, int]] = {w["worker_id"]: {} for w in workers}
     region_dtypes: dict[str, dict[str, str]] = {}
     fallback: dict[str, tuple[dict[str, Any], ...]] = {}
-    demand: CompatDemand | DirectDemand
+    layouts: dict[str, dict[str, WorkerLayout]] = {}
     if mode == "compat":
-        demand = CompatDemand()
+        demand_digest = CompatDemand().digest
     else:
-        parts: dict[str, WeightPlacementPart] = {}
-        destinations: dict[str, Destinations] = {}
-        for engine_workers in engines.values():
-            described = _without(engine_workers, direct_fallback)
-            for worker_id, wanted in _engine_parts(manifest, described).items():
-                parts[worker_id] = wanted.part
-                destinations[worker_id] = wanted.destinations
-                regions[worker_id] = dict(wanted.destinations.regions)
-                region_dtypes[worker_id] = wanted.region_dtypes
-                fallback[worker_id] = wanted.fallback
-        demand = DirectDemand.of(parts, destinations, reported_digest(workers, direct_fallback))
-    key = plan_key(manifest, topology, demand, params, layout_digest, segments=segments)
+        for url, engine_workers in engines.items():
+            layouts[url] = _engine_layout(manifest, _without(engine_workers, direct_fallback))
+            for worker_id, layout in layouts[url].items():
+                regions[worker_id] = dict(layout.regions)
+                region_dtypes[worker_id] = layout.region_dtypes
+                fallback[worker_id] = layout.fallback
+        demand_digest = reported_digest(workers, direct_fallback)
+    key = plan_key(manifest, topology, demand_digest, params, layout_digest, segments=segments)
     table = tables.get(key) if tables is not None else None
-    if table is None:
+    if table is None:  # only a miss builds the planner's demand (a 1T MoE: ~1M fragments)
         require_true_reports(workers)
+        demand: CompatDemand | DirectDemand = CompatDemand()
+        if mode == "direct":
+            wanted = {
+                worker_id: worker_demand
+                for engine_layouts in layouts.values()
+                for worker_id, worker_demand in _engine_parts(manifest, engine_layouts).items()
+            }
+            demand = DirectDemand.of(
+                {w: d.part for w, d in wanted.items()},
+                {w: d.destinations for w, d in wanted.items()},
+                demand_digest,
+            )
         table = plan_table(
             manifest,
             topology,
@@ -364,20 +372,32 @@ def _without(
 
 
 @dataclass(frozen=True)
-class WorkerDemand:
-    """One worker's direct-mode demand: boxes landing in its parameters, plus the full
-    tensors it lands through the engine's ``load_weights`` (the per-parameter fallback)."""
+class WorkerLayout:
+    """One worker's direct-mode receive layout, read off its description: the boxes it
+    receives (``shards``, fallback boxes included), its regions and their stored dtypes,
+    and the full tensors it lands through the engine's ``load_weights``. A cache hit needs
+    only this; the planner's placement part is built from it on a miss."""
 
-    part: WeightPlacementPart
-    destinations: Destinations
+    tp_rank: int
+    tp_size: int
+    shards: tuple[Mapping[str, Any], ...]
+    regions: dict[str, int]
     region_dtypes: dict[str, str]
     fallback: tuple[dict[str, Any], ...]
 
 
-def _engine_parts(
+@dataclass(frozen=True)
+class WorkerDemand:
+    """One worker's direct-mode demand as the planner declares it."""
+
+    part: WeightPlacementPart
+    destinations: Destinations
+
+
+def _engine_layout(
     manifest: WeightManifest, workers: Sequence[Mapping[str, Any]]
-) -> dict[str, WorkerDemand]:
-    """One engine's TP ranks as placement parts, and where each fragment lands.
+) -> dict[str, WorkerLayout]:
+    """One engine's TP ranks: which boxes land where.
 
     A parameter with a box the generation cannot fill (a tensor name it lacks, or another
     global shape: the engine's discovery could not describe it) is not received directly.
@@ -433,19 +453,48 @@ def _engine_parts(
             }
             for row in fallback
         ]
-    holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
-    for w in workers:
-        for shard in direct[w["worker_id"]]:
-            holders.setdefault(shard["tensor"], []).append((int(w["tp_rank"]), shard))
-    descriptors = {
-        name: _target_descriptor(source[name], shards, tp_size) for name, shards in holders.items()
-    }
     stored = {t.tensor_id: t.dtype for t in manifest.tensors}
     out = {}
     for w in workers:
-        rank = ParallelRank(tp=int(w["tp_rank"]))
+        worker_id = w["worker_id"]
+        regions = {
+            name: int(spec["bytes"])
+            for name, spec in w["regions"].items()
+            if name not in undescribed[worker_id]
+        }
+        lands_fallback = bool(undescribed[worker_id])
+        if lands_fallback and fallback:
+            regions[FALLBACK_REGION] = fallback[-1]["offset"] + fallback[-1]["nbytes"]
+        shards = [s for s in direct[worker_id] if s["region"] != FALLBACK_REGION]
+        out[worker_id] = WorkerLayout(
+            int(w["tp_rank"]),
+            tp_size,
+            tuple(direct[worker_id]),
+            regions,
+            _region_dtypes(shards, stored),
+            fallback if lands_fallback else (),
+        )
+    return out
+
+
+def _engine_parts(
+    manifest: WeightManifest, layouts: Mapping[str, WorkerLayout]
+) -> dict[str, WorkerDemand]:
+    """One engine's TP ranks as placement parts, and where each fragment lands."""
+    source = {t.tensor_id: t for t in manifest.tensors}
+    tp_size = next(iter(layouts.values())).tp_size
+    holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+    for layout in layouts.values():
+        for shard in layout.shards:
+            holders.setdefault(shard["tensor"], []).append((layout.tp_rank, shard))
+    descriptors = {
+        name: _target_descriptor(source[name], shards, tp_size) for name, shards in holders.items()
+    }
+    out = {}
+    for worker_id, layout in layouts.items():
+        rank = ParallelRank(tp=layout.tp_rank)
         fragments, destination = [], {}
-        for shard in direct[w["worker_id"]]:
+        for shard in layout.shards:
             descriptor = source[shard["tensor"]]
             fragment = PlacementFragment(
                 tensor_id=shard["tensor"],
@@ -456,7 +505,7 @@ def _engine_parts(
             )
             if fragment.placement_fragment_id in destination:
                 raise InvariantViolation(
-                    f"{w['worker_id']} declares the same box of {shard['tensor']} twice"
+                    f"{worker_id} declares the same box of {shard['tensor']} twice"
                 )
             fragments.append(fragment)
             destination[fragment.placement_fragment_id] = (
@@ -475,22 +524,7 @@ def _engine_parts(
             tensors=tuple(descriptors[n] for n in names),
             fragments=tuple(fragments),
         )
-        worker_id = w["worker_id"]
-        regions = {
-            name: int(spec["bytes"])
-            for name, spec in w["regions"].items()
-            if name not in undescribed[worker_id]
-        }
-        lands_fallback = bool(undescribed[worker_id])
-        if lands_fallback and fallback:
-            regions[FALLBACK_REGION] = fallback[-1]["offset"] + fallback[-1]["nbytes"]
-        shards = [s for s in direct[worker_id] if s["region"] != FALLBACK_REGION]
-        out[worker_id] = WorkerDemand(
-            part,
-            Destinations.of(regions, destination),
-            _region_dtypes(shards, stored),
-            fallback if lands_fallback else (),
-        )
+        out[worker_id] = WorkerDemand(part, Destinations.of(layout.regions, destination))
     return out
 
 

@@ -105,9 +105,9 @@ def test_locality_prefers_the_segment_node_among_equals_and_reads_off_the_nic():
     assert list(table.totals.node_nic_in) == [256, 256]  # without hints: every read counts
     # Hints that name no rollout node change nothing, not even the cache key.
     elsewhere = SegmentMap.of({"t": "holder-trainer"})
-    key = plan_key(m, topology, CompatDemand(), PlanParams())
-    assert plan_key(m, topology, CompatDemand(), PlanParams(), segments=elsewhere) == key
-    assert plan_key(m, topology, CompatDemand(), PlanParams(), segments=segments) != key
+    key = plan_key(m, topology, CompatDemand().digest, PlanParams())
+    assert plan_key(m, topology, CompatDemand().digest, PlanParams(), segments=elsewhere) == key
+    assert plan_key(m, topology, CompatDemand().digest, PlanParams(), segments=segments) != key
     assert object_homes(table.objects, topology, elsewhere) is None
 
 
