@@ -58,7 +58,7 @@ from mooncake_rl.plan import (
     plan_routing,
 )
 from mooncake_rl.plan.demand import declared_digest, part_digest
-from mooncake_rl.plan.shapes import MODELS, cluster, parse_target, weight_manifest
+from mooncake_rl.plan.shapes import DTYPES, MODELS, Target, cluster, model_shape, weight_manifest
 from mooncake_rl.plan.stored import StoredTables, decode_table, encode_table, entry_key
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -98,11 +98,13 @@ class Inputs:
 
 
 def inputs(args: argparse.Namespace) -> Inputs:
-    model = MODELS[args.model]()
-    instances, tp = parse_target(args.target)
+    model = model_shape(args.model, args.dtype)
+    target = Target.parse(args.target)
     manifest = weight_manifest(model, 42)
     next_manifest = weight_manifest(model, 43)
-    topology, direct = cluster(model, instances, tp, args.workers_per_node)
+    topology, direct = cluster(
+        model, target.instances, target.size, args.workers_per_node, target.layout
+    )
     recorded = layout_digest(manifest)
     t1, c1 = time.perf_counter(), time.process_time()
     next_recorded = layout_digest(next_manifest)  # what announce seals into the record
@@ -227,6 +229,7 @@ def store_figures(
         for plan_dir, label in (("-", "store"), (str(Path(scratch) / "plans"), "local")):
             flags = [
                 *("--model", args.model, "--target", args.target, "--mode", args.mode),
+                *("--dtype", args.dtype),
                 *("--workers-per-node", str(args.workers_per_node)),
                 *("--batch-bytes", str(args.batch_bytes)),
                 "--load-from",
@@ -253,7 +256,10 @@ def store_figures(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="kimi-k2")
-    parser.add_argument("--target", default="16xTP8", help="INSTANCESxTPn, e.g. 16xTP8")
+    parser.add_argument(
+        "--target", default="16xTP8", help="INSTANCESxTPn or INSTANCESxEPn, e.g. 16xTP8, 4xEP32"
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="rollout weights")
     parser.add_argument("--mode", choices=("direct", "compat"), default="direct")
     parser.add_argument("--workers-per-node", type=int, default=8)
     parser.add_argument("--batch-bytes", type=int, default=PlanParams().batch_bytes)
@@ -307,6 +313,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "target": args.target,
+        "dtype": args.dtype,
         "mode": args.mode,
         "tensors": len(model.tensors),
         "model_bytes": model.nbytes,
