@@ -15,13 +15,15 @@ is shared, so CPU seconds of this process and the 1-minute load average are repo
 to wall seconds.
 
 With ``--store``, the cold table is also kept in a Store (an embedded ``mooncake_master``
-and one segment holder of ``--store-segment`` bytes, ``store_save_seconds``), and a fresh
-process (a new interpreter, as the next ``mooncake-rl update``) builds the same shapes and
-times the next generation's call on an empty cache backed by that Store:
-``plan_seconds_store_hit`` is the whole call plus ``bind``, split into
-``store_hit_key_seconds`` (the demand and topology digests a fresh process must compute to
-know its key) and ``store_hit_load_seconds`` (the Store read, the entry's checks, ``bind``).
-After it, the same entry is read and decoded once more, timed apart (``store_read_seconds``,
+and one segment holder of ``--store-segment`` bytes, ``store_save_seconds``) and in a
+node-local plan folder (``MOONCAKE_RL_PLAN_DIR``). Two fresh processes (new interpreters, as
+the next ``mooncake-rl update``) build the same shapes and time the next generation's call on
+an empty cache: ``fresh_process_store`` reads the Store, ``fresh_process_local_copy`` maps
+the node-local copy. In each, ``plan_seconds_store_hit`` is the whole call plus ``bind``,
+split into ``store_hit_key_seconds`` (combining the engine workers' placement reports, which
+this process computes as each engine would, into the demand digest, plus the topology
+digest) and ``store_hit_load_seconds`` (the read, the entry's checks, ``bind``). After it,
+the Store entry is read and decoded once more, timed apart (``store_read_seconds``,
 ``store_decode_seconds``). ``store_hit_equals_cold`` compares the loaded table with the cold
 one byte for byte.
 """

@@ -414,4 +414,9 @@ def test_reported_placements_key_the_table_and_a_false_report_is_refused(
         RoutingCache(store).get_or_plan(
             build_manifest("stored", 1, other, "now"), lying, "direct", BATCH
         )
+    worker[PLACEMENT_DIGEST] = "not-a-digest"  # malformed: refused before any lookup
+    with pytest.raises(InvariantViolation, match="'not-a-digest', not a SHA-256 hex digest"):
+        RoutingCache(store).get_or_plan(
+            build_manifest("stored", 1, other, "now"), lying, "direct", BATCH
+        )
     assert len(planned) == 1
