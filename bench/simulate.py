@@ -323,7 +323,7 @@ def broadcast_traffic(
 
 @dataclass(frozen=True)
 class Estimate:
-    stage_seconds: Mapping[str, float]  # stage 1 resources, overlapped
+    stage_seconds: Mapping[str, float]  # stage 1 resources' busy seconds, overlapped
     fill_seconds: float
     stage2_seconds: float
     update_seconds: float
@@ -333,31 +333,62 @@ class Estimate:
 def estimate(traffic: Traffic, cluster: Cluster, pooling: str | None = None) -> Estimate:
     """Seconds for one update under the pipelining model (pure).
 
-    Stage 1 overlaps every resource batch by batch, so it lasts as long as its busiest
-    resource plus one batch through the other hops (fill and drain). Stage 2 (relays copying
-    to their node's other consumers) starts after the barrier, as implemented.
+    Stage 1 overlaps every resource batch by batch; each resource finishes after its bytes
+    plus the time it must wait for work (``_lags``). Stage 2 (relays copying to their node's
+    other consumers) starts after the barrier, as implemented.
     """
     pooling = pooling or cluster.nic_pooling
     gpu_bw, nvlink = cluster.gpu_nic_bytes_per_s, cluster.nvlink_bytes_per_s
     trainer_node_bw = cluster.trainer_gpus_per_node * cluster.nic_bytes_per_s
     if pooling == "per_gpu":
-        nic_in = traffic.gpu_nic_in.max() / gpu_bw
-        nic_out = traffic.gpu_nic_out.max() / gpu_bw
+        nic_bw, group = gpu_bw, np.arange(len(traffic.gpu_node))
     else:
-        node_bw = cluster.rollout_gpus_per_node * gpu_bw
-        nic_in = np.bincount(traffic.gpu_node, traffic.gpu_nic_in).max() / node_bw
-        nic_out = np.bincount(traffic.gpu_node, traffic.gpu_nic_out).max() / node_bw
-    stages = {
+        nic_bw, group = cluster.rollout_gpus_per_node * gpu_bw, traffic.gpu_node
+    nic_in = np.bincount(group, traffic.gpu_nic_in) / nic_bw
+    reads = np.bincount(group, traffic.reads_per_gpu) / nic_bw
+    fill = (traffic.hops - 1) * traffic.batch_bytes / gpu_bw
+    busy = {
         "trainer_node_nic_out": float(traffic.trainer_node_out.max() / trainer_node_bw),
         "trainer_gpu_nic_out": traffic.trainer_gpu_out / gpu_bw,
-        "rollout_nic_in": float(nic_in),
-        "rollout_nic_out": float(nic_out),
+        "rollout_nic_in": nic_in,
+        "rollout_nic_out": float(np.bincount(group, traffic.gpu_nic_out).max() / nic_bw),
         "nvlink": float(max(traffic.nvlink_in.max(), traffic.nvlink_out.max()) / nvlink),
     }
-    fill = (traffic.hops - 1) * traffic.batch_bytes / gpu_bw
+    lag = _lags(traffic.hops, fill, reads)
+    finish = {k: float(np.max(v + lag[k] * (np.asarray(v) > 0))) for k, v in busy.items()}
     stage2 = float(max(traffic.stage2_nvlink_in.max(), traffic.stage2_nvlink_out.max()) / nvlink)
-    bottleneck = max(stages, key=lambda k: stages[k])
-    return Estimate(stages, fill, stage2, stages[bottleneck] + fill + stage2, bottleneck)
+    bottleneck = max(finish, key=lambda k: finish[k])
+    stages = {k: float(np.max(v)) for k, v in busy.items()}
+    return Estimate(stages, fill, stage2, finish[bottleneck] + stage2, bottleneck)
+
+
+def _lags(hops: int, fill: float, own_reads: np.ndarray) -> dict[str, Any]:
+    """How long each stage-1 resource waits for work beyond its own bytes (pure).
+
+    A ring (broadcast) passes its last chunk through every hop after the busiest one has
+    sent it, so every resource drains for ``fill``. Read-then-push (hops 2): what a reader
+    reads it consumes, so its batches take no staging and the executor's reads run ahead of
+    its pushes. Pushes (NIC-out, NVLink) start after a reader's first batch, and the
+    trainers' last read batch still has its pushes to make: both lag ``fill``. A rollout
+    NIC-in starts at once with its own reads and then takes the pushes other readers have
+    had ``fill`` to prepare: it waits only for the part of ``fill`` its own reads do not
+    cover (the stage can end no earlier, and the trainers' and senders' lags bound the tail).
+    """
+    if hops != 2:
+        return dict.fromkeys(_STAGE1, fill)
+    return {
+        **dict.fromkeys(_STAGE1, fill),
+        "rollout_nic_in": np.maximum(fill - own_reads, 0.0),
+    }
+
+
+_STAGE1 = (
+    "trainer_node_nic_out",
+    "trainer_gpu_nic_out",
+    "rollout_nic_in",
+    "rollout_nic_out",
+    "nvlink",
+)
 
 
 def publish_seconds(trainer_node_bytes: np.ndarray, cluster: Cluster) -> float:
@@ -518,10 +549,14 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
         "at least once, every published byte leaves its trainer node at least once. "
         "bound_ratio = update_seconds / bound seconds",
         "pipeline": "stage 1 (Store reads, cross-node pushes, intra-node pushes) overlaps "
-        "batch by batch: time = busiest resource + fill, fill = (hops - 1) x batch_bytes / "
-        "per-GPU NIC bandwidth (hops: read then push = 2); stage 2 (relays copying to their "
-        "node's other consumers over NVLink) starts after the coordinator's barrier, as "
-        "implemented",
+        "batch by batch: time = the latest resource's busy seconds + the time it waits for "
+        "work, fill = (hops - 1) x batch_bytes / per-GPU NIC bandwidth (hops: read then push "
+        "= 2). Read then push: pushes (NIC-out, NVLink) and the trainers (whose last batch "
+        "still has pushes to make) wait one fill; a rollout NIC-in starts with its own reads "
+        "(readers consume what they read, so the executor's reads run ahead of its pushes) "
+        "and waits only for the part of fill they do not cover. A ring waits one fill on "
+        "every resource. Stage 2 (relays copying to their node's other consumers over "
+        "NVLink) starts after the coordinator's barrier, as implemented",
         "batch_bytes": scenario.batch_bytes,
         "naive_store": "no pushes: every rollout GPU reads the bytes it needs (direct "
         "placement: its shards, from the planner's demand records) from the Store itself; "

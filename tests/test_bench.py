@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench.broadcast import binomial_tree_sends, broadcast_accounting
-from bench.simulate import Cluster, Scenario, broadcast_traffic, estimate, simulate
+from bench.simulate import Cluster, Scenario, Traffic, broadcast_traffic, estimate, simulate
 from mooncake_rl.plan.shapes import MODELS, instance_parts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +157,39 @@ def test_estimator_is_pure_and_validates_inputs(toy: dict) -> None:
     per_gpu = estimate(traffic, TOY.cluster, "per_gpu")  # ... through one GPU's NIC
     assert math.isclose(per_gpu.stage_seconds["rollout_nic_in"], 10**12 / 45e9)
     assert first.bottleneck == per_gpu.bottleneck == "trainer_gpu_nic_out"  # the root's NIC
+
+
+def _read_then_push(reads: list[int], nic_in: list[int], nic_out: list[int]) -> Traffic:
+    """Read, then push, on nodes of one GPU each (so per-node and per-GPU NICs agree)."""
+    n = len(reads)
+    zeros = np.zeros(n, np.int64)
+    return Traffic(
+        store_read_bytes=sum(reads), pushed_bytes=sum(nic_out), cross_node_pushed_bytes=0,
+        delivered_bytes=sum(nic_in), trainer_node_out=np.array([sum(reads)], np.int64),
+        trainer_gpu_out=0, reads_per_gpu=np.array(reads, np.int64),
+        gpu_nic_in=np.array(nic_in, np.int64), gpu_nic_out=np.array(nic_out, np.int64),
+        nvlink_in=zeros, nvlink_out=zeros, stage2_nvlink_in=zeros, stage2_nvlink_out=zeros,
+        gpu_node=np.arange(n), hops=2, batch_bytes=45 * 10**7, extra_receive_bytes_per_gpu=0,
+    )  # fmt: skip
+
+
+def test_a_nic_in_waits_only_for_the_fill_its_own_reads_do_not_cover() -> None:
+    cluster = Cluster(trainer_gpus=8, rollout_gpus_per_node=1)
+    fill = 0.01  # one 450 MB batch at 45 GB/s
+    # Both GPUs read 900 MB (20 ms, more than the fill), then take 45 GB in all: the NIC-in
+    # never idles, so it ends at its busy seconds; each NIC-out starts after one batch.
+    busy = estimate(_read_then_push([9 * 10**8] * 2, [45 * 10**9] * 2, [44 * 10**9] * 2), cluster)
+    assert math.isclose(busy.fill_seconds, fill)
+    assert busy.bottleneck == "rollout_nic_in"
+    assert math.isclose(busy.update_seconds, 1.0)
+    # A GPU that reads 90 MB (2 ms) waits the other 8 ms for its first push.
+    short = estimate(_read_then_push([9 * 10**7, 9 * 10**8], [45 * 10**9] * 2, [0, 0]), cluster)
+    assert math.isclose(short.update_seconds, 1.0 + fill - 0.002)
+    # Pushes start one batch in: a NIC-out with as many bytes as the busiest NIC-in ends last.
+    out = estimate(_read_then_push([9 * 10**8] * 2, [45 * 10**9] * 2, [45 * 10**9, 0]), cluster)
+    assert out.bottleneck == "rollout_nic_out"
+    assert math.isclose(out.update_seconds, 1.0 + fill)
+    assert out.stage_seconds["rollout_nic_out"] == out.stage_seconds["rollout_nic_in"] == 1.0
 
 
 def test_simulate_cli_writes_json_and_png(tmp_path: Path) -> None:
