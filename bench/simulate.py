@@ -128,6 +128,7 @@ class Scenario:
     dtype: str = "bfloat16"  # rollout weights: bfloat16, or fp8 (e4m3 + 128x128 block scales)
     modes: tuple[str, ...] = MODES
     batch_bytes: int = PlanParams().batch_bytes
+    balance_slack: float = PlanParams().balance_slack  # the planner's chunking knob
     broadcast_chunk_bytes: int = 4 << 20  # NCCL_BUFFSIZE default: the pipelined unit
 
     def __post_init__(self) -> None:
@@ -143,6 +144,8 @@ class Scenario:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int")
+        if not 0 < self.balance_slack <= 1:
+            raise ValueError(f"balance_slack must lie in (0, 1], got {self.balance_slack}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -602,7 +605,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
     say("distinct bytes per rollout node (the physical bound)")
     bound = physical_bound(node_demand_bytes(manifest, topology, direct_demand), published, c)
     setup_seconds = time.perf_counter() - started
-    params = PlanParams(batch_bytes=scenario.batch_bytes)
+    params = PlanParams(batch_bytes=scenario.batch_bytes, balance_slack=scenario.balance_slack)
     approaches: dict[str, dict[str, Any]] = {}
     weights_per_gpu = 0
     for mode in sorted(scenario.modes, key=MODES.index):  # direct first
@@ -744,6 +747,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nic-pooling", choices=POOLING, default=d.nic_pooling)
     p.add_argument("--modes", default=",".join(MODES), help="direct,compat or direct")
     p.add_argument("--batch-bytes", type=int, default=Scenario().batch_bytes)
+    p.add_argument(
+        "--balance-slack",
+        type=float,
+        default=Scenario().balance_slack,
+        help="the planner's chunking knob: larger chunks, fewer pushes, a looser NIC balance",
+    )
     p.add_argument("--out", help="also write a PNG plot here")
     return p
 
@@ -769,6 +778,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         dtype=args.dtype,
         modes=tuple(m for m in args.modes.split(",") if m),
         batch_bytes=args.batch_bytes,
+        balance_slack=args.balance_slack,
     )
 
 

@@ -149,6 +149,8 @@ def test_estimator_is_pure_and_validates_inputs(toy: dict) -> None:
         Scenario(model="gpt-5")
     with pytest.raises(ValueError):
         Scenario(modes=("compat",))
+    with pytest.raises(ValueError, match="balance_slack"):
+        Scenario(balance_slack=0.0)
     traffic = broadcast_traffic(10**12, np.repeat(np.arange(2), 8), 2, 4 << 20)
     first, second = estimate(traffic, TOY.cluster), estimate(traffic, TOY.cluster)
     assert first == second
