@@ -15,11 +15,12 @@ plane's alone: HTTP round trips, body encoding and validation, planning, the Sto
 
 All fake engines live in one child process (one event loop, one core: the load on this
 shared machine is bounded by it), each on its own loopback port, as a fleet of engines each
-with its own URL. The coordinator's HTTP client opens at most ``--max-connections``
-connections at once (default 100, httpx's default pool; ``0`` keeps the coordinator's own
-client, whose pool is unbounded: one connection per engine per call). Phase seconds are
-the coordinator's ``UpdateResult.phase_seconds``; ``request_bytes`` counts what the engines
-received per route, the measure of where the control plane stops scaling.
+with its own URL. The coordinator keeps at most ``--max-connections`` calls in flight at
+once, each on its own connection (the ``Coordinator``'s ``max_connections``; default 100,
+httpx's default pool; ``0``: unbounded, the ``Coordinator``'s default: every call of a
+phase at once). Phase seconds are the coordinator's ``UpdateResult.phase_seconds``;
+``request_bytes`` counts what the engines received per route, the measure of where the
+control plane stops scaling.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ MODES = ("direct", "compat")
 
 @dataclass(frozen=True)
 class Config:
-    """The fleet and the generation. ``max_connections`` 0: the coordinator's own client."""
+    """The fleet and the generation. ``max_connections`` 0: no bound on calls in flight."""
 
     engines: int = 1000
     tp: int = 1
@@ -261,16 +262,12 @@ def run(config: Config) -> dict[str, Any]:
             setup = time.perf_counter() - started
             urls = [f"http://127.0.0.1:{port}" for port in ports]
             with Coordinator(
-                store, urls, holder="bench.control_plane", session_ttl_s=config.session_ttl_s
+                store,
+                urls,
+                holder="bench.control_plane",
+                session_ttl_s=config.session_ttl_s,
+                max_connections=config.max_connections or None,
             ) as coordinator:
-                if config.max_connections:
-                    coordinator._client.close()
-                    coordinator._client = httpx.Client(
-                        timeout=600.0,
-                        limits=httpx.Limits(
-                            max_connections=config.max_connections, max_keepalive_connections=0
-                        ),
-                    )
                 t0 = time.perf_counter()
                 coordinator.status()  # the floor: one GET on every engine, nothing else
                 status_round = time.perf_counter() - t0

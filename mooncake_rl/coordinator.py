@@ -28,17 +28,22 @@ Failures never leave an engine half-updated or paused:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import json
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
@@ -65,6 +70,7 @@ from mooncake_rl.transport.topology import (
 )
 
 P = TypeVar("P")
+T = TypeVar("T")
 RETRIES = 4
 """Attempts at an idempotent call (commit, abort, renew) whose response never came."""
 RETRY_WAIT_S = 0.5
@@ -225,7 +231,14 @@ class ReadmitFailed(MooncakeRLError):
 
 
 class Coordinator:
-    """An HTTP client over a set of engines, used by the CLI and the VeRL bridge."""
+    """An HTTP client over a set of engines, used by the CLI and the VeRL bridge.
+
+    Its methods are synchronous; every HTTP call runs on one event loop of its own (a
+    daemon thread) through aiohttp, so a phase has all its calls in flight at once without
+    a thread per call. At 1,000 engines the calls' client CPU is the control plane's cost:
+    aiohttp spends less per call than httpx's clients, sync (a thread per call, all queued
+    on its pool's lock) or async (its pool rescans every connection on each request).
+    """
 
     def __init__(
         self,
@@ -237,9 +250,12 @@ class Coordinator:
         session_ttl_s: float = 30.0,
         holder: str | None = None,
         progress: Callable[[str], None] | None = None,
+        max_connections: int | None = None,
     ) -> None:
         """``session_ttl_s``: how long engines stay held if this process stops renewing;
-        ``holder``: the name engines report for this coordinator (default host:pid)."""
+        ``holder``: the name engines report for this coordinator (default host:pid);
+        ``max_connections``: at most this many calls of a phase in flight at once, the
+        rest wait their turn (default: all); lease renewals have a bound of their own."""
         if not engines:
             raise MooncakeRLError("at least one engine URL is needed")
         if not 1 <= session_ttl_s <= MAX_TTL_S:
@@ -247,14 +263,15 @@ class Coordinator:
                 f"the session TTL must lie in 1..{MAX_TTL_S:g} s (engines refuse others), "
                 f"got {session_ttl_s}"
             )
+        if max_connections is not None and max_connections < 1:
+            raise MooncakeRLError(f"max_connections must be >= 1, got {max_connections}")
         self.store = store
         self.engines = [url.rstrip("/") for url in engines]
-        # No idle connection is reused: an engine's server closes idle keep-alive connections
-        # on its own clock (uvicorn: 5 s), and a request sent as it closes one is reset.
-        self._client = httpx.Client(
-            timeout=timeout_s,
-            headers={"authorization": f"Bearer {token}"} if token else {},
-            limits=httpx.Limits(max_keepalive_connections=0),
+        self._calls = _Bound(max_connections)
+        self._renewals = _Bound(max_connections)
+        self._loop = _Loop(f"coordinator-{os.getpid()}")
+        self._session = self._loop.run(
+            _open_session({"authorization": f"Bearer {token}"} if token else {}, timeout_s)
         )
         self._progress = progress or (lambda message: None)
         # Routing tables also go to the Store: the next process (CLI, restarted bridge) loads them.
@@ -263,7 +280,9 @@ class Coordinator:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
 
     def close(self) -> None:
-        self._client.close()
+        if not self._loop.closed:
+            self._loop.run(self._session.close())
+            self._loop.close()
 
     def __enter__(self) -> Coordinator:
         return self
@@ -272,33 +291,79 @@ class Coordinator:
         self.close()
 
     # -- HTTP ------------------------------------------------------------------------
-    def _call(self, url: str, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        response = self._client.request(method, f"{url}/mooncake/{path}", json=body)
-        return _checked(url, path, response)
-
     def call(self, url: str, path: str, body: Any) -> dict[str, Any]:
-        return self._call(url, "POST", path, body)
+        return self._loop.run(self._request(url, "POST", path, _encoded(body), self._calls))
 
     def upload(self, url: str, params: Mapping[str, Any], data: bytes) -> dict[str, Any]:
         """A CPU-serialized bucket as the body of ``POST /mooncake/bucket``."""
-        response = self._client.post(
-            f"{url}/mooncake/bucket",
-            params=dict(params),
-            content=data,
-            headers={"content-type": "application/octet-stream"},
-        )
-        return _checked(url, "bucket", response)
 
-    def _call_retrying(self, url: str, path: str, body: Any) -> dict[str, Any]:
+        async def post() -> dict[str, Any]:
+            async with (
+                self._calls.slot(),
+                self._session.post(
+                    f"{url}/mooncake/bucket",
+                    params=dict(params),
+                    data=data,
+                    headers={"content-type": "application/octet-stream"},
+                ) as response,
+            ):
+                return _checked(url, "bucket", response.status, await response.read())
+
+        return self._loop.run(post())
+
+    async def _request(
+        self, url: str, method: str, path: str, content: bytes | None, bound: _Bound
+    ) -> dict[str, Any]:
+        async with (
+            bound.slot(),
+            self._session.request(
+                method,
+                f"{url}/mooncake/{path}",
+                data=content,
+                headers=None if content is None else JSON,
+            ) as response,
+        ):
+            return _checked(url, path, response.status, await response.read())
+
+    async def _retrying(
+        self, url: str, path: str, content: bytes | None, bound: _Bound
+    ) -> dict[str, Any]:
         """An idempotent call, repeated while no response arrives (lost, reset, timed out)."""
         for attempt in range(RETRIES):
             try:
-                return self._call(url, "POST", path, body)
-            except httpx.TransportError:
+                return await self._request(url, "POST", path, content, bound)
+            except TRANSPORT_ERRORS:
                 if attempt == RETRIES - 1:
                     raise
-                time.sleep(RETRY_WAIT_S * 2**attempt)
+                await asyncio.sleep(RETRY_WAIT_S * 2**attempt)
         raise AssertionError("unreachable")
+
+    async def _fan_out(
+        self,
+        urls: Sequence[str],
+        method: str,
+        path: str,
+        contents: Mapping[str, bytes | None],
+        *,
+        retry: bool = False,
+        bound: _Bound | None = None,
+    ) -> dict[str, dict[str, Any] | EngineRequestFailed]:
+        """Every engine's call at once on this loop; each engine's reply or failure."""
+        kind = bound or self._calls
+
+        async def one(url: str) -> dict[str, Any] | EngineRequestFailed:
+            try:
+                if retry:
+                    return await self._retrying(url, path, contents[url], kind)
+                return await self._request(url, method, path, contents[url], kind)
+            except EngineRequestFailed as error:
+                return error
+            except REQUEST_ERRORS as error:
+                why = str(error) or type(error).__name__
+                return EngineRequestFailed(url, f"/mooncake/{path}", 0, why)
+
+        replies = await asyncio.gather(*(one(url) for url in urls))
+        return dict(zip(urls, replies, strict=True))
 
     def _all(
         self,
@@ -309,23 +374,13 @@ class Coordinator:
         *,
         retry: bool = False,
     ) -> tuple[dict[str, dict[str, Any]], dict[str, EngineRequestFailed]]:
-        """The same call on every engine, concurrently; successes and failures by URL."""
-
-        def one(url: str) -> tuple[str, Any]:
-            body = None if bodies is None else bodies[url]
-            try:
-                if retry:
-                    return url, self._call_retrying(url, path, body)
-                return url, self._call(url, method, path, body)
-            except EngineRequestFailed as error:
-                return url, error
-            except httpx.HTTPError as error:
-                return url, EngineRequestFailed(url, f"/mooncake/{path}", 0, str(error))
-
+        """The same call on every engine, concurrently; successes and failures by URL.
+        Bodies are encoded here, on the caller's thread, so the loop only moves bytes."""
         if not urls:
             return {}, {}
-        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            results = dict(pool.map(one, urls))
+        results = self._loop.run(
+            self._fan_out(urls, method, path, _contents(urls, bodies), retry=retry)
+        )
         ok = {u: r for u, r in results.items() if not isinstance(r, EngineRequestFailed)}
         failed = {u: r for u, r in results.items() if isinstance(r, EngineRequestFailed)}
         return ok, failed
@@ -797,8 +852,10 @@ class Coordinator:
 class SessionLease:
     """One update session: its id, the engines it holds, and their lease renewal.
 
-    Renewal runs every third of the TTL on a thread, so a long apply or commit never lets
-    the lease lapse; when this process dies, renewal stops and the engines free themselves.
+    Renewal runs every third of the TTL as a task on the coordinator's loop, so a long
+    apply or commit never lets the lease lapse; its calls have their own bound on calls in
+    flight, so a phase's fan-out never holds them back. When this process dies, renewal
+    stops and the engines free themselves.
     """
 
     def __init__(self, coordinator: Coordinator, ttl_s: float) -> None:
@@ -807,15 +864,16 @@ class SessionLease:
         self.rebuilding: set[str] = set()
         self._coordinator = coordinator
         self._ttl_s = ttl_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew, name=f"session-{self.id[:8]}")
-        self._thread.daemon = True
-        self._thread.start()
+        self._renewal = coordinator._loop.submit(self._renew())
 
-    def _renew(self) -> None:
-        while not self._stop.wait(self._ttl_s / 3):
+    async def _renew(self) -> None:
+        body = _encoded({"session": self.id})
+        while True:
+            await asyncio.sleep(self._ttl_s / 3)
             urls = sorted(self.held)
-            self._coordinator._all(urls, "POST", "renew", {u: {"session": self.id} for u in urls})
+            await self._coordinator._fan_out(
+                urls, "POST", "renew", dict.fromkeys(urls, body), bound=self._coordinator._renewals
+            )
 
     def release(self, urls: Sequence[str]) -> None:
         """Abort the session on ``urls``: each drops what it staged and serves again, or
@@ -831,8 +889,94 @@ class SessionLease:
         self.held.difference_update(urls)
 
     def stop(self) -> None:
-        self._stop.set()
+        """No renewal from now on (one in flight is cancelled)."""
+        self._renewal.cancel()
+
+
+class _Loop:
+    """An event loop on a daemon thread; synchronous code runs coroutines on it."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """``coroutine``'s result, waited for; an interrupt of the waiting thread cancels it."""
+        future = self.submit(coroutine)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._loop.is_closed()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+        self._loop.close()
+
+
+class _Bound:
+    """At most ``limit`` calls in flight, the others queued in order (``None``: no bound)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self._semaphore = None if limit is None else asyncio.Semaphore(limit)
+
+    def slot(self) -> AbstractAsyncContextManager[Any]:
+        return self._semaphore or contextlib.nullcontext()
+
+
+JSON = {"content-type": "application/json"}
+TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+"""No whole reply came (refused, reset, cut short, timed out): what a retry can mend."""
+REQUEST_ERRORS = (aiohttp.ClientError, TimeoutError)
+"""A call that failed without a reply: its engine is reported with status 0 (unreachable)."""
+
+
+async def _open_session(headers: Mapping[str, str], timeout_s: float) -> aiohttp.ClientSession:
+    """The coordinator's HTTP session, opened on its loop (aiohttp binds to the running one).
+
+    A fresh connection per call (``force_close``): an engine's server closes idle keep-alive
+    connections on its own clock (uvicorn: 5 s), and a request sent as it closes one is
+    reset. No connection bound here: ``_Bound`` bounds calls, per kind, so renewals never
+    queue behind a phase's calls. ``timeout_s`` bounds connecting and each wait for bytes.
+    TLS trusts httpx's CA set (certifi, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``), proxies
+    come from the environment: what the rest of this package's HTTP clients do.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=True, ssl=httpx.create_ssl_context()),
+        headers=dict(headers),
+        timeout=aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s),
+        trust_env=True,
+    )
+
+
+def _encoded(body: Any) -> bytes | None:
+    """``body`` as httpx's ``json=`` encodes it; ``None`` sends no body."""
+    if body is None:
+        return None
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _contents(urls: Sequence[str], bodies: Mapping[str, Any] | None) -> dict[str, bytes | None]:
+    """Each engine's encoded body; one body object shared by many engines is encoded once."""
+    if bodies is None:
+        return dict.fromkeys(urls)
+    encoded: dict[int, bytes | None] = {}
+    contents = {}
+    for url in urls:
+        body = bodies[url]
+        if id(body) not in encoded:
+            encoded[id(body)] = _encoded(body)
+        contents[url] = encoded[id(body)]
+    return contents
 
 
 def advertised_peers(prepared: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -871,13 +1015,14 @@ def engine_gpus(
     return found
 
 
-def _checked(url: str, path: str, response: httpx.Response) -> dict[str, Any]:
+def _checked(url: str, path: str, status: int, data: bytes) -> dict[str, Any]:
+    """The reply's JSON; anything but 200 raises with the reply (JSON, else its text)."""
     try:
-        payload = response.json()
+        payload = json.loads(data)
     except ValueError:
-        payload = response.text
-    if response.status_code != 200:
-        raise EngineRequestFailed(url, f"/mooncake/{path}", response.status_code, payload)
+        payload = data.decode("utf-8", errors="replace")
+    if status != 200:
+        raise EngineRequestFailed(url, f"/mooncake/{path}", status, payload)
     return payload
 
 

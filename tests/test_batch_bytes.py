@@ -3,9 +3,9 @@ default, ``mooncake-rl update --batch-bytes`` and ``update(batch_bytes=...)`` ov
 and an engine worker whose staging watermark cannot hold two of the plan's batches is
 refused before any engine is drained.
 
-The engines are answered in-process (``httpx.MockTransport``) from simulated placements; the
-Store, the published generation and the planner are real, and what the plan made of the batch
-is read back from the prepare bodies the engines received.
+The engines are loopback HTTP servers (``tests.fleet``) answering from simulated placements;
+the Store, the published generation and the planner are real, and what the plan made of the
+batch is read back from the prepare bodies the engines received.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -31,6 +30,7 @@ from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import trainer_settings
+from tests.fleet import fleet
 from verl_bridge.config import BridgeConfig
 
 MODEL = "batch-bytes"
@@ -43,14 +43,14 @@ class FakeEngines:
 
     def __init__(self, placements: dict[str, list[dict[str, Any]]]) -> None:
         self.placements = placements
+        self.urls: dict[str, str] = {}  # served URL -> simulated engine
         self.calls: list[tuple[str, str, Any]] = []
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        url = f"{request.url.scheme}://{request.url.host}"
-        path = request.url.path.removeprefix("/mooncake/")
-        body = json.loads(request.content) if request.content else None
+    async def handle(self, url: str, path: str, content: bytes, _: object) -> tuple[int, Any]:
+        path = path.removeprefix("/mooncake/")
+        body = json.loads(content) if content else None
         self.calls.append((url, path, body))
-        workers = self.placements[url]
+        workers = self.placements[self.urls[url]]
         replies: dict[str, Any] = {
             "placement": {"model": MODEL, "generation": 0, "fence": 0, "workers": workers},
             "prepare": {
@@ -68,7 +68,7 @@ class FakeEngines:
             },
             "abort": {"state": "serving"},
         }
-        return httpx.Response(200, json=replies.get(path, {}))
+        return 200, replies.get(path, {})
 
     def batches(self) -> list[int]:
         """Bytes each prepared batch reads, over every worker slice the engines received."""
@@ -114,9 +114,13 @@ def engines_for(settings: Settings, watermark: int = WATERMARK) -> FakeEngines:
 
 @contextlib.contextmanager
 def coordinating(settings: Settings, engines: FakeEngines) -> Iterator[Coordinator]:
-    with StoreClient(settings) as store, Coordinator(store, sorted(engines.placements)) as coord:
-        coord._client.close()
-        coord._client = httpx.Client(transport=httpx.MockTransport(engines.handle))
+    simulated = sorted(engines.placements)
+    with (
+        fleet(len(simulated), engines.handle) as urls,
+        StoreClient(settings) as store,
+        Coordinator(store, urls) as coord,
+    ):
+        engines.urls = dict(zip(urls, simulated, strict=True))
         yield coord
 
 
