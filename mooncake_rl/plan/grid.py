@@ -98,6 +98,17 @@ def dense_pair_keys(major: np.ndarray, minor: np.ndarray) -> tuple[np.ndarray, n
     return inverse.astype(I64), first.astype(I64)
 
 
+def search(sorted_values: np.ndarray, queries: np.ndarray, side: str = "left") -> np.ndarray:
+    """``np.searchsorted`` with the queries visited in sorted order: millions of scattered
+    queries into millions of values otherwise miss the cache on every probe (10x slower)."""
+    if len(queries) < 1 << 14:
+        return np.searchsorted(sorted_values, queries, side=side)
+    order = np.argsort(queries)
+    out = np.empty(len(queries), I64)
+    out[order] = np.searchsorted(sorted_values, queries[order], side=side)
+    return out
+
+
 def at_or_before(
     ref_major: np.ndarray, ref_minor: np.ndarray, q_major: np.ndarray, q_minor: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +122,7 @@ def at_or_before(
         key = dense_pair_keys(major, minor)[0]
     ref, query = key[:n], key[n:]
     order = np.argsort(ref, kind="stable")
-    pos = np.searchsorted(ref[order], query, side="right") - 1
+    pos = search(ref[order], query, side="right") - 1
     found = np.where(pos >= 0, order[np.maximum(pos, 0)], -1)
     exact = (found >= 0) & (ref[np.maximum(found, 0)] == query) if n else found >= 0
     return found, exact

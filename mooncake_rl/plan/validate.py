@@ -156,7 +156,7 @@ class _V:
         """Records land in declared regions, inside them (push sources are checked by
         provenance: each must equal a write)."""
         space = self._space(c)
-        pos = np.minimum(np.searchsorted(self.declared, space), max(len(self.declared) - 1, 0))
+        pos = np.minimum(grid.search(self.declared, space), max(len(self.declared) - 1, 0))
         known = self.declared[pos] == space if len(self.declared) else np.zeros(len(space), bool)
         if not known.all():
             i = np.flatnonzero(~known)[0]
