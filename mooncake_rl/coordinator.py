@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
+import aiohttp.helpers
 import httpx
+from yarl import URL
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
 from mooncake_rl.generations.registry import (
@@ -273,6 +275,7 @@ class Coordinator:
         self._session = self._loop.run(
             _open_session({"authorization": f"Bearer {token}"} if token else {}, timeout_s)
         )
+        self._proxies: dict[str, dict[str, Any]] = {}
         self._progress = progress or (lambda message: None)
         # Routing tables also go to the Store: the next process (CLI, restarted bridge) loads them.
         self.cache = RoutingCache(store)
@@ -291,6 +294,17 @@ class Coordinator:
         self.close()
 
     # -- HTTP ------------------------------------------------------------------------
+    def _proxy(self, url: str) -> dict[str, Any]:
+        """The environment's proxy for ``url`` (``HTTP(S)_PROXY``, ``NO_PROXY``), looked up
+        once per engine: aiohttp's own lookup (``trust_env``) costs two thread hops a call."""
+        if url not in self._proxies:
+            try:
+                proxy, auth = aiohttp.helpers.get_env_proxy_for_url(URL(url))
+                self._proxies[url] = {"proxy": proxy, "proxy_auth": auth}
+            except LookupError:
+                self._proxies[url] = {}
+        return self._proxies[url]
+
     def call(self, url: str, path: str, body: Any) -> dict[str, Any]:
         return self._loop.run(self._request(url, "POST", path, _encoded(body), self._calls))
 
@@ -305,6 +319,7 @@ class Coordinator:
                     params=dict(params),
                     data=data,
                     headers={"content-type": "application/octet-stream"},
+                    **self._proxy(url),
                 ) as response,
             ):
                 return _checked(url, "bucket", response.status, await response.read())
@@ -321,6 +336,7 @@ class Coordinator:
                 f"{url}/mooncake/{path}",
                 data=content,
                 headers=None if content is None else JSON,
+                **self._proxy(url),
             ) as response,
         ):
             return _checked(url, path, response.status, await response.read())
@@ -947,14 +963,13 @@ async def _open_session(headers: Mapping[str, str], timeout_s: float) -> aiohttp
     connections on its own clock (uvicorn: 5 s), and a request sent as it closes one is
     reset. No connection bound here: ``_Bound`` bounds calls, per kind, so renewals never
     queue behind a phase's calls. ``timeout_s`` bounds connecting and each wait for bytes.
-    TLS trusts httpx's CA set (certifi, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``), proxies
-    come from the environment: what the rest of this package's HTTP clients do.
+    TLS trusts httpx's CA set (certifi, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``) as the rest
+    of this package's HTTP clients do; proxies come from ``Coordinator._proxy``.
     """
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, force_close=True, ssl=httpx.create_ssl_context()),
         headers=dict(headers),
         timeout=aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s),
-        trust_env=True,
     )
 
 

@@ -267,3 +267,18 @@ def test_only_idempotent_calls_are_sent_again_after_a_reset(
     else:
         assert not ok and len(seen) == 1
         assert isinstance(failed[url], EngineRequestFailed) and failed[url].status == 0
+
+
+def test_engines_are_reached_through_the_environments_proxy(
+    store: StoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``HTTP_PROXY`` carries calls to engines that ``NO_PROXY`` does not exempt."""
+    engines = Engines()
+    with fleet(2, engines.handle) as (proxy, direct):
+        monkeypatch.setenv("HTTP_PROXY", proxy)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        behind = "http://engine.invalid:8000"  # resolvable by no one but the proxy
+        with Coordinator(store, [behind, direct]) as coordinator:
+            statuses = coordinator.status()
+    assert statuses[behind]["url"] == proxy and statuses[direct]["url"] == direct
+    assert any(h["host"] == "engine.invalid:8000" for h in engines.headers)
