@@ -109,18 +109,30 @@ def search(sorted_values: np.ndarray, queries: np.ndarray, side: str = "left") -
     return out
 
 
+def _pair_keys(
+    ref_major: np.ndarray, ref_minor: np.ndarray, q_major: np.ndarray, q_minor: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One int64 per (major, minor) pair of both sets, ordered like the pairs: packed in
+    place when it fits (no concatenated copy of millions of rows), else dense ranks."""
+    columns = (ref_major, ref_minor, q_major, q_minor)
+    if all(len(c) for c in columns) and min(int(c.min()) for c in columns) >= 0:
+        high = max(int(ref_minor.max()), int(q_minor.max())) + 1
+        if (max(int(ref_major.max()), int(q_major.max())) + 1) * high < 1 << 62:
+            return ref_major * I64(high) + ref_minor, q_major * I64(high) + q_minor
+    major = np.concatenate([ref_major, q_major])
+    key = packed_key(major, np.concatenate([ref_minor, q_minor]))
+    if key is None:
+        key = dense_pair_keys(major, np.concatenate([ref_minor, q_minor]))[0]
+    return key[: len(ref_major)], key[len(ref_major) :]
+
+
 def at_or_before(
     ref_major: np.ndarray, ref_minor: np.ndarray, q_major: np.ndarray, q_minor: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each query pair: the reference with the greatest pair <= it (-1 if none), and
     whether the pairs are equal. References with equal pairs: the last one wins."""
     n = len(ref_major)
-    major = np.concatenate([as_i64(ref_major), as_i64(q_major)])
-    minor = np.concatenate([as_i64(ref_minor), as_i64(q_minor)])
-    key = packed_key(major, minor)
-    if key is None:
-        key = dense_pair_keys(major, minor)[0]
-    ref, query = key[:n], key[n:]
+    ref, query = _pair_keys(*map(as_i64, (ref_major, ref_minor, q_major, q_minor)))
     order = np.argsort(ref, kind="stable")
     pos = search(ref[order], query, side="right") - 1
     found = np.where(pos >= 0, order[np.maximum(pos, 0)], -1)

@@ -124,21 +124,22 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     batch[order2] = _pack(sender[order2], (length * count)[o[order2]], params)
     push_order = grid.lex_order(sender, stage, batch, rank[o], worker[pair])
     pushes = np.zeros(len(pair), PUSH_DTYPE)
+    pair, o = pair[push_order], o[push_order]  # per-consumer fields: one gather, in order
     for name, value in (
-        ("worker", sender),
-        ("stage", stage),
-        ("batch", batch),
+        ("worker", sender[push_order]),
+        ("stage", stage[push_order]),
+        ("batch", batch[push_order]),
         ("peer", worker[pair]),
-        ("src_region", s_region),
-        ("src_offset", s_off),
-        ("src_stride", s_pitch),
+        ("src_region", s_region[push_order]),
+        ("src_offset", s_off[push_order]),
+        ("src_stride", s_pitch[push_order]),
         ("dst_region", region[pair]),
         ("dst_offset", dst[pair]),
         ("dst_stride", dst_pitch[pair]),
         ("length", length[o]),
         ("count", count[o]),
     ):
-        pushes[name] = value[push_order]
+        pushes[name] = value
     return Routes(reads=reads, pushes=pushes, staging_bytes=staging_bytes)
 
 
