@@ -293,7 +293,7 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
     worker = np.concatenate(consumers[0])
     fkey = np.concatenate(consumers[1])
     region = 1 + fkey
-    dst = np.concatenate(consumers[2]).copy()
+    dst = np.concatenate(consumers[2])  # a new array: base offsets are added in place
     custom = resolver[worker] >= 0
     for i, (_, dest_region, dest_base) in enumerate(dest_list):
         mask = custom & (resolver[worker] == i)
