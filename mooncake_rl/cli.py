@@ -181,6 +181,7 @@ def cmd_update(args: argparse.Namespace) -> int:
             token=token.get_secret_value() if token else None,
             session_ttl_s=args.session_ttl,
             progress=lambda phase: steps.step(f"{phase} done"),
+            max_connections=args.max_connections,
         ) as coordinator,
         _router(args) as router,
         metrics.serving(),
@@ -283,6 +284,16 @@ def _size(value: str) -> int:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
     return size
+
+
+def _count(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value!r}")
+    return count
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -418,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="engines free themselves this long after this command stops renewing its session",
+    )
+    update.add_argument(
+        "--max-connections",
+        type=_count,
+        metavar="N",
+        help="at most N engine calls of a phase in flight at once, the rest wait their turn "
+        "(default: every engine at once; bound it when the engines outnumber this "
+        "process's open-file limit)",
     )
     update.add_argument(
         "--transport",
