@@ -153,12 +153,19 @@ def _relays(
         return is_relay
     starts = np.flatnonzero(grid.group_starts(chunk, node))
     k = np.diff(np.append(starts, len(chunk)))
+    # A lone candidate relays (a TP shard consumed by one GPU per node: most groups of a
+    # MoE); only groups of several candidates form streams worth striping.
+    is_relay[starts[k == 1]] = True
+    several = np.flatnonzero(k > 1)
+    if not len(several):
+        return is_relay
     # A stream is (node, k, the candidates' positions on their node): a bit set, exact up to
     # 64 workers per node (beyond, positions share bits: streams merge, relays stay valid).
     bit = np.zeros(len(topology.workers), np.uint64)
     for members in _workers_by_node(topology):
         bit[members] = np.uint64(1) << (np.arange(len(members), dtype=np.uint64) % np.uint64(64))
-    mask = np.bitwise_or.reduceat(bit[worker], starts)
+    mask = np.bitwise_or.reduceat(bit[worker], starts)[several]
+    starts, k = starts[several], k[several]
     order = grid.lex_order(node[starts], k, mask.view(I64))  # stable: chunk order inside
     kk, size = k[order], nbytes[starts][order]
     s_first = grid.group_starts(node[starts][order], kk, mask[order])
