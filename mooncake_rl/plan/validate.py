@@ -35,7 +35,10 @@ def validate_routing_table(table: RoutingTable) -> None:
 
 
 def _columns(records: np.ndarray) -> dict[str, np.ndarray]:
-    return {name: records[name].astype(I64) for name in records.dtype.names}
+    """Each field as a contiguous array of the table's own width: ids (worker, region,
+    object, stage, batch) stay narrow, so the validator's fresh memory stays near the
+    table's size; arithmetic on them goes through ``_space`` or ``grid``, which widen."""
+    return {name: np.ascontiguousarray(records[name]) for name in records.dtype.names}
 
 
 class _V:
@@ -93,7 +96,7 @@ class _V:
         return self._read(i) if i < n else self._push(i - n)
 
     def _space(self, columns, worker: str = "worker", region: str = "dst_region"):
-        return columns[worker] * self.n_regions + columns[region]
+        return columns[worker].astype(I64) * self.n_regions + columns[region]
 
     # -- checks ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -256,7 +259,12 @@ class _V:
         """Each write lands inside one demand with the right bytes; demands are full."""
         d, land = self.demands, self.land
         outside = np.flatnonzero(land["dst_region"] != 0)
-        w = {name: column[outside] for name, column in land.items()}
+        staged = len(outside) < len(land["dst_region"])
+
+        def kept(column: np.ndarray) -> np.ndarray:  # no copy when nothing is staged
+            return column[outside] if staged else column
+
+        w = {name: kept(column) for name, column in land.items()}
         match, _ = grid.at_or_before(
             self._space(d), d["dst_offset"], self._space(w), w["dst_offset"]
         )
@@ -268,11 +276,7 @@ class _V:
             for name in ("dst_stride", "length", "count", "src_offset", "src_stride", "object")
         }
         l_len, l_cnt, l_dst_stride = w["length"], w["count"], w["dst_stride"]
-        l_obj, l_src, l_src_stride = (
-            self.l_obj[outside],
-            self.l_src[outside],
-            self.l_src_stride[outside],
-        )
+        l_obj, l_src, l_src_stride = map(kept, (self.l_obj, self.l_src, self.l_src_stride))
         extent = (l_cnt - 1) * np.where(l_cnt > 1, l_dst_stride, 0) + l_len
         # The demand maps byte ``col`` of its row ``row`` to object byte
         # ``src_offset + row * src_stride + col``. A write is right when its first byte
