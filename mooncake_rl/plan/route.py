@@ -54,6 +54,7 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     region = ranges.region[c]
     dst = ranges.dst_offset[c] + chunks.dr[owner] * ranges.dst_pitch[c] + chunks.dc[owner]
     dst_pitch = ranges.dst_pitch[c].copy()
+    del within, c  # one entry per (chunk, consumer): the largest arrays; free them early
 
     # Fuse rows when the source and every destination are contiguous.
     starts = np.flatnonzero(grid.group_starts(owner))
@@ -118,6 +119,7 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     s_region = np.concatenate([land_region[owner[stage1]], region[relay2]])
     s_off = np.concatenate([land_off[owner[stage1]], dst[relay2]])
     s_pitch = np.concatenate([land_pitch[owner[stage1]], dst_pitch[relay2]])
+    del node, remote, local, rem, is_relay, group, relay_of, stage1, stage2, relay2
     batch = np.where(stage == 1, read_batch[o], 0)
     two = np.flatnonzero(stage == 2)
     order2 = two[grid.lex_order(sender[two], rank[o[two]], worker[pair[two]])]

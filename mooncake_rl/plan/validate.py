@@ -27,6 +27,7 @@ from mooncake_rl.plan import grid
 from mooncake_rl.plan.table import RoutingTable, demanded_union_bytes
 
 I64 = np.int64
+CONTENT_BLOCK = 1 << 20  # writes compared at once (bounds the content check's temporaries)
 
 
 def validate_routing_table(table: RoutingTable) -> None:
@@ -256,27 +257,56 @@ class _V:
         self.l_obj, self.l_src, self.l_src_stride = obj, off, stride
 
     def content_and_coverage(self) -> None:
-        """Each write lands inside one demand with the right bytes; demands are full."""
+        """Each write lands inside one demand with the right bytes; demands are full.
+
+        The per-write comparison runs in blocks of ``CONTENT_BLOCK`` writes, so its dozen
+        temporaries do not grow with the table (a 1,000-engine plan has 35M writes)."""
         d, land = self.demands, self.land
         outside = np.flatnonzero(land["dst_region"] != 0)
-        staged = len(outside) < len(land["dst_region"])
+        everything = len(outside) == len(land["dst_region"])
+        d_space = self._space(d)
+        w_space = self._space(land)
+        if not everything:
+            w_space = w_space[outside]
+        w_off = land["dst_offset"] if everything else land["dst_offset"][outside]
+        match, _ = grid.at_or_before(d_space, d["dst_offset"], w_space, w_off)
+        del w_off
+        got = np.zeros(len(d["length"]), np.float64)  # exact below 2**53 bytes per demand
+        for lo in range(0, len(outside), CONTENT_BLOCK):
+            block = slice(lo, lo + CONTENT_BLOCK)
+            rows = block if everything else outside[block]
+            m = np.maximum(match[block], 0)
+            ok = (match[block] >= 0) & (d_space[m] == w_space[block])
+            written = self._content(m, rows, ok)
+            wrong = np.flatnonzero(~ok)
+            if len(wrong):
+                i = lo + int(wrong[0]) if everything else int(outside[lo + wrong[0]])
+                raise InvariantViolation(
+                    f"{self._landing(i)} writes bytes no demand maps to that place "
+                    f"(it carries object {self._o(self.l_obj[i])}@{int(self.l_src[i])})"
+                )
+            got += np.bincount(m, weights=written, minlength=len(got))
+        need = d["length"] * d["count"]
+        short = np.flatnonzero(got.astype(I64) != need)
+        if len(short):
+            i = short[0]
+            raise InvariantViolation(
+                f"{self._demand(i)} receives {int(got[i])} of {int(need[i])} bytes "
+                "(uncovered or extra bytes)"
+            )
 
-        def kept(column: np.ndarray) -> np.ndarray:  # no copy when nothing is staged
-            return column[outside] if staged else column
-
-        w = {name: kept(column) for name, column in land.items()}
-        match, _ = grid.at_or_before(
-            self._space(d), d["dst_offset"], self._space(w), w["dst_offset"]
-        )
-        m = np.maximum(match, 0)
-        ok = (match >= 0) & (self._space(d)[m] == self._space(w))
-        rel = w["dst_offset"] - d["dst_offset"][m]
+    def _content(self, m: np.ndarray, rows, ok: np.ndarray) -> np.ndarray:
+        """Clear ``ok`` where write ``rows`` do not carry what demand ``m`` maps to their
+        place; returns the bytes each writes."""
+        d, land = self.demands, self.land
+        w_off = land["dst_offset"][rows]
+        l_len, l_cnt, l_dst_stride = (land[k][rows] for k in ("length", "count", "dst_stride"))
+        l_obj, l_src, l_src_stride = (a[rows] for a in (self.l_obj, self.l_src, self.l_src_stride))
+        rel = w_off - d["dst_offset"][m]
         dd = {
             name: d[name][m]
             for name in ("dst_stride", "length", "count", "src_offset", "src_stride", "object")
         }
-        l_len, l_cnt, l_dst_stride = w["length"], w["count"], w["dst_stride"]
-        l_obj, l_src, l_src_stride = map(kept, (self.l_obj, self.l_src, self.l_src_stride))
         extent = (l_cnt - 1) * np.where(l_cnt > 1, l_dst_stride, 0) + l_len
         # The demand maps byte ``col`` of its row ``row`` to object byte
         # ``src_offset + row * src_stride + col``. A write is right when its first byte
@@ -300,22 +330,7 @@ class _V:
             & (l_src_stride == dd["src_stride"])
         )
         ok &= in_row | row_aligned
-        wrong = np.flatnonzero(~ok)
-        if len(wrong):
-            i = int(outside[wrong[0]])
-            raise InvariantViolation(
-                f"{self._landing(i)} writes bytes no demand maps to that place "
-                f"(it carries object {self._o(self.l_obj[i])}@{int(self.l_src[i])})"
-            )
-        got = np.bincount(m, weights=l_len * l_cnt, minlength=len(d["length"])).astype(I64)
-        need = d["length"] * d["count"]
-        short = np.flatnonzero(got != need)
-        if len(short):
-            i = short[0]
-            raise InvariantViolation(
-                f"{self._demand(i)} receives {int(got[i])} of {int(need[i])} bytes "
-                "(uncovered or extra bytes)"
-            )
+        return l_len * l_cnt
 
     def single_pull_total(self) -> None:
         t = self.t

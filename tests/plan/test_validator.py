@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.plan import DirectDemand, PlanParams, Topology, Worker, plan_routing
+from mooncake_rl.plan import DirectDemand, PlanParams, Topology, Worker, plan_routing, validate
 from mooncake_rl.plan.validate import validate_routing_table
 
 from .helpers import Spec, check_delivery, contents, execute, manifest, parts
@@ -48,7 +48,10 @@ def test_valid_table_passes(table):
     validate_routing_table(table)
 
 
-def test_uncovered_byte(table):
+@pytest.mark.parametrize("block", [1 << 20, 2])
+def test_uncovered_byte(table, block: int, monkeypatch) -> None:
+    monkeypatch.setattr(validate, "CONTENT_BLOCK", block)  # coverage sums over blocks
+    validate_routing_table(table)
     dropped = replace(table, pushes=table.pushes[1:])
     rejects(dropped, r"receives \d+ of \d+ bytes|sends bytes no earlier write landed")
 
@@ -143,7 +146,8 @@ def test_reader_outside_the_demand_stages_through_staging():
     assert table.totals.node_nic_out.tolist() == [3 * 256] * 4 + [4 * 256]
 
 
-def test_sub_row_strided_write_with_wrong_source_bytes():
+@pytest.mark.parametrize("block", [1 << 20, 3, 1])
+def test_sub_row_strided_write_with_wrong_source_bytes(block: int, monkeypatch) -> None:
     """TP2 on dim 1 and TP4 on dim 2 of one tensor: the TP2 ranks receive writes strided by
     the object's pitch inside one demand row. Such writes are accepted only when they carry
     the bytes the demand maps there: swapping the sources of two of them is refused."""
@@ -166,4 +170,6 @@ def test_sub_row_strided_write_with_wrong_source_bytes():
     i, j = (int(x) for x in sub_row[:2])
     swapped = corrupt(t, "reads", i, src_offset=int(t.reads[j]["src_offset"]))
     swapped = corrupt(swapped, "reads", j, src_offset=int(t.reads[i]["src_offset"]))
-    rejects(swapped, "writes bytes no demand maps")
+    monkeypatch.setattr(validate, "CONTENT_BLOCK", block)  # one block, or several
+    validate_routing_table(t)
+    rejects(swapped, rf"read #{min(i, j)} .* writes bytes no demand maps")
