@@ -63,7 +63,8 @@ test: venv verl-deps sglang-venv
 	$(PY) -m pytest -q
 	$(SGLANG_PY) -m pytest -q tests/sglang
 
-# The full fault matrix and the soaks (`-m faults`); `make test` runs a smoke of each.
+# The full fault matrix, the soaks and the longer end-to-end variants (`-m faults`); `make
+# test` runs a smoke of each.
 faults: venv verl-deps
 	$(PY) -m pytest -q -m faults
 

@@ -607,6 +607,7 @@ def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: W
     assert_every_parameter_checked(world, result)
 
 
+@pytest.mark.faults  # make faults; make test keeps tests/transport/test_claims.py's port claims
 def test_two_concurrent_broadcast_syncs_on_one_host_take_distinct_ports(world: World) -> None:
     """Two coordinators broadcast at once (one per engine): both hold their port claims
     when they apply, so their groups' TCP stores can never share a port."""
@@ -634,6 +635,7 @@ def test_two_concurrent_broadcast_syncs_on_one_host_take_distinct_ports(world: W
         assert engine.complete(PROMPT) == world.refs[3]
 
 
+@pytest.mark.faults  # make faults; make test keeps the broadcast update and the apply faults
 def test_a_sender_killed_mid_broadcast_leaves_every_engine_on_its_generation(
     world: World, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

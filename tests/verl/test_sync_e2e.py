@@ -321,6 +321,7 @@ def last_update(replica: EngineReplica) -> UpdateResult:
     )
 
 
+@pytest.mark.faults  # make faults; make test keeps the Store-path sync and vLLM's broadcast
 def test_trainer_rank_0_is_the_broadcast_sender_when_the_bridge_selects_broadcast(
     world: World,
 ) -> None:
