@@ -76,8 +76,16 @@ def check_system_libraries() -> None:
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: its own process group, SIGTERM when the parent dies."""
-    os.setsid()
+    """Runs in the child before exec: its own process group, SIGTERM when the parent dies.
+
+    A process group, not a new session: Linux gives every session its own scheduling
+    autogroup, and a group's CPU share is split across cores by where its load runs. A
+    pinned engine rank in a session whose load sits on other cores then gets almost no time
+    on its own core beside another session's busy pinned worker (seen as a TP rank runnable
+    but starved for tens of seconds mid-update). Children share the caller's session, so
+    threads compete one to one.
+    """
+    os.setpgid(0, 0)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from mooncake_rl.errors import StoreFull
-from mooncake_rl.services import EmbeddedMaster, MasterConfig, free_port
+from mooncake_rl.services import EmbeddedMaster, ManagedProcess, MasterConfig, free_port
 from mooncake_rl.store import StoreClient
 from tests.conftest import settings_for
 
@@ -195,3 +195,23 @@ def test_holder_stops_while_still_starting(tmp_path: Path) -> None:
         finally:
             cli.kill()
             cli.wait()
+
+
+def test_a_managed_child_leads_its_own_group_in_the_callers_session(tmp_path: Path) -> None:
+    """Its own process group (``stop`` signals the whole group) but the caller's session,
+    so the kernel's per-session scheduling autogroup is shared: a pinned engine rank in a
+    session of its own was starved on its core by another engine's busy pinned worker."""
+    child = ManagedProcess(["sleep", "60"], tmp_path / "sleep.log")
+    try:
+        child.spawn()
+        pid = child.pid
+        assert pid is not None
+        assert os.getpgid(pid) == pid != os.getpgid(0)
+        assert os.getsid(pid) == os.getsid(0)
+        autogroup = Path(f"/proc/{pid}/autogroup")
+        if autogroup.exists():  # kernels built with CONFIG_SCHED_AUTOGROUP
+            mine = Path("/proc/self/autogroup").read_text().split()[0]
+            assert autogroup.read_text().split()[0] == mine
+    finally:
+        child.stop()
+    assert not child.is_running()
