@@ -84,7 +84,7 @@ def assign_readers(
 
     cons_range = np.repeat(np.arange(n, dtype=I64), np.diff(ranges.ptr))
     cons_node = node_of[ranges.worker]
-    order = np.lexsort((ranges.worker, cons_node, cons_range))
+    order = grid.lex_order(cons_range, cons_node, ranges.worker)
     g_first = grid.group_starts(cons_range[order], cons_node[order])
     g_start = np.flatnonzero(g_first)
     g_range = cons_range[order][g_start]
@@ -118,9 +118,9 @@ def assign_readers(
     )
     c_bytes = c_rows * c_cols
     cost = c_bytes * n_c[owner]
-    lpt = np.lexsort((np.arange(len(owner)), -cost))
-
     max_cost = int(cost.max()) if len(owner) else 0
+    lpt = grid.stable_order(max_cost - cost)  # decreasing cost, ties in chunk order
+
     workers_on: list[list[int]] = [[] for _ in range(n_nodes)]
     for w, node in enumerate(topology.worker_node):
         workers_on[node].append(w)

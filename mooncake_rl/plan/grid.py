@@ -75,12 +75,55 @@ def packed_key(*columns: np.ndarray) -> np.ndarray | None:
     return key
 
 
+def stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` of an integer array, 2-20x faster.
+
+    numpy's stable sort of int64 is a timsort; its plain sort of int64 is vectorized. Rows
+    are sorted as packed ``(key, index)`` values, all distinct, so the plain sort gives
+    exactly the stable order. When ``key - min`` leaves no room for the index in 63 bits,
+    an unstable argsort first ranks the keys densely (ranks are at most ``len(key)``) and the
+    packed sort of ``(rank, index)`` then orders equal keys by index.
+    """
+    n = len(key)
+    if not n:
+        return np.zeros(0, I64)
+    low, high = int(key.min()), int(key.max())
+    bits = max(n - 1, 1).bit_length()
+    mask = I64((1 << bits) - 1)
+    if bits > 31:  # ranks and indices would not fit together
+        return np.argsort(key, kind="stable")
+    if (high - low) >> (63 - bits):
+        order = np.argsort(key)
+        packed = np.cumsum(group_starts(key[order]), dtype=I64)
+        packed <<= bits
+        packed |= order
+    else:
+        packed = key.astype(I64)
+        packed -= low
+        packed <<= bits
+        packed |= np.arange(n, dtype=I64)
+    packed.sort()
+    packed &= mask
+    return packed
+
+
+def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(values, return_index=True, return_inverse=True)`` of an integer array:
+    (sorted distinct values, index of each one's first occurrence, rank of every value)."""
+    order = stable_order(values)
+    ordered = values[order]
+    first = group_starts(ordered)
+    rank = np.empty(len(values), I64)
+    rank[order] = np.cumsum(first) - 1
+    return ordered[first], order[first], rank
+
+
 def lex_order(*columns: np.ndarray) -> np.ndarray:
     """Stable argsort by ``columns`` (first column most significant)."""
     key = packed_key(*columns)
     if key is None:
         return np.lexsort(columns[::-1])
-    return np.argsort(key, kind="stable")
+    return stable_order(key)
 
 
 def dense_pair_keys(major: np.ndarray, minor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -91,11 +134,11 @@ def dense_pair_keys(major: np.ndarray, minor: np.ndarray) -> tuple[np.ndarray, n
     """
     combined = packed_key(major, minor)
     if combined is None:  # rank both sides first; ranks are < len(input)
-        major_rank = np.unique(major, return_inverse=True)[1].astype(I64)
-        minor_values, minor_rank = np.unique(minor, return_inverse=True)
-        combined = major_rank * I64(len(minor_values)) + minor_rank.astype(I64)
-    _, first, inverse = np.unique(combined, return_index=True, return_inverse=True)
-    return inverse.astype(I64), first.astype(I64)
+        major_rank = unique_inverse(major)[2]
+        minor_values, _, minor_rank = unique_inverse(minor)
+        combined = major_rank * I64(len(minor_values)) + minor_rank
+    _, first, inverse = unique_inverse(combined)
+    return inverse, first
 
 
 def search(sorted_values: np.ndarray, queries: np.ndarray, side: str = "left") -> np.ndarray:
@@ -103,7 +146,7 @@ def search(sorted_values: np.ndarray, queries: np.ndarray, side: str = "left") -
     queries into millions of values otherwise miss the cache on every probe (10x slower)."""
     if len(queries) < 1 << 14:
         return np.searchsorted(sorted_values, queries, side=side)
-    order = np.argsort(queries)
+    order = stable_order(queries)
     out = np.empty(len(queries), I64)
     out[order] = np.searchsorted(sorted_values, queries[order], side=side)
     return out
@@ -133,7 +176,7 @@ def at_or_before(
     whether the pairs are equal. References with equal pairs: the last one wins."""
     n = len(ref_major)
     ref, query = _pair_keys(*map(as_i64, (ref_major, ref_minor, q_major, q_minor)))
-    order = np.argsort(ref, kind="stable")
+    order = stable_order(ref)
     pos = search(ref[order], query, side="right") - 1
     found = np.where(pos >= 0, order[np.maximum(pos, 0)], -1)
     exact = (found >= 0) & (ref[np.maximum(found, 0)] == query) if n else found >= 0
@@ -191,8 +234,7 @@ def to_rects(
     """Lay strided runs out as grid rectangles; also returns the distinct space ids."""
     space, offset, length, count, stride = map(as_i64, (space, offset, length, count, stride))
     check_runs(offset, length, count, stride)
-    spaces, sidx = np.unique(space, return_inverse=True)
-    sidx = sidx.astype(I64)
+    spaces, _, sidx = unique_inverse(space)
     ends = run_ends(offset, length, count, stride)
     extent = np.zeros(len(spaces), dtype=I64)
     np.maximum.at(extent, sidx, ends)
@@ -396,7 +438,7 @@ def elementary_cells(lanes: Lanes) -> Cells:
     bp_col = both_col[first]
     owner, within = expand_counts(k_end - k_start)
     cell_key = k_start[owner] + within
-    order = np.argsort(cell_key, kind="stable")
+    order = stable_order(cell_key)
     owner, cell_key = owner[order], cell_key[order]
     first = group_starts(cell_key)
     cell = np.cumsum(first) - 1

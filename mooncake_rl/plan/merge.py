@@ -62,7 +62,7 @@ def merge_demands(demands: DemandSet) -> Ranges:
     consumer = demands.ptr[piece[owner]] + within
     cell = cells.pair_cell[owner]
     worker = demands.worker[consumer]
-    order = np.lexsort((worker, cell))
+    order = grid.lex_order(cell, worker)
     cell, worker, owner, consumer = cell[order], worker[order], owner[order], consumer[order]
     duplicate = np.flatnonzero((cell[1:] == cell[:-1]) & (worker[1:] == worker[:-1]))
     if len(duplicate):

@@ -20,6 +20,7 @@ from mooncake.reshard.weight import TensorDescriptor, WeightManifest
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.keys import payload_prefix
 from mooncake_rl.generations.layout import FRAGMENT_KEY, layout_digest
+from mooncake_rl.plan import grid
 
 # The layout digest is computed once per generation by the announcer (it is sealed into
 # the active-generation record); the planner recomputes it only when none is recorded.
@@ -76,7 +77,7 @@ def source_layout(manifest: WeightManifest, digest: str | None = None) -> Source
     geometry = list(map(_GEOMETRY, fragments))
     offset = np.fromiter(map(attrgetter("object_offset"), fragments), np.int64, len(fragments))
     nbytes = np.fromiter(map(attrgetter("nbytes"), fragments), np.int64, len(fragments))
-    order = np.argsort(owner, kind="stable")
+    order = grid.stable_order(owner)
     counts = np.bincount(owner, minlength=len(tensors))
     ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     for t in np.flatnonzero(counts > 1).tolist():  # several fragments: by global offset

@@ -266,6 +266,9 @@ def demanded_union_bytes(demands: np.ndarray) -> int:
     )
     if not cols.shape[1]:
         return 0
+    # Duplicates are harmless but cost sorting: the consumers of one piece (every replica's
+    # worker) sit side by side, so dropping repeats of the previous row first leaves a few.
+    cols = cols[:, grid.group_starts(*cols)]
     order = grid.lex_order(cols[0], cols[1])  # adjacent duplicates go; any left are harmless
     unique = cols[:, order][:, grid.group_starts(*cols[:, order])]
     rects, _ = grid.to_rects(*unique)

@@ -294,9 +294,8 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
     fkey = np.concatenate(consumers[1])
     region = 1 + fkey
     dst = np.concatenate(consumers[2])  # a new array: base offsets are added in place
-    custom = resolver[worker] >= 0
     for i, (_, dest_region, dest_base) in enumerate(dest_list):
-        mask = custom & (resolver[worker] == i)
+        mask = resolver[worker] == i
         region[mask] = dest_region[fkey[mask]]
         dst[mask] += dest_base[fkey[mask]]
         unmapped = mask & (region < 0)
@@ -309,8 +308,9 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
             )
     region_worker = np.concatenate(rows[0])
     region_key = np.concatenate(rows[1])
-    default = resolver[region_worker] < 0
-    region_worker, region_key = region_worker[default], region_key[default]
+    if destinations:  # a worker with destinations declares its own regions (below)
+        default = resolver[region_worker] < 0
+        region_worker, region_key = region_worker[default], region_key[default]
     extra_w, extra_r, extra_s = [], [], []
     for worker_id, dest in destinations.items():
         for name, size in dest.regions:

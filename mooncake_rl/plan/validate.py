@@ -54,7 +54,7 @@ class _V:
             self.land[name] = np.concatenate([r[name], p[name]])
         rs = table.region_sizes
         key = rs["worker"].astype(I64) * self.n_regions + rs["region"]
-        order = np.argsort(key)
+        order = grid.stable_order(key)
         self.declared, self.declared_size = key[order], rs["size"].astype(I64)[order]
 
     # -- naming helpers for messages -------------------------------------------------------

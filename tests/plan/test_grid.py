@@ -114,6 +114,23 @@ def test_packed_keys_fall_back_to_lexsort_when_they_would_overflow():
     assert list(keys) == [2, 0, 2, 1] and sorted(first) == [0, 1, 3]
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 6), max_size=60),
+    st.sampled_from([1, 1 << 20, 1 << 45, 1 << 59]),
+    st.integers(-(1 << 62), 1 << 62),
+)
+def test_stable_order_and_unique_match_numpy(picks, spread, shift):
+    """Packed and rank-then-packed sorts (keys too wide to pack with the index) give
+    numpy's stable order and unique, ties included."""
+    key = np.array([p * spread for p in picks], np.int64) + np.int64(shift // 2)
+    assert list(grid.stable_order(key)) == list(np.argsort(key, kind="stable"))
+    values, first, inverse = grid.unique_inverse(key)
+    expected = np.unique(key, return_index=True, return_inverse=True)
+    for got, want in zip((values, first, inverse), expected, strict=True):
+        assert list(got) == list(want)
+
+
 def test_malformed_runs_are_rejected():
     import pytest
 
