@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -79,7 +80,7 @@ def plan_routing(
         raise InvariantViolation(
             f"the recorded layout digest of {manifest.group_id} does not match its manifest"
         )
-    with _without_cyclic_gc(), _without_huge_pages():
+    with _PLANNING.held():
         table = build_routing_table(manifest, topology, demand, params, key, segments=segments)
         validate_routing_table(table)
     if cache is not None:
@@ -87,37 +88,53 @@ def plan_routing(
     return table
 
 
-@contextmanager
-def _without_cyclic_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector while planning. The pipeline makes no reference
-    cycles but allocates millions of short-lived tuples and lists; with the caller's heap
-    holding a 1T MoE's manifest and placement (1.6M objects) those allocations trigger
-    collections that rescan it, one full pass alone costing over a second here. Reference
-    counting still frees everything; the collector's previous state is restored."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+class _PlanningMode:
+    """Process-wide settings a plan runs faster under, held while any plan runs.
+
+    - The cyclic garbage collector is paused. The pipeline makes no reference cycles but
+      allocates millions of short-lived tuples and lists; with the caller's heap holding a
+      1T MoE's manifest and placement (1.6M objects) those allocations trigger collections
+      that rescan it, one full pass alone costing over a second here. Reference counting
+      still frees everything.
+    - numpy stops asking for transparent huge pages (``madvise``). A plan makes hundreds of
+      fresh multi-megabyte arrays that live for one step; on the VMs this runs on a first
+      touch of a huge page costs ~3x the same bytes in small pages (a 1T fp8 MoE on
+      16 x TP8: 3.3-3.9 s of system time with them, 1.2-1.8 s without). This is numpy's own
+      switch (what ``NUMPY_MADVISE_HUGEPAGE=0`` sets at import); a numpy without it is left
+      alone.
+
+    Both are process-wide, so plans in several threads share one hold: the first to enter
+    saves the previous settings, the last to leave restores them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._gc_was_enabled = False
+        self._huge_pages_were: bool | None = None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        switch = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+        with self._lock:
+            if self._holders == 0:
+                self._gc_was_enabled = gc.isenabled()
+                gc.disable()
+                self._huge_pages_were = switch(False) if switch is not None else None
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0:
+                    if self._gc_was_enabled:
+                        gc.enable()
+                    if switch is not None and self._huge_pages_were is not None:
+                        switch(self._huge_pages_were)
 
 
-@contextmanager
-def _without_huge_pages() -> Iterator[None]:
-    """Stop numpy asking for transparent huge pages (``madvise``) while planning. A plan
-    makes hundreds of fresh multi-megabyte arrays that live for one step; on the VMs this
-    runs on a first touch of a huge page costs ~3x the same bytes in small pages (a 1T
-    fp8 MoE on 16 x TP8: 3.3-3.9 s of system time with them, 1.2-1.8 s without). numpy's own
-    switch (what ``NUMPY_MADVISE_HUGEPAGE=0`` sets at import); its previous value is
-    restored, and where a numpy lacks it nothing changes."""
-    switch = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
-    previous = switch(False) if switch is not None else None
-    try:
-        yield
-    finally:
-        if switch is not None:
-            switch(previous)
+_PLANNING = _PlanningMode()
 
 
 def build_routing_table(

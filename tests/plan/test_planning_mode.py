@@ -1,0 +1,53 @@
+"""The process-wide settings a plan holds (GC paused, no huge-page advice) come back exactly
+as they were, also when plans in several threads overlap."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from mooncake_rl.plan.planner import _PlanningMode
+
+switch = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+
+
+def huge_pages() -> bool | None:
+    """numpy's current advice, read by setting it to itself."""
+    if switch is None:
+        return None
+    current = switch(True)
+    switch(current)
+    return current
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_overlapping_plans_restore_the_settings_they_found(before: bool) -> None:
+    mode = _PlanningMode()
+    gc_before, advice_before = gc.isenabled(), huge_pages()
+    (gc.enable if before else gc.disable)()
+    if switch is not None:
+        switch(before)
+    try:
+        first, second = mode.held(), mode.held()
+        first.__enter__()
+        second.__enter__()  # a second thread's plan begins while the first runs
+        assert not gc.isenabled() and huge_pages() in (False, None)
+        first.__exit__(None, None, None)  # the first ends: the second still plans
+        assert not gc.isenabled() and huge_pages() in (False, None)
+        second.__exit__(None, None, None)
+        assert gc.isenabled() is before
+        assert huge_pages() in (before, None)
+    finally:
+        (gc.enable if gc_before else gc.disable)()
+        if switch is not None and advice_before is not None:
+            switch(advice_before)
+
+
+def test_a_failed_plan_restores_the_settings() -> None:
+    mode = _PlanningMode()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), mode.held():
+        raise RuntimeError("a plan that failed")
+    assert gc.isenabled()
