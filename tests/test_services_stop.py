@@ -197,6 +197,15 @@ def test_holder_stops_while_still_starting(tmp_path: Path) -> None:
             cli.wait()
 
 
+def _autogroup(pid: int) -> str | None:
+    """The scheduling autogroup's name, or None where the kernel does not expose one."""
+    try:
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
+    except OSError:
+        return None
+    return fields[0] if fields else None
+
+
 def test_a_managed_child_leads_its_own_group_in_the_callers_session(tmp_path: Path) -> None:
     """Its own process group (``stop`` signals the whole group) but the caller's session,
     so the kernel's per-session scheduling autogroup is shared: a pinned engine rank in a
@@ -208,10 +217,11 @@ def test_a_managed_child_leads_its_own_group_in_the_callers_session(tmp_path: Pa
         assert pid is not None
         assert os.getpgid(pid) == pid != os.getpgid(0)
         assert os.getsid(pid) == os.getsid(0)
-        autogroup = Path(f"/proc/{pid}/autogroup")
-        if autogroup.exists():  # kernels built with CONFIG_SCHED_AUTOGROUP
-            mine = Path("/proc/self/autogroup").read_text().split()[0]
-            assert autogroup.read_text().split()[0] == mine
+        # The shared session is what matters; where the kernel exposes autogroups (some
+        # sandboxes give an empty file), check the consequence too.
+        childs, mine = _autogroup(pid), _autogroup(os.getpid())
+        if childs is not None and mine is not None:
+            assert childs == mine
     finally:
         child.stop()
     assert not child.is_running()
