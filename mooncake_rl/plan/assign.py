@@ -41,7 +41,6 @@ than it).
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +123,8 @@ def assign_readers(
     workers_on: list[list[int]] = [[] for _ in range(n_nodes)]
     for w, node in enumerate(topology.worker_node):
         workers_on[node].append(w)
+    g_bounds = np.append(g_start, len(order))
+    g_workers = ranges.worker[order]
     reader = _greedy(
         _Loop(
             owner=owner.tolist(),
@@ -131,8 +132,9 @@ def assign_readers(
             range_groups=range_groups.tolist(),
             range_home=range_home.tolist(),
             g_node=g_node.tolist(),
-            g_bounds=[*g_start.tolist(), len(order)],
-            g_workers=ranges.worker[order].tolist(),
+            g_bounds=g_bounds.tolist(),
+            g_workers=g_workers.tolist(),
+            g_single=np.where(np.diff(g_bounds) == 1, g_workers[g_start], -1).tolist(),
             workers_on=workers_on,
             in0=[int(x) for x in in0.tolist()],
             n_workers=len(topology.workers),
@@ -166,6 +168,7 @@ class _Loop:
     g_node: list[int]
     g_bounds: list[int]  # consuming workers of group g: g_workers[g_bounds[g]:g_bounds[g+1]]
     g_workers: list[int]
+    g_single: list[int]  # the group's worker when it has one, else -1
     workers_on: list[list[int]]
     in0: list[int]
     n_workers: int
@@ -187,10 +190,7 @@ def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
     heap = [(0, node) for node in range(n_nodes)]
     reader = [0] * len(loop.owner)
     g_node, g_bounds, g_workers = loop.g_node, loop.g_bounds, loop.g_workers
-    # The group's worker when it has one, else -1 (then the least-loaded of its workers).
-    g_single = [
-        g_workers[start] if end - start == 1 else -1 for start, end in itertools.pairwise(g_bounds)
-    ]
+    g_single = loop.g_single  # -1: the least-loaded of the group's workers reads
     owner, c_bytes, range_groups, range_home = (
         loop.owner,
         loop.c_bytes,

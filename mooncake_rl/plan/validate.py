@@ -20,6 +20,9 @@ With 3 and 5, every demanded byte is written exactly once with the right content
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
 import numpy as np
 
 from mooncake_rl.errors import InvariantViolation
@@ -33,6 +36,18 @@ CONTENT_BLOCK = 1 << 20  # writes compared at once (bounds the content check's t
 def validate_routing_table(table: RoutingTable) -> None:
     """Raise :class:`InvariantViolation` naming the first broken invariant, else return."""
     _V(table).run()
+
+
+@dataclass(frozen=True, eq=False)
+class _Placement:
+    """Writes outside staging (``outside``, or all of them when ``everything``) matched to
+    the demand each starts in (``match``, -1: none), with both sides' (worker, region) keys."""
+
+    outside: np.ndarray
+    everything: bool
+    d_space: np.ndarray
+    w_space: np.ndarray
+    match: np.ndarray
 
 
 def _columns(records: np.ndarray) -> dict[str, np.ndarray]:
@@ -101,18 +116,32 @@ class _V:
 
     # -- checks ----------------------------------------------------------------------------
     def run(self) -> None:
+        """The checks in their documented order; the first broken one is raised.
+
+        Provenance, then the placement of writes in demands (the content check's search),
+        run on a second thread beside the bounds and overlap checks: they are numpy passes
+        that release the GIL, and a 1T MoE's table takes seconds to check. One thread, not
+        one per check: two cores are all this needs, and each pass's temporaries are the
+        size of the table. The other thread's verdict is only read once the earlier checks
+        passed, so the error raised is the one the sequential order gives."""
         if (self.declared[1:] == self.declared[:-1]).any():
             raise InvariantViolation("a worker declares one region twice")
         self.well_formed()
         self.object_bounds()
-        self.region_bounds(self.demands, self._demand)
-        self.region_bounds(self.land, self._landing)
-        self.disjoint(self.demands, self._demand, "demands")
-        self.disjoint(self.land, self._landing, "writes")
-        self.single_pull_disjoint()
+        with ThreadPoolExecutor(1, thread_name_prefix="validate") as side:
+            placed = side.submit(self._provenance_then_placement)
+            self.region_bounds(self.demands, self._demand)
+            self.region_bounds(self.land, self._landing)
+            self.disjoint(self.demands, self._demand, "demands")
+            self.disjoint(self.land, self._landing, "writes")
+            self.single_pull_disjoint()
+            union = demanded_union_bytes(self.t.demands)
+            self.content_and_coverage(placed.result())
+        self.single_pull_total(union)
+
+    def _provenance_then_placement(self) -> _Placement:
         self.provenance()
-        self.content_and_coverage()
-        self.single_pull_total()
+        return self.placement()
 
     def well_formed(self) -> None:
         t = self.t
@@ -256,11 +285,8 @@ class _V:
             obj[sel + n_r], off[sel + n_r], stride[sel + n_r] = obj[src], off[src], stride[src]
         self.l_obj, self.l_src, self.l_src_stride = obj, off, stride
 
-    def content_and_coverage(self) -> None:
-        """Each write lands inside one demand with the right bytes; demands are full.
-
-        The per-write comparison runs in blocks of ``CONTENT_BLOCK`` writes, so its dozen
-        temporaries do not grow with the table (a 1,000-engine plan has 35M writes)."""
+    def placement(self) -> _Placement:
+        """The demand each write outside staging starts in (the last one at or before it)."""
         d, land = self.demands, self.land
         outside = np.flatnonzero(land["dst_region"] != 0)
         everything = len(outside) == len(land["dst_region"])
@@ -270,17 +296,24 @@ class _V:
             w_space = w_space[outside]
         w_off = land["dst_offset"] if everything else land["dst_offset"][outside]
         match, _ = grid.at_or_before(d_space, d["dst_offset"], w_space, w_off)
-        del w_off
+        return _Placement(outside, everything, d_space, w_space, match)
+
+    def content_and_coverage(self, placed: _Placement) -> None:
+        """Each write lands inside one demand with the right bytes; demands are full.
+
+        The per-write comparison runs in blocks of ``CONTENT_BLOCK`` writes, so its dozen
+        temporaries do not grow with the table (a 1,000-engine plan has 35M writes)."""
+        d, p = self.demands, placed
         got = np.zeros(len(d["length"]), np.float64)  # exact below 2**53 bytes per demand
-        for lo in range(0, len(outside), CONTENT_BLOCK):
+        for lo in range(0, len(p.outside), CONTENT_BLOCK):
             block = slice(lo, lo + CONTENT_BLOCK)
-            rows = block if everything else outside[block]
-            m = np.maximum(match[block], 0)
-            ok = (match[block] >= 0) & (d_space[m] == w_space[block])
+            rows = block if p.everything else p.outside[block]
+            m = np.maximum(p.match[block], 0)
+            ok = (p.match[block] >= 0) & (p.d_space[m] == p.w_space[block])
             written = self._content(m, rows, ok)
             wrong = np.flatnonzero(~ok)
             if len(wrong):
-                i = lo + int(wrong[0]) if everything else int(outside[lo + wrong[0]])
+                i = lo + int(wrong[0]) if p.everything else int(p.outside[lo + wrong[0]])
                 raise InvariantViolation(
                     f"{self._landing(i)} writes bytes no demand maps to that place "
                     f"(it carries object {self._o(self.l_obj[i])}@{int(self.l_src[i])})"
@@ -332,9 +365,8 @@ class _V:
         ok &= in_row | row_aligned
         return l_len * l_cnt
 
-    def single_pull_total(self) -> None:
-        t = self.t
-        union = demanded_union_bytes(t.demands)
+    def single_pull_total(self, union: int) -> None:
+        """``union``: :func:`demanded_union_bytes` of the table's demands."""
         total = int((self.reads["length"] * self.reads["count"]).sum())
         if total != union:
             raise InvariantViolation(

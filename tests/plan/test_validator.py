@@ -173,3 +173,12 @@ def test_sub_row_strided_write_with_wrong_source_bytes(block: int, monkeypatch) 
     monkeypatch.setattr(validate, "CONTENT_BLOCK", block)  # one block, or several
     validate_routing_table(t)
     rejects(swapped, rf"read #{min(i, j)} .* writes bytes no demand maps")
+
+
+def test_the_first_broken_check_is_raised_though_later_ones_run_beside_it(table):
+    """Provenance and content run on other threads; their verdicts never pre-empt an
+    earlier check's (the table below breaks region bounds and provenance)."""
+    source = int(table.pushes[0]["src_offset"]) + 1
+    rejects(corrupt(table, "pushes", 0, src_offset=source), "sends bytes no earlier write landed")
+    both = corrupt(table, "pushes", 0, src_offset=source, dst_offset=1 << 40)
+    rejects(both, "runs past the end of region")
