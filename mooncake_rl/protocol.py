@@ -23,8 +23,10 @@ change a coordinator of the previous version could misread (2: direct mode recei
 place, so an aborted update may leave the engine rebuilding). A coordinator refuses engines
 of another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
 PLACEMENT_DIGEST = "placement_digest"
-PLANNED_FIELDS = ("worker_id", "tp_rank", "tp_size", "regions", "shards")
-"""What a direct-mode plan reads of a worker's placement (its node is the topology's)."""
+PLANNED_FIELDS = ("tp_rank", "tp_size", "regions", "shards")
+"""What a direct-mode plan reads of a worker's placement. Not its node (the topology's) nor
+its id (the demand's digest pairs each id with its report), so the same rank of identical
+engines reports one digest, and a coordinator reads one placement per distinct engine."""
 
 
 def placement_digest(worker: Mapping[str, Any]) -> str:

@@ -49,7 +49,7 @@ from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.stored import StoredTables
 from mooncake_rl.plan.table import RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
-from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
+from mooncake_rl.protocol import PLACEMENT_DIGEST, PLANNED_FIELDS, placement_digest
 from mooncake_rl.store import StoreClient
 
 
@@ -218,26 +218,63 @@ def require_staging(engines: Mapping[str, Sequence[Mapping[str, Any]]], batch_by
         )
 
 
-def reported_digest(workers: Sequence[Mapping[str, Any]], direct_fallback: str | None) -> str:
-    """The direct demand's digest from the workers' ``placement_digest`` reports (computed
-    here for a worker that reports none): the cache key costs one hash per worker."""
-    return declared_digest(
-        ((w["worker_id"], w.get(PLACEMENT_DIGEST) or placement_digest(w)) for w in workers),
-        scope=f"direct-fallback={direct_fallback or ''}",
-    )
+def reported_digest(reports: Mapping[str, str], direct_fallback: str | None) -> str:
+    """The direct demand's digest from the workers' ``placement_digest`` reports
+    (:func:`placement_reports`): the cache key costs one hash per worker."""
+    return declared_digest(reports.items(), scope=f"direct-fallback={direct_fallback or ''}")
 
 
-def require_true_reports(workers: Sequence[Mapping[str, Any]]) -> None:
+def placement_reports(workers: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Each worker's reported placement digest (computed here for one that reports none)."""
+    return {w["worker_id"]: w.get(PLACEMENT_DIGEST) or placement_digest(w) for w in workers}
+
+
+def representatives(
+    engines: Mapping[str, Sequence[Mapping[str, Any]]], reports: Mapping[str, str]
+) -> dict[str, str]:
+    """Each engine's representative: the first engine whose workers report the same digests
+    rank by rank. Equal digests mean equal planned placements, so a fleet of identical
+    engines has its placement read, checked and planned once (a 1T MoE's TP8 engine
+    describes a million boxes), and the planner sees one placement group."""
+    first: dict[tuple[tuple[int, str], ...], str] = {}
+    out = {}
+    for url, workers in engines.items():
+        ranked = sorted((int(w["tp_rank"]), reports[w["worker_id"]]) for w in workers)
+        out[url] = first.setdefault(tuple(ranked), url)
+    return out
+
+
+def require_true_reports(
+    engines: Mapping[str, Sequence[Mapping[str, Any]]], representative: Mapping[str, str]
+) -> None:
     """Before a table is planned (and kept under the reported key): every worker's report
-    must be the digest of the description it sent."""
-    for w in workers:
-        reported = w.get(PLACEMENT_DIGEST)
-        if reported is not None and reported != placement_digest(w):
-            raise InvariantViolation(
-                f"worker {w['worker_id']} reported placement digest {reported}, but its "
-                f"placement hashes to {placement_digest(w)}: the engine runs another "
-                "mooncake-rl version; upgrade it to the coordinator's"
-            )
+    must be the digest of the description it sent. A representative's workers are hashed;
+    every other engine's must describe exactly what its representative's do."""
+    for url, workers in engines.items():
+        rep = representative[url]
+        if rep == url:
+            for w in workers:
+                _require_true_report(w)
+            continue
+        theirs = {int(w["tp_rank"]): w for w in engines[rep]}
+        for w in workers:
+            model = theirs[int(w["tp_rank"])]
+            if any(w.get(name) != model.get(name) for name in PLANNED_FIELDS):
+                raise InvariantViolation(
+                    f"worker {w['worker_id']} reports the placement digest of "
+                    f"{model['worker_id']} but describes another placement: the engine runs "
+                    "another mooncake-rl version; upgrade it to the coordinator's"
+                )
+
+
+def _require_true_report(w: Mapping[str, Any]) -> None:
+    reported = w.get(PLACEMENT_DIGEST)
+    if reported is not None and reported != placement_digest(w):
+        raise InvariantViolation(
+            f"worker {w['worker_id']} reported placement digest {reported}, but its "
+            f"placement hashes to {placement_digest(w)}: the engine runs another "
+            "mooncake-rl version; upgrade it to the coordinator's"
+        )
 
 
 def topology_of(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> Topology:
@@ -272,27 +309,39 @@ def plan_routing(
     region_dtypes: dict[str, dict[str, str]] = {}
     fallback: dict[str, tuple[dict[str, Any], ...]] = {}
     layouts: dict[str, dict[str, WorkerLayout]] = {}
+    representative: dict[str, str] = {}
     if mode == "compat":
         demand_digest = CompatDemand().digest
     else:
+        reports = placement_reports(workers)
+        representative = representatives(engines, reports)
+        by_rank: dict[str, dict[int, WorkerLayout]] = {}  # per representative
         for url, engine_workers in engines.items():
-            layouts[url] = _engine_layout(manifest, _without(engine_workers, direct_fallback))
+            rep = representative[url]
+            if rep not in by_rank:
+                read = _engine_layout(manifest, _without(engine_workers, direct_fallback))
+                by_rank[rep] = {layout.tp_rank: layout for layout in read.values()}
+            layouts[url] = {w["worker_id"]: by_rank[rep][int(w["tp_rank"])] for w in engine_workers}
             for worker_id, layout in layouts[url].items():
                 regions[worker_id] = dict(layout.regions)
                 region_dtypes[worker_id] = layout.region_dtypes
                 fallback[worker_id] = layout.fallback
-        demand_digest = reported_digest(workers, direct_fallback)
+        demand_digest = reported_digest(reports, direct_fallback)
     key = plan_key(manifest, topology, demand_digest, params, layout_digest, segments=segments)
     table = tables.get(key) if tables is not None else None
     if table is None:  # only a miss builds the planner's demand (a 1T MoE: ~1M fragments)
-        require_true_reports(workers)
         demand: CompatDemand | DirectDemand = CompatDemand()
         if mode == "direct":
-            wanted = {
-                worker_id: worker_demand
-                for engine_layouts in layouts.values()
-                for worker_id, worker_demand in _engine_parts(manifest, engine_layouts).items()
-            }
+            require_true_reports(engines, representative)
+            parts: dict[str, dict[int, WorkerDemand]] = {}  # per representative, by rank
+            wanted = {}
+            for url, engine_layouts in layouts.items():
+                rep = representative[url]
+                if rep not in parts:
+                    built = _engine_parts(manifest, layouts[rep])
+                    parts[rep] = {layouts[rep][w].tp_rank: d for w, d in built.items()}
+                for worker_id, layout in engine_layouts.items():
+                    wanted[worker_id] = parts[rep][layout.tp_rank]
             demand = DirectDemand.of(
                 {w: d.part for w, d in wanted.items()},
                 {w: d.destinations for w, d in wanted.items()},
@@ -496,12 +545,14 @@ def _engine_parts(
         fragments, destination = [], {}
         for shard in layout.shards:
             descriptor = source[shard["tensor"]]
+            offset, shape = tuple(shard["global_offset"]), tuple(shard["local_shape"])
             fragment = PlacementFragment(
                 tensor_id=shard["tensor"],
-                global_offset=tuple(shard["global_offset"]),
-                local_shape=tuple(shard["local_shape"]),
-                nbytes=math.prod(shard["local_shape"]) * descriptor.itemsize,
+                global_offset=offset,
+                local_shape=shape,
+                nbytes=math.prod(shape) * descriptor.itemsize,
                 rank=rank,
+                placement_fragment_id=_fragment_id(rank.tp, shard["tensor"], offset, shape),
             )
             if fragment.placement_fragment_id in destination:
                 raise InvariantViolation(
@@ -526,6 +577,13 @@ def _engine_parts(
         )
         out[worker_id] = WorkerDemand(part, Destinations.of(layout.regions, destination))
     return out
+
+
+def _fragment_id(tp_rank: int, tensor: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """A box's id, unique per rank, tensor and box: the ids only key this plan's
+    destinations, and mooncake.reshard's canonical id (a SHA-256 of the box's JSON) costs
+    more than the rest of the fragment (a 1T MoE's TP8 engine has a million boxes)."""
+    return f"tp{tp_rank}@{','.join(map(str, offset))}+{','.join(map(str, shape))}/{tensor}"
 
 
 def _fallback_rows(

@@ -274,10 +274,10 @@ def check_delivery(table, buffers, written, expected) -> None:
         assert not extra.any(), f"undemanded bytes written at {key}"
 
 
-def bench_plan(*flags: str) -> dict[str, Any]:
-    """The one JSON object ``python -m bench.plan`` prints for ``flags``."""
+def bench_plan(*flags: str, module: str = "bench.plan") -> dict[str, Any]:
+    """The one JSON object ``python -m bench.plan`` (or ``module``) prints for ``flags``."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.plan", *flags],
+        [sys.executable, "-m", module, *flags],
         cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,

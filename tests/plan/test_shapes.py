@@ -53,3 +53,12 @@ def test_bench_prints_one_json_object():
     assert result["store_read_bytes / unique_demand_bytes"] == 1.0
     assert result["delivered_bytes / lower_bound_bytes"] == 1.0
     assert result["workers"] == 8 and result["mode"] == "direct"
+
+
+def test_the_described_bench_plans_from_engine_replies():
+    """``bench.described``: identical engines' placement replies through the coordinator's
+    ``plan.update`` (its hit is asserted inside): every box lands once per engine."""
+    result = bench_plan("--model", "small", "--engines", "3", "--tp", "4", module="bench.described")
+    assert (result["engines"], result["tp"]) == (3, 4)
+    assert result["demands"] == 3 * result["boxes_per_engine"] > 0
+    assert result["reads"] > 0 and result["pushes"] > 0

@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.layout import layout_digest
+from mooncake_rl.plan import update as update_module
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
+from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -125,6 +127,44 @@ def test_slices_deliver_exactly_the_demanded_bytes_reading_each_once(
     nodes = {node for node, _ in cluster}
     if mode == "compat":
         assert plan.routing.cross_node_pushed_bytes == model_bytes * (len(nodes) - 1)
+
+
+def test_identical_engines_are_read_once_and_a_copied_report_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three identical TP2 engines and a TP1 one: two distinct placements are read and turned
+    into planner parts (a 1T MoE's TP8 engine describes a million boxes), every worker still
+    receives exactly its bytes, and an engine that copies another's reports while it
+    describes something else is refused before anything is planned."""
+    specs = [TensorSpec("a", (8, 4), "float32"), TensorSpec("b", (6,), "float16")]
+    cluster = [("n0", 2), ("n1", 2), ("n2", 2), ("n3", 1)]
+    engines = {
+        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
+        for url, workers in simulated_engines(specs, cluster, "direct").items()
+    }
+    first_ranks = {w[PLACEMENT_DIGEST] for ws in engines.values() for w in ws if w["tp_rank"] == 0}
+    assert len(first_ranks) == 2  # one digest per rank of identical engines
+    read: list[Any] = []
+    for name in ("_engine_layout", "_engine_parts"):
+        real = getattr(update_module, name)
+        monkeypatch.setattr(
+            update_module, name, lambda *a, _real=real, _name=name: read.append(_name) or _real(*a)
+        )
+    plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+    assert sorted(read) == ["_engine_layout"] * 2 + ["_engine_parts"] * 2
+    rng = np.random.default_rng(7)
+    objects = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
+    memory = simulate(plan, objects)
+    by_name = {s.name: s for s in specs}
+    for workers in engines.values():
+        for worker in workers:
+            for shard in worker["shards"]:
+                want = expected_shard(by_name[shard["tensor"]], objects[shard["tensor"]], shard)
+                assert np.array_equal(memory[(worker["worker_id"], shard["region"])], want)
+    copied = engines["http://engine1"][0]
+    copied["shards"][0]["region_offset"] = 4  # no longer what engine0's rank 0 describes
+    with pytest.raises(InvariantViolation, match="e1/tp0 reports the placement digest of e0/tp0"):
+        plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
 
 
 def test_cache_hit_replans_nothing_and_binds_the_new_generation() -> None:

@@ -1,0 +1,90 @@
+"""Planning from engine descriptions, as the coordinator does; ONE JSON object.
+
+    python -m bench.described --model kimi-k2 --engines 4 [--tp 8 --dtype fp8]
+
+``bench.plan`` times the planner core on placement parts built once and shared. A
+coordinator starts one step earlier: every engine worker's ``GET /mooncake/placement``
+reply (``mooncake_rl.plan.synthetic.simulated_engines``: each tensor split along its first
+dimension the TP size divides, one region per tensor, every worker reporting its
+``placement_digest``). ``plan_seconds_cold`` is ``plan.update.plan_routing`` on an empty
+cache: reading the descriptions, checking the reports, building the planner's placement
+parts (mooncake.reshard contract objects, one per box), planning and validating.
+``plan_seconds_cached`` is the next generation's call (a hit). ``describe_seconds`` (not
+part of either) builds the replies and their reports, the engines' side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from collections.abc import Sequence
+
+from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.generations.layout import layout_digest
+from mooncake_rl.plan.cache import PlanCache
+from mooncake_rl.plan.shapes import DTYPES, MODELS, model_shape
+from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.update import plan_routing
+from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
+
+BATCH_BYTES = 256 << 20
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="kimi-k2")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--engines", type=int, default=4, help="identical engines, one per node")
+    parser.add_argument("--tp", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    model = model_shape(args.model, args.dtype)
+    specs = [TensorSpec(t.name, t.shape, t.dtype) for t in model.tensors]
+    manifests = [build_manifest(model.name, g, specs, "1970-01-01T00:00:00Z") for g in (1, 2)]
+    digests = [layout_digest(m) for m in manifests]
+    t0 = time.perf_counter()
+    described = simulated_engines(
+        specs, [(f"node{i}", args.tp) for i in range(args.engines)], "direct"
+    )
+    engines = {
+        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
+        for url, workers in described.items()
+    }
+    describe = time.perf_counter() - t0
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tables = PlanCache()
+    t0, c0 = time.perf_counter(), time.process_time()
+    cold = plan_routing(manifests[0], engines, "direct", BATCH_BYTES, tables, digests[0])
+    cold_s, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    hit = plan_routing(manifests[1], engines, "direct", BATCH_BYTES, tables, digests[1])
+    cached_s = time.perf_counter() - t0
+    assert hit.table is cold.table and (tables.hits, tables.misses) == (1, 1)
+    table = cold.table
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "engines": args.engines,
+        "tp": args.tp,
+        "tensors": len(specs),
+        "boxes_per_engine": sum(len(w["shards"]) for w in next(iter(engines.values()))),
+        "describe_seconds": round(describe, 2),
+        "plan_seconds_cold": round(cold_s, 3),
+        "plan_cpu_seconds_cold": round(cold_cpu, 3),
+        "plan_seconds_cached": round(cached_s, 3),
+        "peak_rss_growth_bytes": (peak - before) * 1024,
+        "reads": len(table.reads),
+        "pushes": len(table.pushes),
+        "demands": len(table.demands),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
