@@ -357,12 +357,7 @@ def plan_routing(
         )
         if tables is not None:
             tables.put(key, table)
-    for row in table.region_sizes.tolist():
-        worker, region, size = table.workers[row[0]], table.regions[row[1]], row[2]
-        if regions[worker].setdefault(region, size) != size:
-            raise InvariantViolation(
-                f"{worker}:{region} declares {regions[worker][region]} bytes, plan needs {size}"
-            )
+    _merge_planned_regions(table, regions)
     totals = table.totals
     return RoutingPlan(
         mode,
@@ -441,6 +436,33 @@ class WorkerDemand:
 
     part: WeightPlacementPart
     destinations: Destinations
+
+
+def _merge_planned_regions(table: RoutingTable, regions: dict[str, dict[str, int]]) -> None:
+    """Add the regions the table plans (staging, compat's buffer) to each worker's declared
+    ones, refusing a table whose size for a declared region differs. Worker by worker, so
+    the usual case (every declared size equal) is a C-level comparison of two lists: a 1T
+    MoE's table has millions of region rows, one per (worker, tensor)."""
+    rows = table.region_sizes
+    order = np.argsort(rows["worker"], kind="stable")
+    workers = rows["worker"][order]
+    bounds = np.flatnonzero(np.diff(workers)) + 1
+    names = table.regions
+    for block in np.split(order, bounds) if len(order) else ():
+        worker = table.workers[int(rows["worker"][block[0]])]
+        mine = regions[worker]
+        planned = list(map(names.__getitem__, rows["region"][block].tolist()))
+        sizes = rows["size"][block].tolist()
+        declared = list(map(mine.get, planned))
+        if declared == sizes:
+            continue
+        for region, had, size in zip(planned, declared, sizes, strict=True):
+            if had is None:
+                mine[region] = size
+            elif had != size:
+                raise InvariantViolation(
+                    f"{worker}:{region} declares {had} bytes, plan needs {size}"
+                )
 
 
 def _engine_layout(

@@ -290,3 +290,19 @@ def test_engines_splitting_one_tensor_along_different_dims() -> None:
                 want = expected_shard(specs[0], objects["t0"], shard)
                 assert np.array_equal(memory[(worker["worker_id"], shard["region"])], want)
     assert plan.store_read_bytes == plan.unique_demand_bytes == specs[0].nbytes
+
+
+def test_a_hit_whose_worker_declares_other_region_sizes_is_refused() -> None:
+    """The table's region sizes are checked against what each worker declares on every
+    call: a worker that changed a region but kept its old report gets a named error."""
+    specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
+    engines = {
+        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
+        for url, workers in simulated_engines(specs, [("n0", 2)], "direct").items()
+    }
+    cache = RoutingCache()
+    plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, cache)
+    engines["http://engine0"][1]["regions"]["a"]["bytes"] += 64
+    with pytest.raises(InvariantViolation, match="e0/tp1:a declares 96 bytes, plan needs 32"):
+        plan_update(build_manifest("m", 2, specs, "later"), engines, "direct", 64, cache)
+    assert cache.hits == 1
