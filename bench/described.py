@@ -28,7 +28,7 @@ from mooncake_rl.plan.cache import PlanCache
 from mooncake_rl.plan.shapes import DTYPES, MODELS, model_shape
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import plan_routing
-from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
+from mooncake_rl.protocol import reported_placement
 
 BATCH_BYTES = 256 << 20
 
@@ -40,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=4, help="identical engines, one per node")
     parser.add_argument("--tp", type=int, default=8)
     args = parser.parse_args(argv)
+    if args.engines < 1 or args.tp < 1:
+        parser.error(f"--engines and --tp must be at least 1, got {args.engines} and {args.tp}")
 
     model = model_shape(args.model, args.dtype)
     specs = [TensorSpec(t.name, t.shape, t.dtype) for t in model.tensors]
@@ -49,10 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     described = simulated_engines(
         specs, [(f"node{i}", args.tp) for i in range(args.engines)], "direct"
     )
-    engines = {
-        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
-        for url, workers in described.items()
-    }
+    engines = {url: [reported_placement(w) for w in ws] for url, ws in described.items()}
     describe = time.perf_counter() - t0
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tables = PlanCache()

@@ -63,10 +63,9 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.protocol import (
-    PLACEMENT_DIGEST,
     BucketWire,
     PrepareRequest,
-    placement_digest,
+    reported_placement,
     stage_refusal,
 )
 from mooncake_rl.settings import Settings
@@ -248,7 +247,7 @@ class UpdateWorker(ABC):
             },
             "shards": [s.to_json() for s in shards],
         }
-        return {**described, PLACEMENT_DIGEST: placement_digest(described)}
+        return reported_placement(described)
 
     def gpu_id(self) -> str | None:
         """The physical GPU this rank runs on: its CUDA UUID, else the declared id

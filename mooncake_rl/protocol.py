@@ -40,6 +40,11 @@ def placement_digest(worker: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def reported_placement(worker: Mapping[str, Any]) -> dict[str, Any]:
+    """A worker's placement description as it is served: with its ``placement_digest``."""
+    return {**worker, PLACEMENT_DIGEST: placement_digest(worker)}
+
+
 MAX_GENERATION = 2**53
 """Above any generation a Store will hand out; the workers bound it by the active record."""
 MAX_STAGES = 1 << 16

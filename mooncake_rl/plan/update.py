@@ -34,6 +34,7 @@ from mooncake_rl.apply.wire import WorkerSlice, encode_slice, with_checksums
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.layout import SegmentMap
+from mooncake_rl.plan import grid
 from mooncake_rl.plan.cache import PlanCache
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
@@ -444,9 +445,8 @@ def _merge_planned_regions(table: RoutingTable, regions: dict[str, dict[str, int
     the usual case (every declared size equal) is a C-level comparison of two lists: a 1T
     MoE's table has millions of region rows, one per (worker, tensor)."""
     rows = table.region_sizes
-    order = np.argsort(rows["worker"], kind="stable")
-    workers = rows["worker"][order]
-    bounds = np.flatnonzero(np.diff(workers)) + 1
+    order = grid.stable_order(rows["worker"])
+    bounds = np.flatnonzero(grid.group_starts(rows["worker"][order]))[1:]
     names = table.regions
     for block in np.split(order, bounds) if len(order) else ():
         worker = table.workers[int(rows["worker"][block[0]])]

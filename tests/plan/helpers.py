@@ -30,6 +30,7 @@ from mooncake.reshard.weight import (
 )
 
 from mooncake_rl.plan import STAGING_REGION, RoutingTable, object_key
+from mooncake_rl.protocol import reported_placement
 
 ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float32": 4}
 
@@ -272,6 +273,11 @@ def check_delivery(table, buffers, written, expected) -> None:
             continue
         extra = mask & ~want.get(key, np.zeros(len(mask), bool))
         assert not extra.any(), f"undemanded bytes written at {key}"
+
+
+def reporting(engines: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """The engines as real ones describe themselves: each worker reports its digest."""
+    return {url: [reported_placement(w) for w in workers] for url, workers in engines.items()}
 
 
 def bench_plan(*flags: str, module: str = "bench.plan") -> dict[str, Any]:

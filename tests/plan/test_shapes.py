@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +65,15 @@ def test_the_described_bench_plans_from_engine_replies():
     assert (result["engines"], result["tp"]) == (3, 4)
     assert result["demands"] == 3 * result["boxes_per_engine"] > 0
     assert result["reads"] > 0 and result["pushes"] > 0
+
+
+def test_the_described_bench_refuses_an_empty_fleet():
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.described", "--model", "small", "--engines", "0"],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and run.stdout == ""
+    assert "--engines and --tp must be at least 1, got 0 and 8" in run.stderr

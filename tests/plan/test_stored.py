@@ -46,7 +46,7 @@ from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import settings_for, trainer_settings
 
-from .helpers import bench_plan
+from .helpers import bench_plan, reporting
 
 CLUSTERS = {"compat": [("n0", 1), ("n0", 1), ("n1", 1)], "direct": [("n0", 2), ("n1", 2)]}
 BATCH = 4096
@@ -374,14 +374,6 @@ def test_the_plan_folder_keeps_the_newest_tables(tmp_path: Path) -> None:
 
 
 # -- the key from the engines' reports ---------------------------------------------------------
-def reporting(engines: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """The engines as real ones describe themselves: each worker reports its digest."""
-    return {
-        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
-        for url, workers in engines.items()
-    }
-
-
 def test_reported_placements_key_the_table_and_a_false_report_is_refused(
     store: StoreClient, planned: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

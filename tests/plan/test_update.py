@@ -21,7 +21,9 @@ from mooncake_rl.plan import update as update_module
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
-from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
+from mooncake_rl.protocol import PLACEMENT_DIGEST
+
+from .helpers import reporting
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -138,10 +140,7 @@ def test_identical_engines_are_read_once_and_a_copied_report_is_refused(
     describes something else is refused before anything is planned."""
     specs = [TensorSpec("a", (8, 4), "float32"), TensorSpec("b", (6,), "float16")]
     cluster = [("n0", 2), ("n1", 2), ("n2", 2), ("n3", 1)]
-    engines = {
-        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
-        for url, workers in simulated_engines(specs, cluster, "direct").items()
-    }
+    engines = reporting(simulated_engines(specs, cluster, "direct"))
     first_ranks = {w[PLACEMENT_DIGEST] for ws in engines.values() for w in ws if w["tp_rank"] == 0}
     assert len(first_ranks) == 2  # one digest per rank of identical engines
     read: list[Any] = []
@@ -296,10 +295,7 @@ def test_a_hit_whose_worker_declares_other_region_sizes_is_refused() -> None:
     """The table's region sizes are checked against what each worker declares on every
     call: a worker that changed a region but kept its old report gets a named error."""
     specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
-    engines = {
-        url: [{**w, PLACEMENT_DIGEST: placement_digest(w)} for w in workers]
-        for url, workers in simulated_engines(specs, [("n0", 2)], "direct").items()
-    }
+    engines = reporting(simulated_engines(specs, [("n0", 2)], "direct"))
     cache = RoutingCache()
     plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, cache)
     engines["http://engine0"][1]["regions"]["a"]["bytes"] += 64
