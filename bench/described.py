@@ -9,8 +9,10 @@ dimension the TP size divides, one region per tensor, every worker reporting its
 ``placement_digest``). ``plan_seconds_cold`` is ``plan.update.plan_routing`` on an empty
 cache: reading the descriptions, checking the reports, building the planner's placement
 parts (mooncake.reshard contract objects, one per box), planning and validating.
-``plan_seconds_cached`` is the next generation's call (a hit). ``describe_seconds`` (not
-part of either) builds the replies and their reports, the engines' side.
+``plan_seconds_cached`` is the next generation's call (a hit). ``plan_seconds_fleet_change``
+plans once more with one engine added: a miss (the topology changed) that reuses the
+distinct placement's parts (``plan.update.PartsCache``). ``describe_seconds`` (not part of
+any) builds the replies and their reports, the engines' side.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan.cache import PlanCache
 from mooncake_rl.plan.shapes import DTYPES, MODELS, model_shape
 from mooncake_rl.plan.synthetic import simulated_engines
-from mooncake_rl.plan.update import plan_routing
+from mooncake_rl.plan.update import PartsCache, plan_routing
 from mooncake_rl.protocol import reported_placement
 
 BATCH_BYTES = 256 << 20
@@ -49,20 +51,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     digests = [layout_digest(m) for m in manifests]
     t0 = time.perf_counter()
     described = simulated_engines(
-        specs, [(f"node{i}", args.tp) for i in range(args.engines)], "direct"
+        specs, [(f"node{i}", args.tp) for i in range(args.engines + 1)], "direct"
     )
-    engines = {url: [reported_placement(w) for w in ws] for url, ws in described.items()}
+    grown = {url: [reported_placement(w) for w in ws] for url, ws in described.items()}
+    engines = dict(list(grown.items())[: args.engines])
     describe = time.perf_counter() - t0
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tables = PlanCache()
+    tables, parts = PlanCache(), PartsCache()
     t0, c0 = time.perf_counter(), time.process_time()
-    cold = plan_routing(manifests[0], engines, "direct", BATCH_BYTES, tables, digests[0])
+    cold = plan_routing(
+        manifests[0], engines, "direct", BATCH_BYTES, tables, digests[0], parts_cache=parts
+    )
     cold_s, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    hit = plan_routing(manifests[1], engines, "direct", BATCH_BYTES, tables, digests[1])
+    hit = plan_routing(
+        manifests[1], engines, "direct", BATCH_BYTES, tables, digests[1], parts_cache=parts
+    )
     cached_s = time.perf_counter() - t0
     assert hit.table is cold.table and (tables.hits, tables.misses) == (1, 1)
+    t0 = time.perf_counter()
+    plan_routing(manifests[1], grown, "direct", BATCH_BYTES, tables, digests[1], parts_cache=parts)
+    fleet_change_s = time.perf_counter() - t0
+    assert (tables.misses, parts.built) == (2, 1)
     table = cold.table
     result = {
         "model": args.model,
@@ -75,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan_seconds_cold": round(cold_s, 3),
         "plan_cpu_seconds_cold": round(cold_cpu, 3),
         "plan_seconds_cached": round(cached_s, 3),
+        "plan_seconds_fleet_change": round(fleet_change_s, 3),
         "peak_rss_growth_bytes": (peak - before) * 1024,
         "reads": len(table.reads),
         "pushes": len(table.pushes),

@@ -9,7 +9,7 @@ consumers of a group's piece are the workers holding its slot in every instance.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import pairwise, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -207,11 +207,17 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
             f"placement fragment {fragment_id} declares aliases; "
             "aliased tensors are not supported by the planner"
         )
-    new = [f for f in dict.fromkeys(fragment_ids) if f not in fkeys]
-    size_of = dict(zip(fragment_ids, nbytes, strict=True))
-    fkeys.update(zip(new, range(len(fkeys), len(fkeys) + len(new)), strict=True))
-    fkey_nbytes.extend(map(size_of.__getitem__, new))
     n = len(rows)
+    first_key = len(fkeys)
+    new = [f for f in dict.fromkeys(fragment_ids) if f not in fkeys]
+    fkeys.update(zip(new, range(first_key, first_key + len(new)), strict=True))
+    if len(new) == n:  # every fragment is new (a first placement): keys in row order
+        fragment_key = np.arange(first_key, first_key + n, dtype=I64)
+        fkey_nbytes.extend(nbytes)
+    else:
+        fragment_key = np.fromiter(map(fkeys.__getitem__, fragment_ids), I64, n)
+        size_of = dict(zip(fragment_ids, nbytes, strict=True))
+        fkey_nbytes.extend(map(size_of.__getitem__, new))
     tensor = np.fromiter(map(index.__getitem__, tensor_ids), I64, n)
     slot = np.array(slot_of, I64)
     order = grid.lex_order(tensor, slot)
@@ -229,7 +235,7 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
         descriptors=tuple(map(descriptors.__getitem__, map(_TENSOR_ID, layout.tensors))),
         geometry=tuple(tuple(ordered[a:b]) for a, b in pairwise(ptr.tolist())),
         fragment_ptr=ptr,
-        fragment_key=np.fromiter(map(fkeys.__getitem__, fragment_ids), I64, n)[order],
+        fragment_key=fragment_key[order],
         fragment_slot=slot[order],
     )
 
@@ -243,24 +249,10 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
     for dest in destinations.values():
         if id(dest) in by_dest:
             continue
-        region = np.full(len(fkeys), -1, I64)
-        base = np.zeros(len(fkeys), I64)
-        for name, _ in dest.regions:
-            region_ids.setdefault(name, len(names))
-            if len(names) < len(region_ids):
-                names.append(name)
-        sizes = dict(dest.regions)
-        for fragment_id, name, offset in dest.fragments:
-            f = fkeys.get(fragment_id)
-            if f is None:
-                continue
-            if offset + fkey_nbytes[f] > sizes[name]:
-                raise InvariantViolation(
-                    f"fragment {fragment_id} ({fkey_nbytes[f]} bytes at {offset}) does not fit "
-                    f"region {name} ({sizes[name]} bytes)"
-                )
-            region[f], base[f] = region_ids[name], offset
-        by_dest[id(dest)] = (dest, region, base)
+        fresh = [name for name, _ in dest.regions if name not in region_ids]
+        region_ids.update(zip(fresh, range(len(names), len(names) + len(fresh)), strict=True))
+        names.extend(fresh)
+        by_dest[id(dest)] = (dest, *_resolved(dest, fkeys, nbytes, region_ids))
     resolver = np.full(len(topology.workers), -1, I64)
     dest_list = list(by_dest.values())
     dest_pos = {id(d): i for i, (d, _, _) in enumerate(dest_list)}
@@ -311,12 +303,19 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
     if destinations:  # a worker with destinations declares its own regions (below)
         default = resolver[region_worker] < 0
         region_worker, region_key = region_worker[default], region_key[default]
-    extra_w, extra_r, extra_s = [], [], []
+    declared = {  # each distinct destination's (region ids, sizes)
+        id(dest): (
+            np.fromiter(map(region_ids.__getitem__, (n for n, _ in dest.regions)), I64),
+            np.fromiter((size for _, size in dest.regions), I64),
+        )
+        for dest, _, _ in dest_list
+    }
+    extra_w, extra_r, extra_s = [np.zeros(0, I64)], [np.zeros(0, I64)], [np.zeros(0, I64)]
     for worker_id, dest in destinations.items():
-        for name, size in dest.regions:
-            extra_w.append(topology.worker_index[worker_id])
-            extra_r.append(region_ids[name])
-            extra_s.append(size)
+        ids, sizes = declared[id(dest)]
+        extra_w.append(np.full(len(ids), topology.worker_index[worker_id], I64))
+        extra_r.append(ids)
+        extra_s.append(sizes)
     return DemandSet(
         regions=tuple(names),
         obj=np.concatenate(pieces[0]),
@@ -329,12 +328,42 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         worker=worker,
         region=region,
         dst_offset=dst,
-        region_worker=np.concatenate([region_worker, np.array(extra_w, I64)]),
-        region_id=np.concatenate([1 + region_key, np.array(extra_r, I64)]),
-        region_size=np.concatenate([nbytes[region_key], np.array(extra_s, I64)]),
+        region_worker=np.concatenate([region_worker, *extra_w]),
+        region_id=np.concatenate([1 + region_key, *extra_r]),
+        region_size=np.concatenate([nbytes[region_key], *extra_s]),
         lower_bound_bytes=lower_bound,
         compat=None,
     )
+
+
+def _resolved(
+    dest: Destinations, fkeys: dict[str, int], nbytes: np.ndarray, region_ids: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each fragment key's (region id, base offset) in ``dest`` (-1: it lands none there),
+    refusing a fragment that overruns its region. In array passes: a 1T MoE's TP worker
+    maps some 140k fragments."""
+    region = np.full(len(fkeys), -1, I64)
+    base = np.zeros(len(fkeys), I64)
+    if not dest.fragments:
+        return region, base
+    ids, where, offsets = zip(*dest.fragments, strict=True)
+    n = len(ids)
+    key = np.fromiter(map(fkeys.get, ids, repeat(-1)), I64, n)
+    offset = np.fromiter(offsets, I64, n)
+    sizes = dict(dest.regions)
+    size = np.fromiter(map(sizes.__getitem__, where), I64, n)
+    known = key >= 0
+    overruns = known & (offset + nbytes[np.where(known, key, 0)] > size)
+    if overruns.any():
+        i = int(np.argmax(overruns))
+        f = int(key[i])
+        raise InvariantViolation(
+            f"fragment {ids[i]} ({int(nbytes[f])} bytes at {offsets[i]}) does not fit "
+            f"region {where[i]} ({sizes[where[i]]} bytes)"
+        )
+    region[key[known]] = np.fromiter(map(region_ids.__getitem__, where), I64, n)[known]
+    base[key[known]] = offset[known]
+    return region, base
 
 
 def demand_records(demands: DemandSet) -> np.ndarray:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +161,7 @@ class RoutingCache:
 
     def __init__(self, store: StoreClient | None = None) -> None:
         self.tables = PlanCache(backing=None if store is None else StoredTables(store))
+        self.parts = PartsCache()
 
     @property
     def hits(self) -> int:
@@ -192,7 +194,39 @@ class RoutingCache:
             layout_digest,
             direct_fallback,
             segments,
+            self.parts,
         )
+
+
+class PartsCache:
+    """The planner's parts of each distinct engine placement, kept across misses.
+
+    A miss that changes only the fleet (an engine added, removed, or restarted under new
+    worker ids) keeps every distinct placement, so its parts are reused: a 1T MoE's TP8
+    engine is a million mooncake.reshard contract objects, half a minute to build. The key
+    is the source layout digest, the direct fallback and the placement's reports rank by
+    rank; the reports are checked true (:func:`require_true_reports`) before it is used.
+    """
+
+    def __init__(self, max_entries: int = 2) -> None:
+        if max_entries <= 0:
+            raise InvariantViolation("a parts cache needs room for at least one placement")
+        self.max_entries = max_entries
+        self.built = 0
+        self._parts: OrderedDict[tuple, dict[int, WorkerDemand]] = OrderedDict()
+
+    def get_or_build(
+        self, key: tuple, build: Callable[[], dict[int, WorkerDemand]]
+    ) -> dict[int, WorkerDemand]:
+        """``key``'s parts by TP rank, built (and kept) when they are not here."""
+        parts = self._parts.get(key)
+        if parts is None:
+            parts = self._parts[key] = build()
+            self.built += 1
+            while len(self._parts) > self.max_entries:
+                self._parts.popitem(last=False)
+        self._parts.move_to_end(key)
+        return parts
 
 
 def require_staging(engines: Mapping[str, Sequence[Mapping[str, Any]]], batch_bytes: int) -> None:
@@ -240,9 +274,15 @@ def representatives(
     first: dict[tuple[tuple[int, str], ...], str] = {}
     out = {}
     for url, workers in engines.items():
-        ranked = sorted((int(w["tp_rank"]), reports[w["worker_id"]]) for w in workers)
-        out[url] = first.setdefault(tuple(ranked), url)
+        out[url] = first.setdefault(ranked_reports(workers, reports), url)
     return out
+
+
+def ranked_reports(
+    workers: Sequence[Mapping[str, Any]], reports: Mapping[str, str]
+) -> tuple[tuple[int, str], ...]:
+    """An engine's placement, identified: its workers' reports in TP rank order."""
+    return tuple(sorted((int(w["tp_rank"]), reports[w["worker_id"]]) for w in workers))
 
 
 def require_true_reports(
@@ -296,11 +336,13 @@ def plan_routing(
     layout_digest: str | None = None,
     direct_fallback: str | None = None,
     segments: SegmentMap | None = None,
+    parts_cache: PartsCache | None = None,
 ) -> RoutingPlan:
     """``direct_fallback``: a regex of parameter (region) names direct mode lands through
     the engines' ``load_weights`` whatever their discovery says (the operator's way around
     a discovery that is wrong for a model). ``segments``: the generation's locality hints
-    (each worker description's ``segment`` says which segment is on its node)."""
+    (each worker description's ``segment`` says which segment is on its node).
+    ``parts_cache``: keeps each distinct placement's planner parts for the next miss."""
     if mode not in ("compat", "direct"):
         raise InvariantViolation(f"unknown mode {mode!r}")
     workers = [w for ws in engines.values() for w in ws]
@@ -334,13 +376,20 @@ def plan_routing(
         demand: CompatDemand | DirectDemand = CompatDemand()
         if mode == "direct":
             require_true_reports(engines, representative)
+            cache = parts_cache if parts_cache is not None else PartsCache()
             parts: dict[str, dict[int, WorkerDemand]] = {}  # per representative, by rank
             wanted = {}
             for url, engine_layouts in layouts.items():
                 rep = representative[url]
                 if rep not in parts:
-                    built = _engine_parts(manifest, layouts[rep])
-                    parts[rep] = {layouts[rep][w].tp_rank: d for w, d in built.items()}
+                    parts[rep] = cache.get_or_build(
+                        (
+                            key.source_digest,
+                            direct_fallback,
+                            ranked_reports(engines[rep], reports),
+                        ),
+                        lambda rep=rep: _parts_by_rank(manifest, layouts[rep]),
+                    )
                 for worker_id, layout in engine_layouts.items():
                     wanted[worker_id] = parts[rep][layout.tp_rank]
             demand = DirectDemand.of(
@@ -599,6 +648,12 @@ def _engine_parts(
         )
         out[worker_id] = WorkerDemand(part, Destinations.of(layout.regions, destination))
     return out
+
+
+def _parts_by_rank(
+    manifest: WeightManifest, layouts: Mapping[str, WorkerLayout]
+) -> dict[int, WorkerDemand]:
+    return {layouts[w].tp_rank: d for w, d in _engine_parts(manifest, layouts).items()}
 
 
 def _fragment_id(tp_rank: int, tensor: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> str:

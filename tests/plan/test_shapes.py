@@ -60,9 +60,11 @@ def test_bench_prints_one_json_object():
 
 def test_the_described_bench_plans_from_engine_replies():
     """``bench.described``: identical engines' placement replies through the coordinator's
-    ``plan.update`` (its hit is asserted inside): every box lands once per engine."""
+    ``plan.update`` (its hit, and the fleet change's reuse of parts, are asserted inside):
+    every box lands once per engine."""
     result = bench_plan("--model", "small", "--engines", "3", "--tp", "4", module="bench.described")
     assert (result["engines"], result["tp"]) == (3, 4)
+    assert result["plan_seconds_fleet_change"] > 0
     assert result["demands"] == 3 * result["boxes_per_engine"] > 0
     assert result["reads"] > 0 and result["pushes"] > 0
 

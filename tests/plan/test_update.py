@@ -83,6 +83,21 @@ def expected_shard(spec: TensorSpec, raw: np.ndarray, shard: dict) -> np.ndarray
     return np.ascontiguousarray(tensor[index]).view(np.uint8).reshape(-1)
 
 
+def assert_direct_shards_land(
+    plan: UpdatePlan, engines: dict[str, list[dict]], specs: list[TensorSpec], seed: int
+) -> None:
+    """Every worker's every declared shard holds exactly its bytes of random objects."""
+    rng = np.random.default_rng(seed)
+    objects = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
+    memory = simulate(plan, objects)
+    by_name = {s.name: s for s in specs}
+    for workers in engines.values():
+        for worker in workers:
+            for shard in worker["shards"]:
+                want = expected_shard(by_name[shard["tensor"]], objects[shard["tensor"]], shard)
+                assert np.array_equal(memory[(worker["worker_id"], shard["region"])], want)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     models(),
@@ -97,11 +112,11 @@ def test_slices_deliver_exactly_the_demanded_bytes_reading_each_once(
     manifest = build_manifest("m", 1, specs, "now")
     engines = simulated_engines(specs, cluster, mode)
     plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache())
-    rng = np.random.default_rng(seed)
-    objects = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
-    memory = simulate(plan, objects)
-    by_name = {s.name: s for s in specs}
     if mode == "compat":
+        rng = np.random.default_rng(seed)
+        objects = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
+        memory = simulate(plan, objects)
+        by_name = {s.name: s for s in specs}
         for worker in plan.routing.regions:
             for entry in plan.routing.layout:
                 got = memory[(worker, COMPAT_REGION)][
@@ -109,11 +124,7 @@ def test_slices_deliver_exactly_the_demanded_bytes_reading_each_once(
                 ]
                 assert np.array_equal(got, objects[entry["name"]])
     else:
-        for workers in engines.values():
-            for worker in workers:
-                for shard in worker["shards"]:
-                    want = expected_shard(by_name[shard["tensor"]], objects[shard["tensor"]], shard)
-                    assert np.array_equal(memory[(worker["worker_id"], shard["region"])], want)
+        assert_direct_shards_land(plan, engines, specs, seed)
     model_bytes = sum(s.nbytes for s in specs)
     assert plan.store_read_bytes == plan.unique_demand_bytes == model_bytes
     slices = [plan.worker_slice(w) for w in plan.routing.regions]
@@ -151,19 +162,34 @@ def test_identical_engines_are_read_once_and_a_copied_report_is_refused(
         )
     plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
     assert sorted(read) == ["_engine_layout"] * 2 + ["_engine_parts"] * 2
-    rng = np.random.default_rng(7)
-    objects = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
-    memory = simulate(plan, objects)
-    by_name = {s.name: s for s in specs}
-    for workers in engines.values():
-        for worker in workers:
-            for shard in worker["shards"]:
-                want = expected_shard(by_name[shard["tensor"]], objects[shard["tensor"]], shard)
-                assert np.array_equal(memory[(worker["worker_id"], shard["region"])], want)
+    assert_direct_shards_land(plan, engines, specs, seed=7)
     copied = engines["http://engine1"][0]
     copied["shards"][0]["region_offset"] = 4  # no longer what engine0's rank 0 describes
     with pytest.raises(InvariantViolation, match="e1/tp0 reports the placement digest of e0/tp0"):
         plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+
+
+def test_a_fleet_change_replans_with_the_parts_of_placements_it_kept() -> None:
+    """An engine added to the fleet changes the topology (a miss), not the distinct
+    placement: its planner parts are not built again, and every worker, the new engine's
+    included, still receives exactly its bytes. Another layout or another direct fallback
+    builds them anew."""
+    specs = [TensorSpec("a", (8, 4), "float32"), TensorSpec("b", (6,), "float16")]
+    manifest = build_manifest("m", 1, specs, "now")
+    cache = RoutingCache()
+    two = reporting(simulated_engines(specs, [("n0", 2), ("n1", 2)], "direct"))
+    plan_update(manifest, two, "direct", 64, cache)
+    three = reporting(simulated_engines(specs, [("n0", 2), ("n1", 2), ("n2", 2)], "direct"))
+    plan = plan_update(manifest, three, "direct", 64, cache)
+    assert (cache.misses, cache.parts.built) == (2, 1)
+    assert_direct_shards_land(plan, three, specs, seed=3)
+    plan_update(manifest, three, "direct", 64, cache, direct_fallback="^b$")
+    assert (cache.misses, cache.parts.built) == (3, 2)
+    wider = [TensorSpec("a", (8, 4), "float32"), TensorSpec("b", (6,), "float32")]
+    engines = reporting(simulated_engines(wider, [("n0", 2), ("n1", 2), ("n2", 2)], "direct"))
+    plan = plan_update(build_manifest("m", 2, wider, "later"), engines, "direct", 64, cache)
+    assert (cache.misses, cache.parts.built) == (4, 3)
+    assert_direct_shards_land(plan, engines, wider, seed=4)
 
 
 def test_cache_hit_replans_nothing_and_binds_the_new_generation() -> None:
