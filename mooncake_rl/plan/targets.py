@@ -316,8 +316,11 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         extra_w.append(np.full(len(ids), topology.worker_index[worker_id], I64))
         extra_r.append(ids)
         extra_s.append(sizes)
+    regions, region, region_id = _named_regions(
+        names, region, np.concatenate([1 + region_key, *extra_r])
+    )
     return DemandSet(
-        regions=tuple(names),
+        regions=regions,
         obj=np.concatenate(pieces[0]),
         src_offset=np.concatenate(pieces[1]),
         length=np.concatenate(pieces[2]),
@@ -329,11 +332,24 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         region=region,
         dst_offset=dst,
         region_worker=np.concatenate([region_worker, *extra_w]),
-        region_id=np.concatenate([1 + region_key, *extra_r]),
+        region_id=region_id,
         region_size=np.concatenate([nbytes[region_key], *extra_s]),
         lower_bound_bytes=lower_bound,
         compat=None,
     )
+
+
+def _named_regions(
+    names: list[str], *ids: np.ndarray
+) -> tuple[tuple[str, ...], *tuple[np.ndarray, ...]]:
+    """The region names some id in ``ids`` uses, and the ids renumbered densely in the same
+    order (staging stays 0). With destinations, the default names (one per fragment: a
+    million for a 1T MoE's TP8 engine) name nothing, and a table keeps only what it uses."""
+    used, dense = np.unique(np.concatenate([np.zeros(1, I64), *ids]), return_inverse=True)
+    if len(used) == len(names):
+        return (tuple(names), *ids)
+    ends = np.cumsum([len(i) for i in ids])[:-1]
+    return (tuple(map(names.__getitem__, used.tolist())), *np.split(dense[1:].astype(I64), ends))
 
 
 def _resolved(

@@ -192,6 +192,17 @@ def test_a_fleet_change_replans_with_the_parts_of_placements_it_kept() -> None:
     assert_direct_shards_land(plan, engines, wider, seed=4)
 
 
+def test_a_table_names_only_the_regions_workers_declare() -> None:
+    """Workers with destinations land nothing in the default per-fragment regions, so the
+    table (kept in the Store) names staging and the declared regions only."""
+    specs = [TensorSpec("a", (8, 4), "float32"), TensorSpec("b", (6,), "float16")]
+    engines = simulated_engines(specs, [("n0", 2), ("n1", 4)], "direct")
+    plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+    declared = {r for ws in engines.values() for w in ws for r in w["regions"]}
+    assert sorted(plan.routing.table.regions) == sorted({"staging"} | declared)
+    assert_direct_shards_land(plan, engines, specs, seed=5)
+
+
 def test_cache_hit_replans_nothing_and_binds_the_new_generation() -> None:
     specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
     engines = simulated_engines(specs, [("n0", 2), ("n1", 1)], "direct")
