@@ -16,6 +16,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -440,18 +441,6 @@ def _compat_rows(manifest: WeightManifest, table: RoutingTable) -> tuple[dict[st
     )
 
 
-def _region_dtypes(
-    shards: Sequence[Mapping[str, Any]], stored: Mapping[str, str]
-) -> dict[str, str]:
-    """The stored dtype landing in each region; one region never mixes dtypes."""
-    dtypes: dict[str, str] = {}
-    for shard in shards:
-        dtype = stored[shard["tensor"]]
-        if dtypes.setdefault(shard["region"], dtype) != dtype:
-            raise InvariantViolation(f"region {shard['region']} would receive mixed dtypes")
-    return dtypes
-
-
 def _without(
     workers: Sequence[Mapping[str, Any]], pattern: str | None
 ) -> Sequence[Mapping[str, Any]]:
@@ -523,6 +512,10 @@ def _engine_layout(
     global shape: the engine's discovery could not describe it) is not received directly.
     Instead every generation tensor no described box holds is received whole by each worker
     with such a parameter, which lands it through the engine's own loader.
+
+    Every call reads every box (a 1T MoE's TP8 engine describes a million), so the boxes
+    are read as columns (tensor, region, global shape) compared in C, and a box at a time
+    only where something differs.
     """
     tp_sizes = {int(w["tp_size"]) for w in workers}
     if len(tp_sizes) != 1 or len(workers) != next(iter(tp_sizes)):
@@ -531,23 +524,16 @@ def _engine_layout(
         raise InvariantViolation("an engine must describe every TP rank exactly once")
     tp_size = tp_sizes.pop()
     source = {t.tensor_id: t for t in manifest.tensors}
-
-    def fillable(shard: Mapping[str, Any]) -> bool:
-        tensor = source.get(shard["tensor"])
-        shape = shard.get("global_shape")  # optional: the box alone also places it
-        return tensor is not None and (shape is None or tuple(shape) == tensor.global_shape)
-
+    shapes = {name: list(t.global_shape) for name, t in source.items()}
+    columns = {w["worker_id"]: _BoxColumns.of(w["shards"]) for w in workers}
     # Regions discovery left without boxes, or with a box the generation cannot fill.
     undescribed = {
-        w["worker_id"]: {s["region"] for s in w["shards"] if not fillable(s)}
-        | (set(w["regions"]) - {s["region"] for s in w["shards"]})
+        w["worker_id"]: columns[w["worker_id"]].unfillable_regions(source, shapes)
+        | (set(w["regions"]) - set(columns[w["worker_id"]].regions))
         for w in workers
     }
-    direct = {
-        w["worker_id"]: [s for s in w["shards"] if s["region"] not in undescribed[w["worker_id"]]]
-        for w in workers
-    }
-    held = {s["tensor"] for shards in direct.values() for s in shards}
+    direct = {w: c.without(undescribed[w]) for w, c in columns.items()}
+    held = set().union(*(c.tensors for c in direct.values()))
     orphans = sorted(set(source) - held)
     needing = [w for w in workers if undescribed[w["worker_id"]]]
     if orphans and not needing:
@@ -561,18 +547,17 @@ def _engine_layout(
             "direct box nor a full tensor for load_weights describes them"
         )
     fallback = _fallback_rows(orphans, source)
-    for w in needing:
-        direct[w["worker_id"]] = direct[w["worker_id"]] + [
-            {
-                "tensor": row["name"],
-                "global_shape": row["shape"],
-                "global_offset": [0] * len(row["shape"]),
-                "local_shape": row["shape"],
-                "region": FALLBACK_REGION,
-                "region_offset": row["offset"],
-            }
-            for row in fallback
-        ]
+    fallback_boxes = [
+        {
+            "tensor": row["name"],
+            "global_shape": row["shape"],
+            "global_offset": [0] * len(row["shape"]),
+            "local_shape": row["shape"],
+            "region": FALLBACK_REGION,
+            "region_offset": row["offset"],
+        }
+        for row in fallback
+    ]
     stored = {t.tensor_id: t.dtype for t in manifest.tensors}
     out = {}
     for w in workers:
@@ -585,16 +570,72 @@ def _engine_layout(
         lands_fallback = bool(undescribed[worker_id])
         if lands_fallback and fallback:
             regions[FALLBACK_REGION] = fallback[-1]["offset"] + fallback[-1]["nbytes"]
-        shards = [s for s in direct[worker_id] if s["region"] != FALLBACK_REGION]
+        mine = direct[worker_id]
         out[worker_id] = WorkerLayout(
             int(w["tp_rank"]),
             tp_size,
-            tuple(direct[worker_id]),
+            tuple(mine.shards) + (tuple(fallback_boxes) if lands_fallback else ()),
             regions,
-            _region_dtypes(shards, stored),
+            mine.region_dtypes(stored),
             fallback if lands_fallback else (),
         )
     return out
+
+
+_TENSOR, _REGION = itemgetter("tensor"), itemgetter("region")
+_GLOBAL_SHAPE = methodcaller("get", "global_shape")
+
+
+@dataclass(frozen=True)
+class _BoxColumns:
+    """A worker's described boxes, and their tensor and region names as columns."""
+
+    shards: Sequence[Mapping[str, Any]]
+    tensors: list[str]
+    regions: list[str]
+
+    @classmethod
+    def of(cls, shards: Sequence[Mapping[str, Any]]) -> _BoxColumns:
+        return cls(shards, list(map(_TENSOR, shards)), list(map(_REGION, shards)))
+
+    def unfillable_regions(
+        self, source: Mapping[str, TensorDescriptor], shapes: Mapping[str, list[int]]
+    ) -> set[str]:
+        """Regions with a box naming a tensor the generation lacks, or another global shape
+        (a box without one is placed by the box alone)."""
+        expected = list(map(shapes.get, self.tensors))
+        if None not in expected and list(map(_GLOBAL_SHAPE, self.shards)) == expected:
+            return set()
+        return {
+            region
+            for shard, tensor, region in zip(self.shards, self.tensors, self.regions, strict=True)
+            if tensor not in source
+            or (
+                shard.get("global_shape") is not None
+                and tuple(shard["global_shape"]) != source[tensor].global_shape
+            )
+        }
+
+    def without(self, regions: set[str]) -> _BoxColumns:
+        if not regions:
+            return self
+        keep = [i for i, region in enumerate(self.regions) if region not in regions]
+        return _BoxColumns(
+            [self.shards[i] for i in keep],
+            [self.tensors[i] for i in keep],
+            [self.regions[i] for i in keep],
+        )
+
+    def region_dtypes(self, stored: Mapping[str, str]) -> dict[str, str]:
+        """The stored dtype landing in each region; one region never mixes dtypes."""
+        dtypes = list(map(stored.__getitem__, self.tensors))
+        by_region = dict(zip(self.regions, dtypes, strict=True))
+        if len(set(zip(self.regions, dtypes, strict=True))) != len(by_region):
+            first: dict[str, str] = {}
+            for region, dtype in zip(self.regions, dtypes, strict=True):
+                if first.setdefault(region, dtype) != dtype:
+                    raise InvariantViolation(f"region {region} would receive mixed dtypes")
+        return by_region
 
 
 def _engine_parts(

@@ -109,3 +109,24 @@ def test_the_operator_can_send_named_parameters_through_the_fallback() -> None:
         assert set(plan.routing.regions[worker]) == {"w.a", FALLBACK_REGION}
     with pytest.raises(InvariantViolation, match="is not a regex"):
         plan_update(manifest, engines, "direct", 64, RoutingCache(), direct_fallback="(")
+
+
+def test_boxes_without_a_global_shape_are_placed_by_the_box_alone() -> None:
+    specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
+    engines = simulated_engines(specs, [("n0", 2)], "direct")
+    for worker in engines["http://engine0"]:
+        for shard in worker["shards"]:
+            del shard["global_shape"]
+    plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+    assert plan.routing.fallback == {"e0/tp0": (), "e0/tp1": ()}
+    assert plan.routing.region_dtypes["e0/tp1"] == {"a": "float32", "b": "float16"}
+
+
+def test_a_region_fed_two_dtypes_is_refused() -> None:
+    specs = [TensorSpec("a", (4,), "float32"), TensorSpec("b", (8,), "float16")]
+    engines = simulated_engines(specs, [("n0", 1)], "direct")
+    worker = engines["http://engine0"][0]
+    worker["shards"][1]["region"] = "a"
+    del worker["regions"]["b"]
+    with pytest.raises(InvariantViolation, match="region a would receive mixed dtypes"):
+        plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
