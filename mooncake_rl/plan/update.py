@@ -630,7 +630,7 @@ class _BoxColumns:
         """The stored dtype landing in each region; one region never mixes dtypes."""
         dtypes = list(map(stored.__getitem__, self.tensors))
         by_region = dict(zip(self.regions, dtypes, strict=True))
-        if len(set(zip(self.regions, dtypes, strict=True))) != len(by_region):
+        if list(map(by_region.__getitem__, self.regions)) != dtypes:
             first: dict[str, str] = {}
             for region, dtype in zip(self.regions, dtypes, strict=True):
                 if first.setdefault(region, dtype) != dtype:
