@@ -91,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reads": len(table.reads),
         "pushes": len(table.pushes),
         "demands": len(table.demands),
+        "region_names": len(table.regions),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result))
