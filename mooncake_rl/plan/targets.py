@@ -316,9 +316,10 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         extra_w.append(np.full(len(ids), topology.worker_index[worker_id], I64))
         extra_r.append(ids)
         extra_s.append(sizes)
-    regions, region, region_id = _named_regions(
-        names, region, np.concatenate([1 + region_key, *extra_r])
-    )
+    region_id = np.concatenate([1 + region_key, *extra_r])
+    regions: tuple[str, ...] = tuple(names)
+    if destinations:  # without any, every fragment's own region is used
+        regions, region, region_id = _named_regions(names, region, region_id)
     return DemandSet(
         regions=regions,
         obj=np.concatenate(pieces[0]),
@@ -346,8 +347,6 @@ def _named_regions(
     order (staging stays 0). With destinations, the default names (one per fragment: a
     million for a 1T MoE's TP8 engine) name nothing, and a table keeps only what it uses."""
     used, dense = np.unique(np.concatenate([np.zeros(1, I64), *ids]), return_inverse=True)
-    if len(used) == len(names):
-        return (tuple(names), *ids)
     ends = np.cumsum([len(i) for i in ids])[:-1]
     return (tuple(map(names.__getitem__, used.tolist())), *np.split(dense[1:].astype(I64), ends))
 
