@@ -10,11 +10,40 @@ a table instead of planning it again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple, Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.table import RoutingTable
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Lru(Generic[K, V]):
+    """At most ``max_entries`` values, the least recently used dropped first: what the
+    planner keeps between plans (tables, placement parts) is large."""
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries <= 0:
+            raise InvariantViolation(f"a cache needs room for at least one entry: {max_entries}")
+        self.max_entries = max_entries
+        self._values: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._values.get(key)
+        if value is not None:
+            self._values.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self._values[key] = value
+        self._values.move_to_end(key)
+        while len(self._values) > self.max_entries:
+            self._values.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 class PlanKey(NamedTuple):
@@ -37,40 +66,30 @@ class PlanCache:
     benchmarks: ``hits`` (in memory), ``loads`` (from the backing), ``misses`` (planned)."""
 
     def __init__(self, max_entries: int = 8, backing: TableBacking | None = None) -> None:
-        if max_entries <= 0:
-            raise InvariantViolation("a plan cache needs room for at least one table")
-        self.max_entries = max_entries
         self.backing = backing
         self.hits = 0
         self.loads = 0
         self.misses = 0
-        self._tables: OrderedDict[PlanKey, RoutingTable] = OrderedDict()
+        self._tables: Lru[PlanKey, RoutingTable] = Lru(max_entries)
 
     def get(self, key: PlanKey) -> RoutingTable | None:
         table = self._tables.get(key)
         if table is not None:
             self.hits += 1
-            self._tables.move_to_end(key)
             return table
         table = self.backing.load(key) if self.backing is not None else None
         if table is None:
             self.misses += 1
             return None
         self.loads += 1
-        self._remember(key, table)
+        self._tables.put(key, table)
         return table
 
     def put(self, key: PlanKey, table: RoutingTable) -> None:
         """Keep a table just planned (and validated), here and in the backing."""
-        self._remember(key, table)
+        self._tables.put(key, table)
         if self.backing is not None:
             self.backing.save(key, table)
-
-    def _remember(self, key: PlanKey, table: RoutingTable) -> None:
-        self._tables[key] = table
-        self._tables.move_to_end(key)
-        while len(self._tables) > self.max_entries:
-            self._tables.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._tables)

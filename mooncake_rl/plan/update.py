@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter, methodcaller
@@ -37,7 +36,7 @@ from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.layout import SegmentMap
 from mooncake_rl.plan import grid
-from mooncake_rl.plan.cache import PlanCache
+from mooncake_rl.plan.cache import Lru, PlanCache
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
     FALLBACK_REGION,
@@ -210,11 +209,8 @@ class PartsCache:
     """
 
     def __init__(self, max_entries: int = 2) -> None:
-        if max_entries <= 0:
-            raise InvariantViolation("a parts cache needs room for at least one placement")
-        self.max_entries = max_entries
         self.built = 0
-        self._parts: OrderedDict[tuple, dict[int, WorkerDemand]] = OrderedDict()
+        self._parts: Lru[tuple, dict[int, WorkerDemand]] = Lru(max_entries)
 
     def get_or_build(
         self, key: tuple, build: Callable[[], dict[int, WorkerDemand]]
@@ -222,11 +218,9 @@ class PartsCache:
         """``key``'s parts by TP rank, built (and kept) when they are not here."""
         parts = self._parts.get(key)
         if parts is None:
-            parts = self._parts[key] = build()
+            parts = build()
+            self._parts.put(key, parts)
             self.built += 1
-            while len(self._parts) > self.max_entries:
-                self._parts.popitem(last=False)
-        self._parts.move_to_end(key)
         return parts
 
 

@@ -17,6 +17,7 @@ from mooncake_rl.plan import (
     source_digest,
 )
 from mooncake_rl.plan import planner as planner_module
+from mooncake_rl.plan.update import PartsCache
 
 from .helpers import Spec, manifest, parts
 
@@ -117,3 +118,16 @@ def test_misses_when_topology_target_or_params_change(counted):
     assert len(counted) == 4 and cache.misses == 4 and len(cache) == 2  # LRU bound
     plan_routing(m, topology, CompatDemand(), params=PlanParams(batch_bytes=1 << 20), cache=cache)
     assert len(counted) == 4 and cache.hits == 1
+
+
+@pytest.mark.parametrize("make", [PlanCache, PartsCache])
+def test_a_cache_without_room_is_refused(make) -> None:
+    with pytest.raises(InvariantViolation, match="a cache needs room for at least one entry: 0"):
+        make(max_entries=0)
+
+
+def test_the_parts_cache_keeps_the_most_recently_used_placements() -> None:
+    cache = PartsCache(max_entries=2)
+    for key in ("a", "b", "a", "c", "a", "b"):
+        cache.get_or_build((key,), lambda key=key: {0: key})
+    assert cache.built == 4  # a, b, c, then b again: c's build dropped b, the oldest
