@@ -44,7 +44,7 @@ from engine_ext.backend import WorkerBackend
 from engine_ext.receiver import Receiver, ServedRecord
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.plan.synthetic import simulated_engines
-from mooncake_rl.protocol import DrainRequest
+from mooncake_rl.protocol import DrainRequest, reported_placement, without_boxes
 
 MODEL = "control-plane"
 MODES = ("direct", "compat")
@@ -83,7 +83,7 @@ class Config:
         described = simulated_engines(specs, shape, self.mode)
         watermark = {"staging_watermark_bytes": 2 * self.batch_bytes, "gpu": None}
         return {
-            url.removeprefix("http://engine"): [{**w, **watermark} for w in ws]
+            url.removeprefix("http://engine"): [{**reported_placement(w), **watermark} for w in ws]
             for url, ws in described.items()
         }
 
@@ -132,8 +132,8 @@ class FakeRanks(WorkerBackend):
 
     def _reply(self, worker: Mapping[str, Any], method: str, *args: Any) -> dict[str, Any]:
         worker_id = worker["worker_id"]
-        if method == "describe":
-            return dict(worker)
+        if method == "describe":  # args: (boxes,)
+            return dict(worker) if not args or args[0] else without_boxes(worker)
         if method == "prepare":
             request = args[0]
             self.slices[worker_id] = decode_slice(request["workers"][worker_id]["slice"])

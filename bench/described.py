@@ -9,10 +9,15 @@ dimension the TP size divides, one region per tensor, every worker reporting its
 ``placement_digest``). ``plan_seconds_cold`` is ``plan.update.plan_routing`` on an empty
 cache: reading the descriptions, checking the reports, building the planner's placement
 parts (mooncake.reshard contract objects, one per box), planning and validating.
-``plan_seconds_cached`` is the next generation's call (a hit). ``plan_seconds_fleet_change``
-plans once more with one engine added: a miss (the topology changed) that reuses the
-distinct placement's parts (``plan.update.PartsCache``). ``describe_seconds`` (not part of
-any) builds the replies and their reports, the engines' side.
+``plan_seconds_cached`` is the next generation's call (a hit), and
+``plan_seconds_cached_without_boxes`` the same hit from replies without boxes
+(``GET /mooncake/placement?boxes=false``, what a coordinator reads first); the
+``engine_reply_bytes`` of one engine's reply with and without boxes, and the seconds to
+parse the former, are what each engine's full reply costs a coordinator.
+``plan_seconds_fleet_change`` plans once more with one engine added: a miss (the topology
+changed) that reuses the distinct placement's parts (``plan.update.PartsCache``).
+``describe_seconds`` (not part of any) builds the replies and their reports, the engines'
+side.
 """
 
 from __future__ import annotations
@@ -26,11 +31,10 @@ from collections.abc import Sequence
 
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.layout import layout_digest
-from mooncake_rl.plan.cache import PlanCache
 from mooncake_rl.plan.shapes import DTYPES, MODELS, model_shape
 from mooncake_rl.plan.synthetic import simulated_engines
-from mooncake_rl.plan.update import PartsCache, plan_routing
-from mooncake_rl.protocol import reported_placement
+from mooncake_rl.plan.update import RoutingCache, plan_routing
+from mooncake_rl.protocol import reported_placement, without_boxes
 
 BATCH_BYTES = 256 << 20
 
@@ -57,23 +61,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     engines = dict(list(grown.items())[: args.engines])
     describe = time.perf_counter() - t0
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tables, parts = PlanCache(), PartsCache()
+    cache = RoutingCache()
     t0, c0 = time.perf_counter(), time.process_time()
-    cold = plan_routing(
-        manifests[0], engines, "direct", BATCH_BYTES, tables, digests[0], parts_cache=parts
-    )
+    cold = plan_routing(manifests[0], engines, "direct", BATCH_BYTES, cache, digests[0])
     cold_s, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    hit = plan_routing(
-        manifests[1], engines, "direct", BATCH_BYTES, tables, digests[1], parts_cache=parts
-    )
+    hit = plan_routing(manifests[1], engines, "direct", BATCH_BYTES, cache, digests[1])
     cached_s = time.perf_counter() - t0
-    assert hit.table is cold.table and (tables.hits, tables.misses) == (1, 1)
+    bare = {url: [without_boxes(w) for w in ws] for url, ws in engines.items()}
     t0 = time.perf_counter()
-    plan_routing(manifests[1], grown, "direct", BATCH_BYTES, tables, digests[1], parts_cache=parts)
+    bare_hit = plan_routing(manifests[1], bare, "direct", BATCH_BYTES, cache, digests[1])
+    cached_bare_s = time.perf_counter() - t0  # no describe: a hit that read a box would fail
+    assert hit.table is bare_hit.table is cold.table and (cache.hits, cache.misses) == (2, 1)
+    assert bare_hit.regions == hit.regions and bare_hit.region_dtypes == hit.region_dtypes
+    t0 = time.perf_counter()
+    plan_routing(manifests[1], grown, "direct", BATCH_BYTES, cache, digests[1])
     fleet_change_s = time.perf_counter() - t0
-    assert (tables.misses, parts.built) == (2, 1)
+    assert (cache.misses, cache.parts.built) == (2, 1)
+    one_engine = next(iter(engines.values()))
+    replies = [json.dumps({"workers": ws}).encode() for ws in (one_engine, bare[next(iter(bare))])]
+    t0 = time.perf_counter()
+    json.loads(replies[0])
+    parse_s = time.perf_counter() - t0
     table = cold.table
     result = {
         "model": args.model,
@@ -81,11 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engines": args.engines,
         "tp": args.tp,
         "tensors": len(specs),
-        "boxes_per_engine": sum(len(w["shards"]) for w in next(iter(engines.values()))),
+        "boxes_per_engine": sum(len(w["shards"]) for w in one_engine),
         "describe_seconds": round(describe, 2),
         "plan_seconds_cold": round(cold_s, 3),
         "plan_cpu_seconds_cold": round(cold_cpu, 3),
         "plan_seconds_cached": round(cached_s, 3),
+        "plan_seconds_cached_without_boxes": round(cached_bare_s, 4),
+        "engine_reply_bytes": len(replies[0]),
+        "engine_reply_bytes_without_boxes": len(replies[1]),
+        "engine_reply_parse_seconds": round(parse_s, 3),
         "plan_seconds_fleet_change": round(fleet_change_s, 3),
         "peak_rss_growth_bytes": (peak - before) * 1024,
         "reads": len(table.reads),

@@ -85,8 +85,8 @@ class WorkerBackend(ABC):
             )
         return records.pop(), replies[0].get("model_name")
 
-    async def placement(self) -> dict[str, Any]:
-        return {"workers": await self._rpc("describe")}
+    async def placement(self, boxes: bool = True) -> dict[str, Any]:
+        return {"workers": await self._rpc("describe", boxes)}
 
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
         try:

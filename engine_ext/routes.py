@@ -15,7 +15,7 @@ import asyncio
 import hmac
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -28,12 +28,14 @@ from mooncake_rl.protocol import (
     BucketWire,
     CommitRequest,
     DrainRequest,
+    PlacementQuery,
     PrepareRequest,
     SessionRequest,
 )
 from mooncake_rl.transport.buckets import shm_name, write_shm
 
 ReceiverProvider = Callable[[Request], Awaitable[Receiver]]
+Q = TypeVar("Q", bound=BaseModel)
 GENERATION_HEADER = "x-mooncake-generation"
 ENGINE_HEADER = "x-mooncake-engine"
 
@@ -121,6 +123,16 @@ async def _body(request: Request, model: type[BaseModel], limit: int) -> BaseMod
         ) from error
 
 
+def _query(request: Request, model: type[Q]) -> Q:
+    """A route's query, validated like a body (query values are strings: lax parsing)."""
+    try:
+        return model.model_validate(dict(request.query_params), strict=False)
+    except ValidationError as error:
+        raise ReceiverError(
+            422, "invalid_request", error.json(include_url=False, include_input=False)
+        ) from error
+
+
 def build_router(
     get_receiver: ReceiverProvider,
     token: str | Sequence[str] | None,
@@ -141,12 +153,18 @@ def build_router(
         path: str,
         model: type[BaseModel] | None,
         action: Callable[[Receiver, Any], Awaitable[dict[str, Any]]],
+        query: type[BaseModel] | None = None,
     ) -> None:
+        """``model``: the body's; ``query``: the query's, for a route that reads no body."""
+
         async def handler(request: Request) -> JSONResponse:
             if not _authorized(request, tokens):
                 return error_response(401, "unauthorized", "missing or invalid bearer token")
             try:
-                body = None if model is None else await _body(request, model, max_body_bytes)
+                if query is not None:
+                    body = _query(request, query)
+                else:
+                    body = None if model is None else await _body(request, model, max_body_bytes)
                 receiver = await get_receiver(request)
                 return JSONResponse(await action(receiver, body))
             except ReceiverError as error:
@@ -157,7 +175,7 @@ def build_router(
         )
 
     route("GET", "/status", None, lambda r, _: _status(r))
-    route("GET", "/placement", None, lambda r, _: r.placement())
+    route("GET", "/placement", None, lambda r, q: r.placement(q.boxes), query=PlacementQuery)
     route("POST", "/drain", DrainRequest, lambda r, b: r.drain(b))
     route("POST", "/renew", SessionRequest, lambda r, b: r.renew(b))
     route("POST", "/prepare", PrepareRequest, lambda r, b: r.prepare(b))
@@ -175,12 +193,7 @@ def build_router(
         if not _authorized(request, tokens):
             return error_response(401, "unauthorized", "missing or invalid bearer token")
         try:
-            try:
-                query = BucketUpload.model_validate(dict(request.query_params), strict=False)
-            except ValidationError as error:
-                raise ReceiverError(
-                    422, "invalid_request", error.json(include_url=False, include_input=False)
-                ) from error
+            query = _query(request, BucketUpload)
             data = await _read(request, max_body_bytes)
             receiver = await get_receiver(request)
             name = shm_name(uuid.uuid4().hex, query.stage)

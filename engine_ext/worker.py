@@ -67,6 +67,7 @@ from mooncake_rl.protocol import (
     PrepareRequest,
     reported_placement,
     stage_refusal,
+    without_boxes,
 )
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -225,8 +226,9 @@ class UpdateWorker(ABC):
             "model_name": name,
         }
 
-    def _describe(self, engine_id: str) -> dict[str, Any]:
-        """Placement: who this worker is and which checkpoint boxes land where."""
+    def _describe(self, engine_id: str, boxes: bool = True) -> dict[str, Any]:
+        """Placement: who this worker is and which checkpoint boxes land where (``boxes``:
+        with the boxes; without, the digest still names them)."""
         state = self._state(engine_id)
         regions, shards = self.regions()
         tp_rank, tp_size = self.tp()
@@ -247,7 +249,8 @@ class UpdateWorker(ABC):
             },
             "shards": [s.to_json() for s in shards],
         }
-        return reported_placement(described)
+        reported = reported_placement(described)
+        return reported if boxes else without_boxes(reported)
 
     def gpu_id(self) -> str | None:
         """The physical GPU this rank runs on: its CUDA UUID, else the declared id

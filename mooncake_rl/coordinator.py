@@ -76,6 +76,8 @@ T = TypeVar("T")
 RETRIES = 4
 """Attempts at an idempotent call (commit, abort, renew) whose response never came."""
 RETRY_WAIT_S = 0.5
+BARE_PLACEMENT = "placement?boxes=false"
+"""Placements without boxes (``protocol.BOXES``): what an update reads first."""
 ADVERTISED = ("worker_id", "node", "endpoint", "regions")
 """The fields of a prepare reply's worker that peers write by (the apply body's peers)."""
 
@@ -132,6 +134,9 @@ class UpdateResult:
     # not re-added) or "failed: <why>" (still out of rotation).
     rotation: dict[str, str] = field(default_factory=dict)
     waves: int = 0
+    # Engines whose boxes this update read (``GET /mooncake/placement`` in full): none when
+    # the coordinator held the plan for what every worker reported without them.
+    described: list[str] = field(default_factory=list)
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -146,7 +151,7 @@ class UpdateResult:
             setattr(self, name, getattr(self, name) + getattr(wave, name))
         for name in _MERGED:
             getattr(self, name).update(getattr(wave, name))
-        for name in ("skipped", "committed", "rebuild"):
+        for name in ("skipped", "committed", "rebuild", "described"):
             getattr(self, name).extend(getattr(wave, name))
         self.session = wave.session or self.session
         self.error = wave.error or self.error
@@ -504,7 +509,7 @@ class Coordinator:
         router.probe()
         statuses, failed = self._all(self.engines, "GET", "status")
         require_compatible({**statuses, **{u: None for u, e in failed.items() if e.status == 404}})
-        placements, _ = self._all(self.engines, "GET", "placement")
+        placements, _ = self._all(self.engines, "GET", BARE_PLACEMENT)
         urls = sorted(placements)
         classify(chosen, urls, engine_gpus(placements, urls), train_pool)
 
@@ -565,7 +570,7 @@ class Coordinator:
             clock = now
             self._progress(name)
 
-        placements, failed = self._all(engines, "GET", "placement")
+        placements, failed = self._all(engines, "GET", BARE_PLACEMENT)
         _left_out(result, failed)
         result.skipped = [u for u in engines if u in placements and serves(placements[u], record)]
         targets = [u for u in engines if u in placements and u not in result.skipped]
@@ -582,6 +587,21 @@ class Coordinator:
             require_mixed(classification)
         if chosen is TransportMode.STORE:
             require_staging({u: placements[u]["workers"] for u in targets}, options.batch_bytes)
+            wanted = self.cache.boxes_wanted(
+                manifest,
+                {u: placements[u]["workers"] for u in targets},
+                mode,
+                options.batch_bytes,
+                record.layout_digest,
+                options.direct_fallback,
+                segments,
+            )
+            described, failed = self._all(wanted, "GET", "placement")
+            _left_out(result, failed)
+            placements.update(described)
+            result.described = sorted(described)
+            targets = [u for u in targets if u not in failed]
+            _require_enough(result, targets, needed, "placement")
         phase("placement")
         if not targets:
             return result
@@ -611,6 +631,19 @@ class Coordinator:
                 "in_place": options.in_place,
             }
 
+        def describe(urls: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+            """Boxes a re-plan reads after the drain (the first plan's were read before)."""
+            described, failed = self._all(urls, "GET", "placement")
+            if failed:
+                _left_out(result, failed)
+                result.error = "placement failed while re-planning: " + "; ".join(
+                    str(e) for e in failed.values()
+                )
+                raise UpdateFailed(result)
+            placements.update(described)
+            result.described = sorted({*result.described, *described})
+            return {u: described[u]["workers"] for u in urls}
+
         try:
             members = self._drain(session, targets, options.drain_mode, needed, result)
             phase("drain")
@@ -627,6 +660,7 @@ class Coordinator:
                         record.layout_digest,
                         options.direct_fallback,
                         segments,
+                        describe,
                     ),
                     lambda url, plan: {
                         **base_body(url),

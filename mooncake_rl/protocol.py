@@ -45,6 +45,29 @@ def reported_placement(worker: Mapping[str, Any]) -> dict[str, Any]:
     return {**worker, PLACEMENT_DIGEST: placement_digest(worker)}
 
 
+BOXES = ("regions", "shards")
+"""What ``GET /mooncake/placement?boxes=false`` leaves out of each worker's description: a
+1T MoE's TP8 worker describes some 140k boxes (megabytes of JSON), and a coordinator that
+holds the plan for the reported digests needs none of them."""
+
+
+def without_boxes(worker: Mapping[str, Any]) -> dict[str, Any]:
+    """A served placement description without its boxes (its digest still names them)."""
+    return {name: value for name, value in worker.items() if name not in BOXES}
+
+
+def has_boxes(worker: Mapping[str, Any]) -> bool:
+    return all(name in worker for name in BOXES)
+
+
+class PlacementQuery(BaseModel):
+    """The query of ``GET /mooncake/placement``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    boxes: bool = Field(True, description="false: each worker's description without its boxes")
+
+
 MAX_GENERATION = 2**53
 """Above any generation a Store will hand out; the workers bound it by the active record."""
 MAX_STAGES = 1 << 16

@@ -27,6 +27,7 @@ from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.protocol import reported_placement, without_boxes
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import trainer_settings
@@ -47,12 +48,14 @@ class FakeEngines:
         self.calls: list[tuple[str, str, Any]] = []
 
     async def handle(self, url: str, path: str, content: bytes, _: object) -> tuple[int, Any]:
-        path = path.removeprefix("/mooncake/")
+        route = path.removeprefix("/mooncake/")  # with its query
+        path, _, query = route.partition("?")
         body = json.loads(content) if content else None
-        self.calls.append((url, path, body))
+        self.calls.append((url, route, body))
         workers = self.placements[self.urls[url]]
+        described = [without_boxes(w) for w in workers] if query == "boxes=false" else workers
         replies: dict[str, Any] = {
-            "placement": {"model": MODEL, "generation": 0, "fence": 0, "workers": workers},
+            "placement": {"model": MODEL, "generation": 0, "fence": 0, "workers": described},
             "prepare": {
                 "workers": [
                     {"worker_id": w["worker_id"], "node": w["node"], "endpoint": "e", "regions": {}}
@@ -106,10 +109,12 @@ def engines_for(settings: Settings, watermark: int = WATERMARK) -> FakeEngines:
         registry = GenerationRegistry(store, MODEL)
         manifest = registry.load_manifest(registry.active().generation)
     placements = simulated_engines(specs_of(manifest), CLUSTER, "direct")
-    for workers in placements.values():
-        for worker in workers:
-            worker["staging_watermark_bytes"] = watermark
-    return FakeEngines(placements)
+    return FakeEngines(
+        {
+            url: [{**reported_placement(w), "staging_watermark_bytes": watermark} for w in ws]
+            for url, ws in placements.items()
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -163,7 +168,7 @@ def test_a_watermark_that_cannot_hold_two_batches_is_refused_before_any_drain(
     message = str(refused.value)
     assert "batches of 8192 bytes" in message and "16384" in message and "16383" in message
     assert "MOONCAKE_RL_STAGING_WATERMARK_BYTES" in message and "--batch-bytes" in message
-    assert engines.paths() == {"placement"}
+    assert engines.paths() == {"placement?boxes=false"}
     # Half the batch fits the same watermark.
     with coordinating(coordinator_settings, engines) as coordinator:
         assert coordinator.update(MODEL, mode="direct", batch_bytes=4096).committed
@@ -210,3 +215,22 @@ def test_the_verl_bridge_config_takes_a_batch_for_its_store_settings() -> None:
     for bad in (0, -1, "8MiB", 1.5):
         with pytest.raises(ConfigurationError, match="batch_bytes must be a positive integer"):
             BridgeConfig.from_kwargs({"model": "m", "batch_bytes": bad})
+
+
+def test_an_update_reads_boxes_only_for_a_plan_it_does_not_hold(
+    coordinator_settings: Settings,
+) -> None:
+    """Placements are read without boxes; the first update reads every engine's boxes once,
+    before any drain (its plan is new), and the next one, whose plan it holds, reads none."""
+    engines = engines_for(coordinator_settings)
+    with coordinating(coordinator_settings, engines) as coordinator:
+        first = coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+        calls = len(engines.calls)
+        second = coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+    assert first.described == sorted(engines.urls) and second.described == []
+    assert len(first.committed) == len(second.committed) == 2
+    assert (coordinator.cache.misses, coordinator.cache.hits) == (1, 1)
+    routes = [route for _, route, _ in engines.calls]
+    assert routes[:4] == ["placement?boxes=false"] * 2 + ["placement"] * 2
+    assert routes[4:6] == ["drain"] * 2
+    assert "placement" not in routes[calls:] and "placement?boxes=false" in routes[calls:]

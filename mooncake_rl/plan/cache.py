@@ -45,6 +45,9 @@ class Lru(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._values)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
 
 class PlanKey(NamedTuple):
     source_digest: str
@@ -84,6 +87,10 @@ class PlanCache:
         self.loads += 1
         self._tables.put(key, table)
         return table
+
+    def holds(self, key: PlanKey) -> bool:
+        """Whether ``key``'s table is in memory (the backing is not asked; nothing counted)."""
+        return key in self._tables
 
     def put(self, key: PlanKey, table: RoutingTable) -> None:
         """Keep a table just planned (and validated), here and in the backing."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter, methodcaller
 from typing import Any
 
@@ -36,7 +36,7 @@ from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.layout import SegmentMap
 from mooncake_rl.plan import grid
-from mooncake_rl.plan.cache import Lru, PlanCache
+from mooncake_rl.plan.cache import Lru, PlanCache, PlanKey
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
     FALLBACK_REGION,
@@ -51,7 +51,7 @@ from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.stored import StoredTables
 from mooncake_rl.plan.table import RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
-from mooncake_rl.protocol import PLACEMENT_DIGEST, PLANNED_FIELDS, placement_digest
+from mooncake_rl.protocol import PLACEMENT_DIGEST, PLANNED_FIELDS, has_boxes, placement_digest
 from mooncake_rl.store import StoreClient
 
 
@@ -150,18 +150,28 @@ class UpdatePlan:
         }
 
 
+Describe = Callable[[Sequence[str]], Mapping[str, Sequence[Mapping[str, Any]]]]
+"""Reads the named engines' worker descriptions with their boxes (``GET /mooncake/placement``)."""
+
+LAYOUTS_KEPT = 4
+"""Distinct placements whose receive layouts (without boxes) a routing cache keeps."""
+
+
 class RoutingCache:
     """Routing tables by (source layout, demand, topology, params) digests.
 
     Wraps the planner's ``PlanCache``: a hit returns the very same table and replans
     nothing; the per-worker regions and layout rows are re-derived from it (cheap). With a
     Store client, tables are also kept in the Store (:mod:`mooncake_rl.plan.stored`), so a
-    fresh process loads what an earlier one planned.
+    fresh process loads what an earlier one planned. Beside the tables it keeps each
+    distinct placement's planner parts (for a fleet change) and its receive layout without
+    boxes, so a hit reads no boxes at all (:meth:`boxes_wanted`).
     """
 
     def __init__(self, store: StoreClient | None = None) -> None:
         self.tables = PlanCache(backing=None if store is None else StoredTables(store))
         self.parts = PartsCache()
+        self.layouts: Lru[tuple, dict[int, WorkerLayout]] = Lru(LAYOUTS_KEPT)
 
     @property
     def hits(self) -> int:
@@ -175,6 +185,32 @@ class RoutingCache:
     def misses(self) -> int:
         return self.tables.misses
 
+    def boxes_wanted(
+        self,
+        manifest: WeightManifest,
+        engines: Mapping[str, Sequence[Mapping[str, Any]]],
+        mode: str,
+        batch_bytes: int,
+        layout_digest: str | None = None,
+        direct_fallback: str | None = None,
+        segments: SegmentMap | None = None,
+    ) -> list[str]:
+        """The engines whose boxes a plan of ``engines`` would read, of those described
+        without them (``GET /mooncake/placement?boxes=false``): none when this cache holds
+        the table and every distinct placement's layout in memory; otherwise all of them,
+        since a table is planned only from reports checked against the boxes. Asked before
+        the engines are drained, so that reading boxes never lengthens a pause."""
+        bare = [url for url, workers in engines.items() if not all(map(has_boxes, workers))]
+        if mode != "direct" or not bare:
+            return []
+        known = _DirectKey.of(
+            manifest, engines, batch_bytes, layout_digest, direct_fallback, segments
+        )
+        held = self.tables.holds(known.key) and all(
+            known.layout_key(rep) in self.layouts for rep in known.distinct
+        )
+        return [] if held else bare
+
     def get_or_plan(
         self,
         manifest: WeightManifest,
@@ -184,17 +220,18 @@ class RoutingCache:
         layout_digest: str | None = None,
         direct_fallback: str | None = None,
         segments: SegmentMap | None = None,
+        describe: Describe | None = None,
     ) -> RoutingPlan:
         return plan_routing(
             manifest,
             engines,
             mode,
             batch_bytes,
-            self.tables,
+            self,
             layout_digest,
             direct_fallback,
             segments,
-            self.parts,
+            describe,
         )
 
 
@@ -256,6 +293,12 @@ def reported_digest(reports: Mapping[str, str], direct_fallback: str | None) -> 
 
 def placement_reports(workers: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """Each worker's reported placement digest (computed here for one that reports none)."""
+    unnamed = [w["worker_id"] for w in workers if not w.get(PLACEMENT_DIGEST) and not has_boxes(w)]
+    if unnamed:
+        raise InvariantViolation(
+            f"worker {unnamed[0]} reports neither a placement digest nor its boxes: its "
+            "placement is unknown; describe it with GET /mooncake/placement"
+        )
     return {w["worker_id"]: w.get(PLACEMENT_DIGEST) or placement_digest(w) for w in workers}
 
 
@@ -327,71 +370,50 @@ def plan_routing(
     engines: Mapping[str, Sequence[Mapping[str, Any]]],
     mode: str,
     batch_bytes: int,
-    tables: PlanCache | None = None,
+    cache: RoutingCache | None = None,
     layout_digest: str | None = None,
     direct_fallback: str | None = None,
     segments: SegmentMap | None = None,
-    parts_cache: PartsCache | None = None,
+    describe: Describe | None = None,
 ) -> RoutingPlan:
-    """``direct_fallback``: a regex of parameter (region) names direct mode lands through
+    """``engines``: each engine's worker descriptions, with or without their boxes.
+    ``direct_fallback``: a regex of parameter (region) names direct mode lands through
     the engines' ``load_weights`` whatever their discovery says (the operator's way around
     a discovery that is wrong for a model). ``segments``: the generation's locality hints
     (each worker description's ``segment`` says which segment is on its node).
-    ``parts_cache``: keeps each distinct placement's planner parts for the next miss."""
+    ``describe``: reads the boxes of engines described without them, when a plan needs
+    them (:meth:`RoutingCache.boxes_wanted`)."""
     if mode not in ("compat", "direct"):
         raise InvariantViolation(f"unknown mode {mode!r}")
-    workers = [w for ws in engines.values() for w in ws]
+    cache = cache if cache is not None else RoutingCache()
     topology = topology_of(engines)
     params = PlanParams(batch_bytes=batch_bytes)
-    regions: dict[str, dict[str, int]] = {w["worker_id"]: {} for w in workers}
+    regions: dict[str, dict[str, int]] = {w["worker_id"]: {} for ws in engines.values() for w in ws}
     region_dtypes: dict[str, dict[str, str]] = {}
     fallback: dict[str, tuple[dict[str, Any], ...]] = {}
-    layouts: dict[str, dict[str, WorkerLayout]] = {}
-    representative: dict[str, str] = {}
+    demand: CompatDemand | DirectDemand | None = None
     if mode == "compat":
-        demand_digest = CompatDemand().digest
+        key = plan_key(
+            manifest, topology, CompatDemand().digest, params, layout_digest, segments=segments
+        )
+        table = cache.tables.get(key)
+        demand = CompatDemand()
     else:
-        reports = placement_reports(workers)
-        representative = representatives(engines, reports)
-        by_rank: dict[str, dict[int, WorkerLayout]] = {}  # per representative
-        for url, engine_workers in engines.items():
-            rep = representative[url]
-            if rep not in by_rank:
-                read = _engine_layout(manifest, _without(engine_workers, direct_fallback))
-                by_rank[rep] = {layout.tp_rank: layout for layout in read.values()}
-            layouts[url] = {w["worker_id"]: by_rank[rep][int(w["tp_rank"])] for w in engine_workers}
-            for worker_id, layout in layouts[url].items():
+        known = _DirectKey.of(
+            manifest, engines, batch_bytes, layout_digest, direct_fallback, segments
+        )
+        key = known.key
+        table = cache.tables.get(key)
+        layouts = _direct_layouts(manifest, known, cache, _Boxes(engines, describe), table is None)
+        for engine_layouts in layouts.values():
+            for worker_id, layout in engine_layouts.items():
                 regions[worker_id] = dict(layout.regions)
                 region_dtypes[worker_id] = layout.region_dtypes
                 fallback[worker_id] = layout.fallback
-        demand_digest = reported_digest(reports, direct_fallback)
-    key = plan_key(manifest, topology, demand_digest, params, layout_digest, segments=segments)
-    table = tables.get(key) if tables is not None else None
-    if table is None:  # only a miss builds the planner's demand (a 1T MoE: ~1M fragments)
-        demand: CompatDemand | DirectDemand = CompatDemand()
-        if mode == "direct":
-            require_true_reports(engines, representative)
-            cache = parts_cache if parts_cache is not None else PartsCache()
-            parts: dict[str, dict[int, WorkerDemand]] = {}  # per representative, by rank
-            wanted = {}
-            for url, engine_layouts in layouts.items():
-                rep = representative[url]
-                if rep not in parts:
-                    parts[rep] = cache.get_or_build(
-                        (
-                            key.source_digest,
-                            direct_fallback,
-                            ranked_reports(engines[rep], reports),
-                        ),
-                        lambda rep=rep: _parts_by_rank(manifest, layouts[rep]),
-                    )
-                for worker_id, layout in engine_layouts.items():
-                    wanted[worker_id] = parts[rep][layout.tp_rank]
-            demand = DirectDemand.of(
-                {w: d.part for w, d in wanted.items()},
-                {w: d.destinations for w, d in wanted.items()},
-                demand_digest,
-            )
+        if table is None:  # only a miss builds the planner's demand (a 1T MoE: ~1M fragments)
+            demand = _direct_demand(manifest, known, cache.parts, layouts)
+    if table is None:
+        assert demand is not None
         table = plan_table(
             manifest,
             topology,
@@ -400,8 +422,7 @@ def plan_routing(
             layout_digest=layout_digest,
             segments=segments,
         )
-        if tables is not None:
-            tables.put(key, table)
+        cache.tables.put(key, table)
     _merge_planned_regions(table, regions)
     totals = table.totals
     return RoutingPlan(
@@ -414,6 +435,140 @@ def plan_routing(
         totals.unique_demand_bytes,
         {n: int(b) for n, b in zip(table.nodes, totals.node_nic_bytes.tolist(), strict=True)},
         fallback,
+    )
+
+
+@dataclass(frozen=True)
+class _DirectKey:
+    """A direct plan's cache keys, from the workers' reports alone (no box is read)."""
+
+    engines: Mapping[str, Sequence[Mapping[str, Any]]]
+    reports: Mapping[str, str]
+    representative: Mapping[str, str]
+    direct_fallback: str | None
+    key: PlanKey
+
+    @classmethod
+    def of(
+        cls,
+        manifest: WeightManifest,
+        engines: Mapping[str, Sequence[Mapping[str, Any]]],
+        batch_bytes: int,
+        layout_digest: str | None,
+        direct_fallback: str | None,
+        segments: SegmentMap | None,
+    ) -> _DirectKey:
+        reports = placement_reports([w for ws in engines.values() for w in ws])
+        key = plan_key(
+            manifest,
+            topology_of(engines),
+            reported_digest(reports, direct_fallback),
+            PlanParams(batch_bytes=batch_bytes),
+            layout_digest,
+            segments=segments,
+        )
+        return cls(engines, reports, representatives(engines, reports), direct_fallback, key)
+
+    @property
+    def distinct(self) -> list[str]:
+        """One engine per distinct placement (its representative)."""
+        return list(dict.fromkeys(self.representative.values()))
+
+    def layout_key(self, url: str) -> tuple:
+        """``url``'s placement, for the layout and parts caches: the source layout, the
+        direct fallback and its workers' reports rank by rank."""
+        return (
+            self.key.source_digest,
+            self.direct_fallback,
+            ranked_reports(self.engines[url], self.reports),
+        )
+
+
+class _Boxes:
+    """The engines' descriptions; boxes are read through ``describe`` when first needed."""
+
+    def __init__(
+        self, engines: Mapping[str, Sequence[Mapping[str, Any]]], describe: Describe | None
+    ) -> None:
+        self.engines = dict(engines)
+        self.describe = describe
+
+    def of(self, urls: Sequence[str]) -> dict[str, Sequence[Mapping[str, Any]]]:
+        bare = [url for url in urls if not all(map(has_boxes, self.engines[url]))]
+        if bare and self.describe is None:
+            raise InvariantViolation(
+                f"engine {bare[0]} was described without its boxes and this plan reads them: "
+                "pass its full GET /mooncake/placement reply"
+            )
+        read = self.describe(bare) if bare else {}
+        for url in bare:
+            workers = read[url]
+            if not all(map(has_boxes, workers)) or placement_reports(workers) != placement_reports(
+                self.engines[url]
+            ):
+                raise InvariantViolation(
+                    f"engine {url} describes another placement with its boxes than without "
+                    "them (restarted or reconfigured during the update): run the update again"
+                )
+            self.engines[url] = workers
+        return {url: self.engines[url] for url in urls}
+
+
+def _direct_layouts(
+    manifest: WeightManifest,
+    known: _DirectKey,
+    cache: RoutingCache,
+    boxes: _Boxes,
+    planning: bool,
+) -> dict[str, dict[str, WorkerLayout]]:
+    """Each engine's workers' receive layouts, read once per distinct placement: from the
+    cache on a hit (no box read), else off the boxes. ``planning`` (a miss) reads every
+    engine's boxes and checks each report against them before any table is planned."""
+    by_rank: dict[str, dict[int, WorkerLayout]] = {}
+    if not planning:
+        for rep in known.distinct:
+            held = cache.layouts.get(known.layout_key(rep))
+            if held is not None:
+                by_rank[rep] = held
+    unread = [rep for rep in known.distinct if rep not in by_rank]
+    described = boxes.of(list(known.engines) if planning else unread)  # one read of all
+    for rep in unread:
+        read = _engine_layout(manifest, _without(described[rep], known.direct_fallback))
+        by_rank[rep] = {layout.tp_rank: layout for layout in read.values()}
+        cache.layouts.put(
+            known.layout_key(rep), {r: replace(lay, shards=()) for r, lay in by_rank[rep].items()}
+        )
+    if planning:
+        require_true_reports(described, known.representative)
+    return {
+        url: {
+            w["worker_id"]: by_rank[known.representative[url]][int(w["tp_rank"])] for w in workers
+        }
+        for url, workers in known.engines.items()
+    }
+
+
+def _direct_demand(
+    manifest: WeightManifest,
+    known: _DirectKey,
+    parts_cache: PartsCache,
+    layouts: Mapping[str, Mapping[str, WorkerLayout]],
+) -> DirectDemand:
+    """The planner's direct demand: each distinct placement's parts (kept across misses)."""
+    parts: dict[str, dict[int, WorkerDemand]] = {}  # per representative, by rank
+    wanted = {}
+    for url, engine_layouts in layouts.items():
+        rep = known.representative[url]
+        if rep not in parts:
+            parts[rep] = parts_cache.get_or_build(
+                known.layout_key(rep), lambda rep=rep: _parts_by_rank(manifest, layouts[rep])
+            )
+        for worker_id, layout in engine_layouts.items():
+            wanted[worker_id] = parts[rep][layout.tp_rank]
+    return DirectDemand.of(
+        {w: d.part for w, d in wanted.items()},
+        {w: d.destinations for w, d in wanted.items()},
+        reported_digest(known.reports, known.direct_fallback),
     )
 
 
@@ -764,14 +919,16 @@ def plan_update(
     layout_digest: str | None = None,
     direct_fallback: str | None = None,
     segments: SegmentMap | None = None,
+    describe: Describe | None = None,
 ) -> UpdatePlan:
     """Plan (or reuse) the update of ``engines`` to ``manifest``'s generation.
 
     ``layout_digest``: the generation record's ``ActiveRecord.layout_digest``, so that a
     cache hit does not re-hash the manifest (see :func:`mooncake_rl.plan.plan_routing`).
+    ``describe``: reads boxes the plan needs of engines described without them.
     """
     routing = cache.get_or_plan(
-        manifest, engines, mode, batch_bytes, layout_digest, direct_fallback, segments
+        manifest, engines, mode, batch_bytes, layout_digest, direct_fallback, segments, describe
     )
     by_engine = {url: tuple(w["worker_id"] for w in ws) for url, ws in engines.items()}
     return UpdatePlan(routing, manifest.group_id, by_engine)

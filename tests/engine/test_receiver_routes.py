@@ -56,7 +56,8 @@ class RecordingBackend:
     async def resume(self) -> None:
         await self._step("resume")
 
-    async def placement(self) -> dict[str, Any]:
+    async def placement(self, boxes: bool = True) -> dict[str, Any]:
+        await self._step(f"placement:{boxes}")
         return {"workers": [{"worker_id": "w0"}]}
 
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
@@ -297,6 +298,22 @@ async def test_malformed_json_is_422(make_client, raw: bytes) -> None:
         )
     assert response.status_code == 422 and response.json()["error"] == "invalid_request"
     assert receiver.state.value == "serving"
+
+
+async def test_placement_query_is_typed(make_client) -> None:
+    """``?boxes=false`` reaches the workers; a query that does not validate is answered
+    422 and asks no worker anything."""
+    client, backend, _ = await make_client()
+    async with client:
+        full = await client.get("/mooncake/placement")
+        bare = await client.get("/mooncake/placement", params={"boxes": "false"})
+        for query in ({"boxes": "maybe"}, {"box": "false"}):
+            refused = await client.get("/mooncake/placement", params=query)
+            assert refused.status_code == 422, query
+            assert refused.json()["error"] == "invalid_request"
+    assert full.status_code == bare.status_code == 200
+    assert [w["worker_id"] for w in full.json()["workers"]] == ["w0"]
+    assert backend.calls == ["placement:True", "placement:False"]
 
 
 async def test_token_guards_every_route_but_readiness(make_client) -> None:

@@ -27,7 +27,7 @@ from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.metrics import UpdateMetrics
-from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
+from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest, without_boxes
 from mooncake_rl.router import open_router
 from mooncake_rl.router.launch import RouterProcess
 from mooncake_rl.services import EmbeddedMaster
@@ -308,7 +308,10 @@ def test_direct_update_tp2_ranks_receive_only_their_shards(world: World) -> None
     with world.coordinator() as coordinator:
         result = coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
     placement = world.engines["b"].mooncake("GET", "placement").json()["workers"]
+    bare = world.engines["b"].mooncake("GET", "placement?boxes=false").json()["workers"]
     assert [w["tp_size"] for w in placement] == [2, 2]
+    assert bare == [without_boxes(w) for w in placement]  # the digest still names the boxes
+    assert result.described == sorted(e.url for e in world.engines.values())  # a new plan
     for worker in placement:  # each rank reports the digest its routing table is keyed by
         assert worker[PLACEMENT_DIGEST] == placement_digest(worker)
         parameter_bytes = sum(r["bytes"] for r in worker["regions"].values())

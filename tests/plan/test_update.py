@@ -21,7 +21,7 @@ from mooncake_rl.plan import update as update_module
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
-from mooncake_rl.protocol import PLACEMENT_DIGEST
+from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest, without_boxes
 
 from .helpers import reporting
 
@@ -328,14 +328,38 @@ def test_engines_splitting_one_tensor_along_different_dims() -> None:
     assert plan.store_read_bytes == plan.unique_demand_bytes == specs[0].nbytes
 
 
-def test_a_hit_whose_worker_declares_other_region_sizes_is_refused() -> None:
-    """The table's region sizes are checked against what each worker declares on every
-    call: a worker that changed a region but kept its old report gets a named error."""
+def test_a_hit_reads_no_boxes_and_a_miss_reads_every_engines() -> None:
+    """Engines described without boxes (``GET /mooncake/placement?boxes=false``) are planned
+    from the cache when it holds the table and the layouts (a hit trusts the reports: each
+    worker checks its slice's regions at prepare, tests/sglang); a miss reads every
+    engine's boxes through ``describe`` and checks them against the reports first."""
     specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
-    engines = reporting(simulated_engines(specs, [("n0", 2)], "direct"))
-    cache = RoutingCache()
-    plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, cache)
-    engines["http://engine0"][1]["regions"]["a"]["bytes"] += 64
-    with pytest.raises(InvariantViolation, match="e0/tp1:a declares 96 bytes, plan needs 32"):
-        plan_update(build_manifest("m", 2, specs, "later"), engines, "direct", 64, cache)
-    assert cache.hits == 1
+    engines = reporting(simulated_engines(specs, [("n0", 2), ("n1", 2), ("n2", 1)], "direct"))
+    bare = {url: [without_boxes(w) for w in ws] for url, ws in engines.items()}
+    gen = [build_manifest("m", g, specs, "now") for g in (1, 2, 3)]
+    cache, asked = RoutingCache(), []
+
+    def describe(urls: list[str]) -> dict[str, Any]:
+        asked.append(list(urls))
+        return {url: engines[url] for url in urls}
+
+    assert cache.boxes_wanted(gen[0], bare, "direct", 64) == list(engines)
+    assert cache.boxes_wanted(gen[0], bare, "compat", 64) == []
+    with pytest.raises(InvariantViolation, match="http://engine0 was described without its boxes"):
+        plan_update(gen[0], bare, "direct", 64, cache)
+    first = plan_update(gen[0], bare, "direct", 64, cache, describe=describe)
+    assert asked == [list(engines)]  # one read of every engine's boxes
+    assert_direct_shards_land(first, engines, specs, seed=6)
+    assert cache.boxes_wanted(gen[1], bare, "direct", 64) == []
+    hit = plan_update(gen[1], bare, "direct", 64, cache)  # no describe: reads no box
+    assert hit.routing.table is first.routing.table and (cache.hits, cache.misses) == (1, 2)
+    assert hit.routing.regions == first.routing.regions
+    assert hit.routing.region_dtypes == first.routing.region_dtypes
+    assert cache.boxes_wanted(gen[1], bare, "direct", 128) == list(engines)  # another table
+
+    # A describe reply whose boxes are another placement than the reports named is refused.
+    changed = {url: [dict(w) for w in ws] for url, ws in engines.items()}
+    changed["http://engine2"][0]["tp_size"] = 2
+    changed["http://engine2"][0][PLACEMENT_DIGEST] = placement_digest(changed["http://engine2"][0])
+    with pytest.raises(InvariantViolation, match="engine http://engine2 describes another"):
+        plan_update(gen[2], bare, "direct", 128, cache, describe=lambda urls: changed)

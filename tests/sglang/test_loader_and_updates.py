@@ -43,7 +43,13 @@ from mooncake_rl.generations.keys import advert_key, group_id
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.update import RoutingCache, plan_update
-from mooncake_rl.protocol import PLACEMENT_DIGEST, ApplyRequest, PrepareRequest, placement_digest
+from mooncake_rl.protocol import (
+    PLACEMENT_DIGEST,
+    ApplyRequest,
+    PrepareRequest,
+    placement_digest,
+    without_boxes,
+)
 from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -329,6 +335,8 @@ def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
         result = coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
     assert world.compare(2) == [[], []]
     placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
+    bare = httpx.get(f"{world.url}/mooncake/placement?boxes=false", timeout=30).json()["workers"]
+    assert bare == [without_boxes(w) for w in placement]  # the digest still names the boxes
     assert [(w["tp_rank"], w["tp_size"]) for w in placement] == [(0, 2), (1, 2)]
     for worker in placement:  # each rank reports the digest its routing table is keyed by
         assert worker[PLACEMENT_DIGEST] == placement_digest(worker)
@@ -343,17 +351,23 @@ def test_direct_update_delivers_only_each_ranks_shards(world: World) -> None:
     assert_every_parameter_checked(world.engine, result)
 
 
-def prepare_body(world: World, fence: int | None = None) -> dict[str, Any]:
-    """The compat prepare body a coordinator sends for active record ``fence`` (default:
-    the newest), planned for this engine's placement."""
+def prepare_body(
+    world: World,
+    fence: int | None = None,
+    mode: str = "compat",
+    placement: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The prepare body a coordinator sends for active record ``fence`` (default: the
+    newest), planned for ``placement`` (default: this engine's)."""
     registry = GenerationRegistry(world.store, MODEL)
     record = registry.active() if fence is None else registry.fence_record(fence)
     assert record is not None
     manifest = registry.load_manifest(record.generation, record.manifest_digest)
     checksums = registry.load_checksums(record.generation, record.checksums_digest)
-    placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
+    if placement is None:
+        placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
     plan = plan_update(
-        manifest, {world.url: placement}, "compat", 64 << 10, RoutingCache(), record.layout_digest
+        manifest, {world.url: placement}, mode, 64 << 10, RoutingCache(), record.layout_digest
     )
     return {
         "session": uuid.uuid4().hex,
@@ -362,7 +376,7 @@ def prepare_body(world: World, fence: int | None = None) -> dict[str, Any]:
         "manifest_digest": record.manifest_digest,
         "fence": record.fence,
         "incarnation": record.incarnation,
-        "mode": "compat",
+        "mode": mode,
         "stages": plan.stages,
         "workers": plan.engine_workers(world.url, checksums.objects),
     }
@@ -457,6 +471,27 @@ def test_prepare_refuses_what_the_store_contradicts(world: World) -> None:
     status = world.status()
     assert (status["state"], status["generation"]) == ("serving", 3)
     assert world.compare(2) == [[], []]
+
+
+def test_a_slice_planned_for_another_placement_is_refused(world: World) -> None:
+    """A coordinator that holds a plan trusts the workers' reports and reads no boxes; a
+    worker whose regions are not the ones its slice was planned for refuses it by name
+    before anything is staged."""
+    placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
+    other = copy.deepcopy(placement)
+    grown = [next(iter(w["regions"])) for w in other]
+    for worker, region in zip(other, grown, strict=True):
+        worker["regions"][region]["bytes"] += 64
+        worker[PLACEMENT_DIGEST] = placement_digest(worker)
+    body = prepare_body(world, mode="direct", placement=other)
+    replies = world.call("prepare", wire(PrepareRequest, body))
+    assert refusals(replies) == [{"status": 409, "code": "placement_mismatch"}] * 2, replies
+    for reply, worker, region in zip(replies, placement, grown, strict=True):
+        size = worker["regions"][region]["bytes"]
+        assert f"region {region} is {size} bytes, slice says {size + 64}" in reply["error"]
+    adverts = [advert_key(body["session"], w) for w in body["workers"]]
+    assert world.store.exists(adverts) == [False, False]
+    assert world.status()["state"] == "serving"
 
 
 def test_apply_writes_only_into_peers_advertised_in_the_session(world: World) -> None:

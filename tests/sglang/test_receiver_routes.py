@@ -87,12 +87,15 @@ class RecordingTokenizerManager:
             "commit": lambda: f"commit:{args[0]}",
             "abort": lambda: "abort",
             "rebuild": lambda: f"rebuild:{args[0]}",
+            "describe": lambda: f"placement:{args[0]}",
         }
         reply: dict[str, Any] = {"ok": True, "rank": 0}
         if request.method == "status":
             reply |= {"generation": 1, "model_name": None}
         if request.method == "rebuild":
             reply |= {"generation": 7, "fence": 7, "incarnation": "ab" * 8}
+        if request.method == "describe":
+            reply |= {"worker_id": "w0"}
         if request.method == "prepare":
             reply |= {"in_place_bytes": self.in_place_bytes, "staged_bytes": STAGED}
         if request.method == "apply":
