@@ -155,6 +155,9 @@ Describe = Callable[[Sequence[str]], Mapping[str, Sequence[Mapping[str, Any]]]]
 
 LAYOUTS_KEPT = 4
 """Distinct placements whose receive layouts (without boxes) a routing cache keeps."""
+PLANS_KEPT = 2
+"""Routing plans a routing cache keeps whole: a hit on one reads no layout and merges no
+region (a 1T MoE's table names a region row per worker and tensor)."""
 
 
 class RoutingCache:
@@ -172,6 +175,7 @@ class RoutingCache:
         self.tables = PlanCache(backing=None if store is None else StoredTables(store))
         self.parts = PartsCache()
         self.layouts: Lru[tuple, dict[int, WorkerLayout]] = Lru(LAYOUTS_KEPT)
+        self.plans: Lru[PlanKey, RoutingPlan] = Lru(PLANS_KEPT)
 
     @property
     def hits(self) -> int:
@@ -206,8 +210,9 @@ class RoutingCache:
         known = _DirectKey.of(
             manifest, engines, batch_bytes, layout_digest, direct_fallback, segments
         )
-        held = self.tables.holds(known.key) and all(
-            known.layout_key(rep) in self.layouts for rep in known.distinct
+        held = self.tables.holds(known.key) and (
+            known.key in self.plans
+            or all(known.layout_key(rep) in self.layouts for rep in known.distinct)
         )
         return [] if held else bare
 
@@ -391,19 +396,22 @@ def plan_routing(
     regions: dict[str, dict[str, int]] = {w["worker_id"]: {} for ws in engines.values() for w in ws}
     region_dtypes: dict[str, dict[str, str]] = {}
     fallback: dict[str, tuple[dict[str, Any], ...]] = {}
-    demand: CompatDemand | DirectDemand | None = None
+    known = None
     if mode == "compat":
         key = plan_key(
             manifest, topology, CompatDemand().digest, params, layout_digest, segments=segments
         )
-        table = cache.tables.get(key)
-        demand = CompatDemand()
     else:
         known = _DirectKey.of(
             manifest, engines, batch_bytes, layout_digest, direct_fallback, segments
         )
         key = known.key
-        table = cache.tables.get(key)
+    table = cache.tables.get(key)
+    kept = cache.plans.get(key)
+    if kept is not None and kept.table is table:  # the key determines the whole plan
+        return kept
+    demand: CompatDemand | DirectDemand = CompatDemand()
+    if known is not None:
         layouts = _direct_layouts(manifest, known, cache, _Boxes(engines, describe), table is None)
         for engine_layouts in layouts.values():
             for worker_id, layout in engine_layouts.items():
@@ -413,7 +421,6 @@ def plan_routing(
         if table is None:  # only a miss builds the planner's demand (a 1T MoE: ~1M fragments)
             demand = _direct_demand(manifest, known, cache.parts, layouts)
     if table is None:
-        assert demand is not None
         table = plan_table(
             manifest,
             topology,
@@ -425,7 +432,7 @@ def plan_routing(
         cache.tables.put(key, table)
     _merge_planned_regions(table, regions)
     totals = table.totals
-    return RoutingPlan(
+    plan = RoutingPlan(
         mode,
         topology,
         table,
@@ -436,6 +443,8 @@ def plan_routing(
         {n: int(b) for n, b in zip(table.nodes, totals.node_nic_bytes.tolist(), strict=True)},
         fallback,
     )
+    cache.plans.put(key, plan)
+    return plan
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan import update as update_module
+from mooncake_rl.plan.cache import Lru
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
@@ -353,8 +354,13 @@ def test_a_hit_reads_no_boxes_and_a_miss_reads_every_engines() -> None:
     assert cache.boxes_wanted(gen[1], bare, "direct", 64) == []
     hit = plan_update(gen[1], bare, "direct", 64, cache)  # no describe: reads no box
     assert hit.routing.table is first.routing.table and (cache.hits, cache.misses) == (1, 2)
-    assert hit.routing.regions == first.routing.regions
-    assert hit.routing.region_dtypes == first.routing.region_dtypes
+    assert hit.routing is first.routing  # kept whole: no layout read, no region merged
+    assert_direct_shards_land(hit, engines, specs, seed=7)
+    cache.plans = Lru(1)  # a hit on a table whose plan was dropped: layouts from the cache
+    again = plan_update(gen[1], bare, "direct", 64, cache)
+    assert again.routing is not first.routing and again.routing.table is first.routing.table
+    assert again.routing.regions == first.routing.regions
+    assert again.routing.region_dtypes == first.routing.region_dtypes
     assert cache.boxes_wanted(gen[1], bare, "direct", 128) == list(engines)  # another table
 
     # A describe reply whose boxes are another placement than the reports named is refused.
