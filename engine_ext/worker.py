@@ -118,10 +118,48 @@ class _UpdateState:
         self.in_place = {}
 
 
+class _Description:
+    """A worker's regions and boxes as its describer found them, kept while the parameters
+    are the same tensors of the same shapes and dtypes (``fingerprint``), and their served
+    form with its placement digest, made once."""
+
+    def __init__(self, fingerprint: tuple, specs: tuple[list[RegionSpec], list[ShardSpec]]) -> None:
+        self.fingerprint = fingerprint
+        self.specs = specs
+        self._served: dict[str, Any] | None = None
+
+    def served(self, tp_rank: int, tp_size: int) -> dict[str, Any]:
+        """The planned fields (``protocol.PLANNED_FIELDS``) and their ``placement_digest``."""
+        if self._served is None or (self._served["tp_rank"], self._served["tp_size"]) != (
+            tp_rank,
+            tp_size,
+        ):
+            regions, shards = self.specs
+            self._served = reported_placement(
+                {
+                    "tp_rank": tp_rank,
+                    "tp_size": tp_size,
+                    "regions": {
+                        r.name: {"bytes": r.nbytes, "dtype": str(r.dtype).removeprefix("torch.")}
+                        for r in regions
+                    },
+                    "shards": [s.to_json() for s in shards],
+                }
+            )
+        return self._served
+
+
+def parameter_fingerprint(model: torch.nn.Module) -> tuple:
+    """Which tensors the model's parameters are, with their shapes and dtypes: an entry per
+    parameter (a fused 1T MoE has about a thousand), not per box (it describes ~140k)."""
+    return tuple((n, id(p), p.shape, p.dtype) for n, p in model.named_parameters())
+
+
 class UpdateWorker(ABC):
     """Engine-neutral worker logic; subclasses supply the model, ranks and landing paths."""
 
     _update: _UpdateState | None = None
+    _description: _Description | None = None
 
     # -- engine glue ------------------------------------------------------------------
     @abstractmethod
@@ -132,7 +170,21 @@ class UpdateWorker(ABC):
         """(tensor-parallel rank, tensor-parallel size) of this worker."""
 
     @abstractmethod
-    def regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]: ...
+    def describe_regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]:
+        """The engine's describer: receive regions and the checkpoint boxes landing in them."""
+
+    def regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]:
+        """``describe_regions``, kept while the parameters stay the same tensors of the same
+        shapes and dtypes. Every update asks several times (placement, prepare, the landing
+        check), each call runs in the engine's own loop (on vLLM, between the steps of every
+        request), and a 1T MoE's rank describes some 140k boxes."""
+        return self._described().specs
+
+    def _described(self) -> _Description:
+        fingerprint = parameter_fingerprint(self.model())
+        if self._description is None or self._description.fingerprint != fingerprint:
+            self._description = _Description(fingerprint, self.describe_regions())
+        return self._description
 
     @abstractmethod
     def land_compat(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -230,27 +282,18 @@ class UpdateWorker(ABC):
         """Placement: who this worker is and which checkpoint boxes land where (``boxes``:
         with the boxes; without, the digest still names them)."""
         state = self._state(engine_id)
-        regions, shards = self.regions()
-        tp_rank, tp_size = self.tp()
         described = {
             "worker_id": state.apply.worker_id,
             "node": state.apply.settings.node,
             "segment": state.apply.store.local_segment,  # locality hints: the node's segment
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
             "gpu": self.gpu_id(),
             "device": str(self.device()),
             "host_id": this_host_id(),
             # The coordinator refuses plans whose batches this cannot hold twice.
             "staging_watermark_bytes": state.apply.settings.staging_watermark_bytes,
-            "regions": {
-                r.name: {"bytes": r.nbytes, "dtype": str(r.dtype).removeprefix("torch.")}
-                for r in regions
-            },
-            "shards": [s.to_json() for s in shards],
+            **self._described().served(*self.tp()),
         }
-        reported = reported_placement(described)
-        return reported if boxes else without_boxes(reported)
+        return described if boxes else without_boxes(described)
 
     def gpu_id(self) -> str | None:
         """The physical GPU this rank runs on: its CUDA UUID, else the declared id

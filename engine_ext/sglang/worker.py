@@ -70,7 +70,7 @@ class SglangUpdateWorker(UpdateWorker):
         parallel = get_parallel()
         return int(parallel.tp_rank), int(parallel.tp_size)
 
-    def regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]:
+    def describe_regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]:
         model = self.model()
         return describe_shards(parameter_rows(model), packed_modules(model), rank_of)
 

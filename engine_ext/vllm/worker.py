@@ -52,7 +52,7 @@ class VllmUpdateWorker(UpdateWorker):
 
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
-    def regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]:
+    def describe_regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]:
         return describe_vllm_shards(self.model())
 
     def land_compat(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

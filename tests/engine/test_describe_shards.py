@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from engine_ext.placement import assemble_regions, describe_shards
+from engine_ext.placement import RegionSpec, assemble_regions, describe_shards
+from engine_ext.shards import ShardSpec
+from engine_ext.worker import UpdateWorker
+from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest
 
 
 def layer(**attributes: object) -> torch.nn.Module:
@@ -124,3 +127,55 @@ def test_replicated_key_value_heads_are_boxes_of_the_checkpoint_tensors() -> Non
         ("m.k_proj.weight", (2, 3), (0, 0), (2, 3)),
         ("m.v_proj.weight", (2, 3), (0, 0), (2, 3)),
     ]
+
+
+class DescribedWorker(UpdateWorker):
+    """The engine glue a description reads (the model, its ranks, the shared describer)
+    over a real module; nothing lands here, so the landing glue is absent."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self.descriptions = 0
+
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def tp(self) -> tuple[int, int]:
+        return 1, 2
+
+    def describe_regions(self) -> tuple[list[RegionSpec], list[ShardSpec]]:
+        self.descriptions += 1
+        rows = [
+            (f"m.{name}.weight", module, "weight", module.weight)
+            for name, module in self._model.named_children()
+        ]
+        return describe_shards(rows, {}, rank_is(1))
+
+    def land_compat(self, tensors):  # pragma: no cover - nothing lands in these tests
+        raise AssertionError("not landed here")
+
+    def land_direct(self, staged, fallback, in_place):  # pragma: no cover
+        raise AssertionError("not landed here")
+
+
+def test_a_worker_describes_itself_once_while_its_parameters_stay_the_same() -> None:
+    """Placement, prepare and the landing check all ask for the description; it is made
+    again only when a parameter becomes another tensor or changes shape or dtype."""
+    model = torch.nn.Module()
+    model.down_proj = layer(input_size_per_partition=3, tp_size=2)
+    model.down_proj.weight = torch.nn.Parameter(torch.zeros(4, 3))
+    worker = DescribedWorker(model)
+    first = worker.regions()
+    assert worker.regions() is first and worker.descriptions == 1
+    served = worker._described().served(*worker.tp())
+    assert served[PLACEMENT_DIGEST] == placement_digest(served)
+    assert served["shards"] == [s.to_json() for s in first[1]] and len(served["shards"]) == 1
+    assert worker._described().served(*worker.tp()) is served  # hashed once too
+    with torch.no_grad():
+        model.down_proj.weight.add_(1.0)  # new bytes in the same tensor: the same boxes
+    assert worker.regions() is first and worker.descriptions == 1
+    model.down_proj.weight = torch.nn.Parameter(torch.zeros(4, 3))  # reloaded: described anew
+    assert worker.regions() == first and worker.descriptions == 2
+    model.down_proj.weight = torch.nn.Parameter(torch.zeros(4, 5))
+    (region,) = worker.regions()[0]
+    assert worker.descriptions == 3 and tuple(region.shape) == (4, 5)
