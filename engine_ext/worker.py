@@ -63,6 +63,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.protocol import (
+    PLACEMENT_DIGEST,
     BucketWire,
     PrepareRequest,
     reported_placement,
@@ -331,7 +332,9 @@ class UpdateWorker(ABC):
             )
         in_place: dict[str, torch.Tensor] = {}
         if call.mode == "direct":
-            self._check_direct(worker_slice, raw.get("region_dtypes", {}))
+            self._check_direct(
+                worker_slice, raw.get("region_dtypes", {}), raw.get("placement_digest")
+            )
             if call.in_place:
                 live = self.in_place_parameters()
                 in_place = {n: live[n] for n in worker_slice.regions if n in live}
@@ -408,9 +411,24 @@ class UpdateWorker(ABC):
             "staged_bytes": reception.layout.total_bytes,
         }
 
-    def _check_direct(self, worker_slice: WorkerSlice, region_dtypes: Mapping[str, str]) -> None:
-        """Direct mode lands bytes as they arrive: every region must be this worker's, at
-        its size and its parameter's dtype."""
+    def _check_direct(
+        self,
+        worker_slice: WorkerSlice,
+        region_dtypes: Mapping[str, str],
+        planned_for: str | None,
+    ) -> None:
+        """Direct mode lands bytes as they arrive: the slice must be planned for this
+        worker's placement (``planned_for``: the digest the coordinator planned it for, which
+        it may not have checked against the boxes), and every region must be this worker's,
+        at its size and its parameter's dtype."""
+        own = self._described().served(*self.tp())[PLACEMENT_DIGEST]
+        if planned_for is not None and planned_for != own:
+            raise RequestRefused(
+                409,
+                "placement_mismatch",
+                f"the slice was planned for placement digest {planned_for}, but this worker's "
+                f"placement hashes to {own}; re-read /mooncake/placement and plan again",
+            )
         specs = {r.name: r for r in self.regions()[0]}
         # A reader that consumes none of a chunk holds it in the planner's staging region;
         # full tensors for the per-parameter fallback arrive in the fallback region.

@@ -17,11 +17,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The ``/mooncake/*`` contract's version, reported in every engine's status; bumped on any
 change a coordinator of the previous version could misread (2: direct mode receives in
-place, so an aborted update may leave the engine rebuilding). A coordinator refuses engines
-of another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
+place, so an aborted update may leave the engine rebuilding; 3: a direct slice names the
+placement digest it was planned for, which a version-2 engine refuses as an unknown
+field). A coordinator refuses engines of another version before it drains any (see
+:mod:`mooncake_rl.router.probe`)."""
 PLACEMENT_DIGEST = "placement_digest"
 PLANNED_FIELDS = ("tp_rank", "tp_size", "regions", "shards")
 """What a direct-mode plan reads of a worker's placement. Not its node (the topology's) nor
@@ -123,6 +125,9 @@ class WorkerRouting(Wire):
     layout: list[TensorRow]
     region_dtypes: dict[Name, DtypeName]
     fallback: list[TensorRow]
+    placement_digest: Digest | None = Field(
+        None, description="direct mode: the worker's placement the slice was planned for"
+    )
 
 
 class RegionWire(Wire):

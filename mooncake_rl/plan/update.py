@@ -51,7 +51,7 @@ from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.stored import StoredTables
 from mooncake_rl.plan.table import RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
-from mooncake_rl.protocol import PLACEMENT_DIGEST, PLANNED_FIELDS, has_boxes, placement_digest
+from mooncake_rl.protocol import PLACEMENT_DIGEST, has_boxes, placement_digest
 from mooncake_rl.store import StoreClient
 
 
@@ -69,6 +69,8 @@ class RoutingPlan:
     node_nic_bytes: Mapping[str, int]
     # direct mode: per worker, the full tensors it lands through ``load_weights``
     fallback: Mapping[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
+    # direct mode: per worker, the placement digest it reported (the plan is made for it)
+    reports: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def cross_node_pushed_bytes(self) -> int:
@@ -145,6 +147,8 @@ class UpdatePlan:
                 "layout": list(self.routing.layout),
                 "region_dtypes": dict(self.routing.region_dtypes.get(worker, {})),
                 "fallback": list(self.routing.fallback.get(worker, ())),
+                # The worker refuses a slice planned for another placement than its own.
+                **_named("placement_digest", self.routing.reports.get(worker)),
             }
             for worker in self.engines[url]
         }
@@ -201,9 +205,9 @@ class RoutingCache:
     ) -> list[str]:
         """The engines whose boxes a plan of ``engines`` would read, of those described
         without them (``GET /mooncake/placement?boxes=false``): none when this cache holds
-        the table and every distinct placement's layout in memory; otherwise all of them,
-        since a table is planned only from reports checked against the boxes. Asked before
-        the engines are drained, so that reading boxes never lengthens a pause."""
+        the table and every distinct placement's layout in memory; otherwise one engine per
+        distinct placement (its representative). Asked before the engines are drained, so
+        that reading boxes never lengthens a pause."""
         bare = [url for url, workers in engines.items() if not all(map(has_boxes, workers))]
         if mode != "direct" or not bare:
             return []
@@ -214,7 +218,7 @@ class RoutingCache:
             known.key in self.plans
             or all(known.layout_key(rep) in self.layouts for rep in known.distinct)
         )
-        return [] if held else bare
+        return [] if held else [rep for rep in known.distinct if rep in bare]
 
     def get_or_plan(
         self,
@@ -328,27 +332,16 @@ def ranked_reports(
     return tuple(sorted((int(w["tp_rank"]), reports[w["worker_id"]]) for w in workers))
 
 
-def require_true_reports(
-    engines: Mapping[str, Sequence[Mapping[str, Any]]], representative: Mapping[str, str]
-) -> None:
-    """Before a table is planned (and kept under the reported key): every worker's report
-    must be the digest of the description it sent. A representative's workers are hashed;
-    every other engine's must describe exactly what its representative's do."""
-    for url, workers in engines.items():
-        rep = representative[url]
-        if rep == url:
-            for w in workers:
-                _require_true_report(w)
-            continue
-        theirs = {int(w["tp_rank"]): w for w in engines[rep]}
+def require_true_reports(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    """Before a table is planned (and kept under the reported key): each worker of the
+    engines read (one per distinct placement) must report the digest of the description it
+    sent. Engines that report the same digests are planned from that one description and
+    not read: each of their workers checks at prepare that its slice names its own digest
+    (``placement_digest`` in the prepare body), so a report that is not an engine's own
+    fails there, before anything is staged."""
+    for workers in engines.values():
         for w in workers:
-            model = theirs[int(w["tp_rank"])]
-            if any(w.get(name) != model.get(name) for name in PLANNED_FIELDS):
-                raise InvariantViolation(
-                    f"worker {w['worker_id']} reports the placement digest of "
-                    f"{model['worker_id']} but describes another placement: the engine runs "
-                    "another mooncake-rl version; upgrade it to the coordinator's"
-                )
+            _require_true_report(w)
 
 
 def _require_true_report(w: Mapping[str, Any]) -> None:
@@ -442,6 +435,7 @@ def plan_routing(
         totals.unique_demand_bytes,
         {n: int(b) for n, b in zip(table.nodes, totals.node_nic_bytes.tolist(), strict=True)},
         fallback,
+        dict(known.reports) if known is not None else {},
     )
     cache.plans.put(key, plan)
     return plan
@@ -531,8 +525,8 @@ def _direct_layouts(
     planning: bool,
 ) -> dict[str, dict[str, WorkerLayout]]:
     """Each engine's workers' receive layouts, read once per distinct placement: from the
-    cache on a hit (no box read), else off the boxes. ``planning`` (a miss) reads every
-    engine's boxes and checks each report against them before any table is planned."""
+    cache on a hit (no box read), else off its representative's boxes. ``planning`` (a
+    miss) reads every representative's and checks their reports before a table is planned."""
     by_rank: dict[str, dict[int, WorkerLayout]] = {}
     if not planning:
         for rep in known.distinct:
@@ -540,7 +534,7 @@ def _direct_layouts(
             if held is not None:
                 by_rank[rep] = held
     unread = [rep for rep in known.distinct if rep not in by_rank]
-    described = boxes.of(list(known.engines) if planning else unread)  # one read of all
+    described = boxes.of(unread)  # one read of every distinct placement
     for rep in unread:
         read = _engine_layout(manifest, _without(described[rep], known.direct_fallback))
         by_rank[rep] = {layout.tp_rank: layout for layout in read.values()}
@@ -548,7 +542,7 @@ def _direct_layouts(
             known.layout_key(rep), {r: replace(lay, shards=()) for r, lay in by_rank[rep].items()}
         )
     if planning:
-        require_true_reports(described, known.representative)
+        require_true_reports(described)
     return {
         url: {
             w["worker_id"]: by_rank[known.representative[url]][int(w["tp_rank"])] for w in workers
@@ -579,6 +573,11 @@ def _direct_demand(
         {w: d.destinations for w, d in wanted.items()},
         reported_digest(known.reports, known.direct_fallback),
     )
+
+
+def _named(name: str, value: Any) -> dict[str, Any]:
+    """``{name: value}``, or nothing for ``None``: a field only some bodies carry."""
+    return {} if value is None else {name: value}
 
 
 def _compat_rows(manifest: WeightManifest, table: RoutingTable) -> tuple[dict[str, Any], ...]:

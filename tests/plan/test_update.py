@@ -143,13 +143,15 @@ def test_slices_deliver_exactly_the_demanded_bytes_reading_each_once(
         assert plan.routing.cross_node_pushed_bytes == model_bytes * (len(nodes) - 1)
 
 
-def test_identical_engines_are_read_once_and_a_copied_report_is_refused(
+def test_identical_engines_are_read_once_and_each_slice_names_its_placement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Three identical TP2 engines and a TP1 one: two distinct placements are read and turned
     into planner parts (a 1T MoE's TP8 engine describes a million boxes), every worker still
-    receives exactly its bytes, and an engine that copies another's reports while it
-    describes something else is refused before anything is planned."""
+    receives exactly its bytes, and each slice names the digest its worker reported. An
+    engine that copies another's reports while it describes something else is not read, so
+    its workers' slices name a digest their own placement does not hash to, and each worker
+    refuses it at prepare (tests/sglang). A representative's false report is refused here."""
     specs = [TensorSpec("a", (8, 4), "float32"), TensorSpec("b", (6,), "float16")]
     cluster = [("n0", 2), ("n1", 2), ("n2", 2), ("n3", 1)]
     engines = reporting(simulated_engines(specs, cluster, "direct"))
@@ -164,9 +166,19 @@ def test_identical_engines_are_read_once_and_a_copied_report_is_refused(
     plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
     assert sorted(read) == ["_engine_layout"] * 2 + ["_engine_parts"] * 2
     assert_direct_shards_land(plan, engines, specs, seed=7)
+    for url, workers in engines.items():
+        bodies = plan.engine_workers(url)
+        assert {w["worker_id"]: w[PLACEMENT_DIGEST] for w in workers} == {
+            worker: body["placement_digest"] for worker, body in bodies.items()
+        }
     copied = engines["http://engine1"][0]
     copied["shards"][0]["region_offset"] = 4  # no longer what engine0's rank 0 describes
-    with pytest.raises(InvariantViolation, match="e1/tp0 reports the placement digest of e0/tp0"):
+    plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+    named = plan.engine_workers("http://engine1")["e1/tp0"]["placement_digest"]
+    assert named == copied[PLACEMENT_DIGEST] != placement_digest(copied)
+    false = engines["http://engine0"][0]
+    false["shards"][0]["region_offset"] = 4
+    with pytest.raises(InvariantViolation, match="worker e0/tp0 reported placement digest"):
         plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
 
 
@@ -329,11 +341,11 @@ def test_engines_splitting_one_tensor_along_different_dims() -> None:
     assert plan.store_read_bytes == plan.unique_demand_bytes == specs[0].nbytes
 
 
-def test_a_hit_reads_no_boxes_and_a_miss_reads_every_engines() -> None:
+def test_a_hit_reads_no_boxes_and_a_miss_reads_each_distinct_placement() -> None:
     """Engines described without boxes (``GET /mooncake/placement?boxes=false``) are planned
-    from the cache when it holds the table and the layouts (a hit trusts the reports: each
-    worker checks its slice's regions at prepare, tests/sglang); a miss reads every
-    engine's boxes through ``describe`` and checks them against the reports first."""
+    from the cache when it holds the table and the layouts (each worker checks at prepare
+    that its slice names its own placement, tests/sglang); a miss reads each distinct
+    placement's boxes through ``describe`` and checks its reports against them first."""
     specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
     engines = reporting(simulated_engines(specs, [("n0", 2), ("n1", 2), ("n2", 1)], "direct"))
     bare = {url: [without_boxes(w) for w in ws] for url, ws in engines.items()}
@@ -344,12 +356,13 @@ def test_a_hit_reads_no_boxes_and_a_miss_reads_every_engines() -> None:
         asked.append(list(urls))
         return {url: engines[url] for url in urls}
 
-    assert cache.boxes_wanted(gen[0], bare, "direct", 64) == list(engines)
+    distinct = ["http://engine0", "http://engine2"]  # engine1 is engine0's placement
+    assert cache.boxes_wanted(gen[0], bare, "direct", 64) == distinct
     assert cache.boxes_wanted(gen[0], bare, "compat", 64) == []
     with pytest.raises(InvariantViolation, match="http://engine0 was described without its boxes"):
         plan_update(gen[0], bare, "direct", 64, cache)
     first = plan_update(gen[0], bare, "direct", 64, cache, describe=describe)
-    assert asked == [list(engines)]  # one read of every engine's boxes
+    assert asked == [distinct]  # one read of each distinct placement's boxes
     assert_direct_shards_land(first, engines, specs, seed=6)
     assert cache.boxes_wanted(gen[1], bare, "direct", 64) == []
     hit = plan_update(gen[1], bare, "direct", 64, cache)  # no describe: reads no box
@@ -361,7 +374,7 @@ def test_a_hit_reads_no_boxes_and_a_miss_reads_every_engines() -> None:
     assert again.routing is not first.routing and again.routing.table is first.routing.table
     assert again.routing.regions == first.routing.regions
     assert again.routing.region_dtypes == first.routing.region_dtypes
-    assert cache.boxes_wanted(gen[1], bare, "direct", 128) == list(engines)  # another table
+    assert cache.boxes_wanted(gen[1], bare, "direct", 128) == distinct  # another table
 
     # A describe reply whose boxes are another placement than the reports named is refused.
     changed = {url: [dict(w) for w in ws] for url, ws in engines.items()}

@@ -474,9 +474,10 @@ def test_prepare_refuses_what_the_store_contradicts(world: World) -> None:
 
 
 def test_a_slice_planned_for_another_placement_is_refused(world: World) -> None:
-    """A coordinator that holds a plan trusts the workers' reports and reads no boxes; a
-    worker whose regions are not the ones its slice was planned for refuses it by name
-    before anything is staged."""
+    """A coordinator reads one engine per distinct placement and trusts the others' reports
+    (and every report on a hit); each slice names the digest it was planned for, and a
+    worker whose own placement hashes otherwise refuses it by name before anything is
+    staged. Without that name (an older coordinator) the regions' sizes are still checked."""
     placement = httpx.get(f"{world.url}/mooncake/placement", timeout=30).json()["workers"]
     other = copy.deepcopy(placement)
     grown = [next(iter(w["regions"])) for w in other]
@@ -484,11 +485,23 @@ def test_a_slice_planned_for_another_placement_is_refused(world: World) -> None:
         worker["regions"][region]["bytes"] += 64
         worker[PLACEMENT_DIGEST] = placement_digest(worker)
     body = prepare_body(world, mode="direct", placement=other)
-    replies = world.call("prepare", wire(PrepareRequest, body))
-    assert refusals(replies) == [{"status": 409, "code": "placement_mismatch"}] * 2, replies
-    for reply, worker, region in zip(replies, placement, grown, strict=True):
-        size = worker["regions"][region]["bytes"]
-        assert f"region {region} is {size} bytes, slice says {size + 64}" in reply["error"]
+    unnamed = copy.deepcopy(body)
+    for routing in unnamed["workers"].values():
+        del routing["placement_digest"]
+    for case, said in (
+        (body, [f"planned for placement digest {w[PLACEMENT_DIGEST]}" for w in other]),
+        (
+            unnamed,
+            [
+                f"region {r} is {w['regions'][r]['bytes']} bytes, slice says "
+                f"{w['regions'][r]['bytes'] + 64}"
+                for w, r in zip(placement, grown, strict=True)
+            ],
+        ),
+    ):
+        replies = world.call("prepare", wire(PrepareRequest, case))
+        assert refusals(replies) == [{"status": 409, "code": "placement_mismatch"}] * 2, replies
+        assert all(text in r["error"] for r, text in zip(replies, said, strict=True)), replies
     adverts = [advert_key(body["session"], w) for w in body["workers"]]
     assert world.store.exists(adverts) == [False, False]
     assert world.status()["state"] == "serving"
