@@ -2,8 +2,9 @@
 
 Two modes. *Compat*: every worker receives every full tensor into one receive buffer (region
 ``compat``) laid out by :func:`compat_layout`, then feeds the engine's own ``load_weights``.
-*Direct*: every worker declares its exact shards as a ``WeightPlacementPart`` and receives
-only the bytes that land in its parameters; where each placement fragment lands is given by
+*Direct*: every worker declares its exact shards as a ``WeightPlacementPart`` (or, for a
+placement read off an engine's description, a :class:`BoxPart`) and receives only the bytes
+that land in its parameters; where each placement fragment lands is given by
 :class:`Destinations` (default: one region per placement fragment, named by its id).
 
 Demands are declared once per registration and reused every generation, so their digests
@@ -18,9 +19,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
-from mooncake.reshard.weight import WeightPlacementPart
+from mooncake.reshard.geometry import boxes_overlap
+from mooncake.reshard.weight import ParallelRank, TensorDescriptor, WeightPlacementPart
+from mooncake.reshard.weight.types import validate_fragment_geometry
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.layout import TENSOR_AXES, TENSOR_FIELDS, is_digest
@@ -129,6 +133,94 @@ class Destinations:
         return hashlib.sha256(repr((self.regions, self.fragments)).encode()).hexdigest()
 
 
+class Box(NamedTuple):
+    """One placed box with the fields of a ``PlacementFragment`` the planner reads."""
+
+    placement_fragment_id: str
+    tensor_id: str
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    nbytes: int
+    pipeline_stage_id: int | None = None
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class BoxPart:
+    """A rank's placement read off an engine's description, checked box by box with
+    mooncake.reshard's own geometry rules, without a contract object per box.
+
+    Why: a 1T MoE's TP8 engine describes about a million boxes, and a ``PlacementFragment``
+    per box, validated again inside a ``WeightPlacementPart``, cost 20-40 s per distinct
+    engine. The contract planner still sees real contract objects: ``plan.reshard`` builds
+    them for one representative tensor of each distinct geometry. Fields and order match a
+    ``WeightPlacementPart``'s (tensors and fragments sorted by id), so both digest alike.
+    """
+
+    rank: ParallelRank
+    tensors: tuple[TensorDescriptor, ...]
+    fragments: tuple[Box, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, ParallelRank):
+            raise InvariantViolation("a placement part's rank must be a ParallelRank")
+        tensors = {t.tensor_id: t for t in self.tensors}
+        if len(tensors) != len(self.tensors):
+            raise InvariantViolation("a placement part declares one tensor twice")
+        fragments = tuple(sorted(self.fragments))  # by placement fragment id first
+        if len({f.placement_fragment_id for f in fragments}) != len(fragments):
+            raise InvariantViolation(f"placement part {self.rank} declares one box id twice")
+        boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        for box in fragments:
+            tensor = tensors.get(box.tensor_id)
+            if tensor is None:
+                raise InvariantViolation(
+                    f"box {box.placement_fragment_id} names tensor {box.tensor_id!r}, which "
+                    "the placement part does not declare"
+                )
+            _require_box(box, tensor)
+            boxes.setdefault(box.tensor_id, []).append((box.global_offset, box.local_shape))
+        if len(boxes) != len(tensors):
+            unused = sorted(tensors.keys() - boxes.keys())[0]
+            raise InvariantViolation(f"placement part declares tensor {unused} without a box")
+        for tensor_id, held in boxes.items():
+            if len(held) > 1 and boxes_overlap(tuple(held)):
+                raise InvariantViolation(
+                    f"boxes of {tensor_id} overlap on rank {self.rank}; each byte of a "
+                    "tensor lands once per rank"
+                )
+        object.__setattr__(self, "tensors", tuple(sorted(self.tensors, key=_TENSOR_ID)))
+        object.__setattr__(self, "fragments", fragments)
+
+
+def _require_box(box: Box, tensor: TensorDescriptor) -> None:
+    """mooncake.reshard's fragment geometry rule, after the types it assumes."""
+    offset, shape = box.global_offset, box.local_shape
+    if (
+        type(offset) is not tuple
+        or type(shape) is not tuple
+        or type(box.nbytes) is not int
+        or not all(type(v) is int and v >= 0 for v in offset)
+        or not all(type(v) is int and v >= 1 for v in shape)
+    ):
+        raise InvariantViolation(
+            f"box {box.placement_fragment_id}: offsets must be integers >= 0 and extents "
+            f"integers >= 1, got {offset!r} and {shape!r}"
+        )
+    try:
+        validate_fragment_geometry(
+            tensor,
+            fragment_id=box.placement_fragment_id,
+            global_offset=offset,
+            local_shape=shape,
+            nbytes=box.nbytes,
+        )
+    except ValueError as error:
+        raise InvariantViolation(f"{error} (tensor {box.tensor_id})") from error
+
+
+_TENSOR_ID = attrgetter("tensor_id")
+
 # Tensor descriptors are digested with the same field lists as the source layout.
 _PART_TENSOR, _PART_AXES = TENSOR_FIELDS, TENSOR_AXES
 _PART_FRAGMENT = attrgetter(
@@ -142,7 +234,7 @@ _PART_FRAGMENT = attrgetter(
 )
 
 
-def part_digest(part: WeightPlacementPart) -> str:
+def part_digest(part: WeightPlacementPart | BoxPart) -> str:
     """Digest of a part's rank, tensors and fragments; not its generation or participant id.
 
     Plain fields go through marshal format 2 (a pure function of content); parallel axes
@@ -188,7 +280,7 @@ class DirectDemand:
     it is then the cache key's demand digest, and nothing is hashed here.
     """
 
-    parts: tuple[tuple[str, WeightPlacementPart], ...]
+    parts: tuple[tuple[str, WeightPlacementPart | BoxPart], ...]
     destinations: tuple[tuple[str, Destinations], ...] = ()
     declared: str | None = None
 
@@ -202,8 +294,10 @@ class DirectDemand:
         if len({w for w, _ in destinations}) != len(destinations):
             raise InvariantViolation("a worker declares two destination maps")
         for worker, part in parts:
-            if not isinstance(part, WeightPlacementPart):
-                raise InvariantViolation(f"worker {worker}: part is not a WeightPlacementPart")
+            if not isinstance(part, WeightPlacementPart | BoxPart):
+                raise InvariantViolation(
+                    f"worker {worker}: part is neither a WeightPlacementPart nor a BoxPart"
+                )
         known = {w for w, _ in parts}
         for worker, dest in destinations:
             if worker not in known:
@@ -216,7 +310,7 @@ class DirectDemand:
     @classmethod
     def of(
         cls,
-        parts: Mapping[str, WeightPlacementPart],
+        parts: Mapping[str, WeightPlacementPart | BoxPart],
         destinations: Mapping[str, Destinations] | None = None,
         declared: str | None = None,
     ) -> DirectDemand:

@@ -22,12 +22,10 @@ import numpy as np
 from mooncake.reshard.weight import (
     OwnershipAxis,
     ParallelRank,
-    PlacementFragment,
     ReplicatedAxis,
     SplitAxis,
     TensorDescriptor,
     WeightManifest,
-    WeightPlacementPart,
 )
 
 from mooncake_rl.apply.executor import Batch
@@ -40,6 +38,8 @@ from mooncake_rl.plan.cache import Lru, PlanCache, PlanKey
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
     FALLBACK_REGION,
+    Box,
+    BoxPart,
     CompatDemand,
     Destinations,
     DirectDemand,
@@ -630,7 +630,7 @@ class WorkerLayout:
 class WorkerDemand:
     """One worker's direct-mode demand as the planner declares it."""
 
-    part: WeightPlacementPart
+    part: BoxPart
     destinations: Destinations
 
 
@@ -811,39 +811,19 @@ def _engine_parts(
     out = {}
     for worker_id, layout in layouts.items():
         rank = ParallelRank(tp=layout.tp_rank)
-        fragments, destination = [], {}
+        boxes, destination = [], {}
         for shard in layout.shards:
-            descriptor = source[shard["tensor"]]
+            tensor = shard["tensor"]
             offset, shape = tuple(shard["global_offset"]), tuple(shard["local_shape"])
-            fragment = PlacementFragment(
-                tensor_id=shard["tensor"],
-                global_offset=offset,
-                local_shape=shape,
-                nbytes=math.prod(shape) * descriptor.itemsize,
-                rank=rank,
-                placement_fragment_id=_fragment_id(rank.tp, shard["tensor"], offset, shape),
+            box_id = _fragment_id(rank.tp, tensor, offset, shape)
+            if box_id in destination:
+                raise InvariantViolation(f"{worker_id} declares the same box of {tensor} twice")
+            boxes.append(
+                Box(box_id, tensor, offset, shape, math.prod(shape) * source[tensor].itemsize)
             )
-            if fragment.placement_fragment_id in destination:
-                raise InvariantViolation(
-                    f"{worker_id} declares the same box of {shard['tensor']} twice"
-                )
-            fragments.append(fragment)
-            destination[fragment.placement_fragment_id] = (
-                shard["region"],
-                int(shard["region_offset"]),
-            )
-        names = dict.fromkeys(f.tensor_id for f in fragments)
-        part = WeightPlacementPart(
-            resource_id=manifest.resource_id,
-            revision=manifest.revision,
-            weight_generation=manifest.weight_generation,
-            placement_set_id="mooncake-rl",
-            topology_id=f"mooncake-rl/tp{tp_size}",
-            participant_id=f"tp{rank.tp}",
-            rank=rank,
-            tensors=tuple(descriptors[n] for n in names),
-            fragments=tuple(fragments),
-        )
+            destination[box_id] = (shard["region"], int(shard["region_offset"]))
+        names = dict.fromkeys(box.tensor_id for box in boxes)
+        part = BoxPart(rank, tuple(descriptors[n] for n in names), tuple(boxes))
         out[worker_id] = WorkerDemand(part, Destinations.of(layout.regions, destination))
     return out
 

@@ -15,6 +15,8 @@ from mooncake_rl.plan import (
     Worker,
     plan_routing,
 )
+from mooncake_rl.plan.demand import Box, BoxPart, part_digest
+from mooncake_rl.plan.stored import encode_table
 
 from .helpers import Spec, manifest, parts
 
@@ -77,3 +79,51 @@ def test_params_validate():
         PlanParams(batch_bytes=0)
     with pytest.raises(InvariantViolation, match="balance_slack"):
         PlanParams(balance_slack=0.0)
+
+
+def _as_boxes(part) -> BoxPart:
+    return BoxPart(
+        part.rank,
+        part.tensors,
+        tuple(
+            Box(f.placement_fragment_id, f.tensor_id, f.global_offset, f.local_shape, f.nbytes)
+            for f in part.fragments
+        ),
+    )
+
+
+def test_a_box_part_digests_and_plans_exactly_as_its_contract_part():
+    contract = parts(SPECS, 2, pieces=True)
+    boxed = [_as_boxes(p) for p in reversed(contract)][::-1]  # any box order in
+    assert [part_digest(p) for p in boxed] == [part_digest(p) for p in contract]
+    topology = Topology.of([Worker("w0", "n0", "i", 0), Worker("w1", "n1", "i", 1)])
+    m = manifest(SPECS)
+    tables = [
+        plan_routing(m, topology, DirectDemand.of({"w0": ps[0], "w1": ps[1]}))
+        for ps in (contract, boxed)
+    ]
+    assert encode_table(tables[0]).tobytes() == encode_table(tables[1]).tobytes()
+
+
+def test_a_box_part_refuses_boxes_the_contract_would_refuse():
+    part = _as_boxes(parts(SPECS, 2, pieces=True)[0])
+    a = next(b for b in part.fragments if b.tensor_id == "a")
+
+    def with_box(box: Box) -> BoxPart:
+        return BoxPart(part.rank, part.tensors, (*part.fragments, box))
+
+    cases = {
+        "out of bounds": a._replace(placement_fragment_id="x", global_offset=(7, 0)),
+        "byte size mismatch": a._replace(placement_fragment_id="x", nbytes=a.nbytes + 1),
+        "boxes of a overlap": a._replace(placement_fragment_id="x"),
+        "one box id twice": a._replace(global_offset=(4, 0)),
+        "does not declare": a._replace(placement_fragment_id="x", tensor_id="zzz"),
+        "integers >= 0": a._replace(placement_fragment_id="x", global_offset=(-1, 0)),
+        "integers >= 1": a._replace(placement_fragment_id="x", local_shape=(1.0, 4)),
+        "rank mismatch": a._replace(placement_fragment_id="x", global_offset=(0,)),
+    }
+    for message, box in cases.items():
+        with pytest.raises(InvariantViolation, match=message):
+            with_box(box)
+    with pytest.raises(InvariantViolation, match="tensor b without a box"):
+        BoxPart(part.rank, part.tensors, tuple(b for b in part.fragments if b.tensor_id != "b"))
