@@ -6,7 +6,7 @@ import gc
 import hashlib
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import numpy as np
 from mooncake.reshard.weight import WeightManifest
@@ -135,6 +135,12 @@ class _PlanningMode:
 
 
 _PLANNING = _PlanningMode()
+
+
+def planning_mode() -> AbstractContextManager[None]:
+    """Hold :class:`_PlanningMode` around other work that builds a plan's inputs by the
+    million (``plan.update`` reading a 1T MoE's boxes); holds nest and may overlap."""
+    return _PLANNING.held()
 
 
 def build_routing_table(

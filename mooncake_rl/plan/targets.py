@@ -242,7 +242,10 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
 
 def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> DemandSet:
     """Expand group runs over instances and resolve (worker, fragment) -> (region, base)."""
-    names = [STAGING_REGION, *fkeys]  # default region of fragment key f is 1 + f
+    # The default region of fragment key f is 1 + f. When every worker has destinations no
+    # default is used, so none is named (a 1T MoE's TP8 engine has a million fragments).
+    everyone = len(destinations) == len(topology.workers)
+    names = [STAGING_REGION] if everyone else [STAGING_REGION, *fkeys]
     region_ids = dict(zip(names, range(len(names)), strict=True)) if destinations else {}
     nbytes = np.array(fkey_nbytes, I64)
     by_dest: dict[int, tuple[Destinations, np.ndarray, np.ndarray]] = {}

@@ -15,7 +15,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from operator import itemgetter, methodcaller
+from operator import itemgetter, methodcaller, mul
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,7 @@ from mooncake_rl.plan.demand import (
     declared_digest,
 )
 from mooncake_rl.plan.params import PlanParams
-from mooncake_rl.plan.planner import plan_key
+from mooncake_rl.plan.planner import plan_key, planning_mode
 from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.stored import StoredTables
 from mooncake_rl.plan.table import RoutingTable, bind
@@ -405,14 +405,16 @@ def plan_routing(
         return kept
     demand: CompatDemand | DirectDemand = CompatDemand()
     if known is not None:
-        layouts = _direct_layouts(manifest, known, cache, _Boxes(engines, describe), table is None)
-        for engine_layouts in layouts.values():
-            for worker_id, layout in engine_layouts.items():
-                regions[worker_id] = dict(layout.regions)
-                region_dtypes[worker_id] = layout.region_dtypes
-                fallback[worker_id] = layout.fallback
-        if table is None:  # only a miss builds the planner's demand (a 1T MoE: ~1M fragments)
-            demand = _direct_demand(manifest, known, cache.parts, layouts)
+        with planning_mode():  # reading boxes makes millions of short-lived objects
+            boxes = _Boxes(engines, describe)
+            layouts = _direct_layouts(manifest, known, cache, boxes, table is None)
+            for engine_layouts in layouts.values():
+                for worker_id, layout in engine_layouts.items():
+                    regions[worker_id] = dict(layout.regions)
+                    region_dtypes[worker_id] = layout.region_dtypes
+                    fallback[worker_id] = layout.fallback
+            if table is None:  # only a miss builds the planner's demand (1T MoE: ~1M boxes)
+                demand = _direct_demand(manifest, known, cache.parts, layouts)
     if table is None:
         table = plan_table(
             manifest,
@@ -740,6 +742,8 @@ def _engine_layout(
 
 
 _TENSOR, _REGION = itemgetter("tensor"), itemgetter("region")
+_GLOBAL_OFFSET, _LOCAL_SHAPE = itemgetter("global_offset"), itemgetter("local_shape")
+_REGION_OFFSET = itemgetter("region_offset")
 _GLOBAL_SHAPE = methodcaller("get", "global_shape")
 
 
@@ -808,22 +812,23 @@ def _engine_parts(
     descriptors = {
         name: _target_descriptor(source[name], shards, tp_size) for name, shards in holders.items()
     }
+    itemsize = {name: t.itemsize for name, t in source.items()}
     out = {}
     for worker_id, layout in layouts.items():
         rank = ParallelRank(tp=layout.tp_rank)
-        boxes, destination = [], {}
-        for shard in layout.shards:
-            tensor = shard["tensor"]
-            offset, shape = tuple(shard["global_offset"]), tuple(shard["local_shape"])
-            box_id = _fragment_id(rank.tp, tensor, offset, shape)
-            if box_id in destination:
-                raise InvariantViolation(f"{worker_id} declares the same box of {tensor} twice")
-            boxes.append(
-                Box(box_id, tensor, offset, shape, math.prod(shape) * source[tensor].itemsize)
-            )
-            destination[box_id] = (shard["region"], int(shard["region_offset"]))
-        names = dict.fromkeys(box.tensor_id for box in boxes)
-        part = BoxPart(rank, tuple(descriptors[n] for n in names), tuple(boxes))
+        # A box's id spells out its rank, tensor and box (planned groups share the ids of
+        # equal boxes); mooncake.reshard's canonical id, a SHA-256 of the box's JSON, costs
+        # more than the rest of it. Column passes: a 1T MoE's TP8 engine has a million boxes.
+        shards = layout.shards
+        tensors = list(map(_TENSOR, shards))
+        shapes = list(map(tuple, map(_LOCAL_SHAPE, shards)))
+        offsets = list(map(tuple, map(_GLOBAL_OFFSET, shards)))
+        ids = list(map(f"tp{rank.tp}/{{}}@{{}}+{{}}".format, tensors, offsets, shapes))
+        nbytes = map(mul, map(math.prod, shapes), map(itemsize.__getitem__, tensors))
+        boxes = Box.columns(ids, tensors, offsets, shapes, nbytes)
+        bases = zip(map(_REGION, shards), map(int, map(_REGION_OFFSET, shards)), strict=True)
+        destination = dict(zip(ids, bases, strict=True))
+        part = BoxPart(rank, tuple(map(descriptors.__getitem__, dict.fromkeys(tensors))), boxes)
         out[worker_id] = WorkerDemand(part, Destinations.of(layout.regions, destination))
     return out
 
@@ -832,13 +837,6 @@ def _parts_by_rank(
     manifest: WeightManifest, layouts: Mapping[str, WorkerLayout]
 ) -> dict[int, WorkerDemand]:
     return {layouts[w].tp_rank: d for w, d in _engine_parts(manifest, layouts).items()}
-
-
-def _fragment_id(tp_rank: int, tensor: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> str:
-    """A box's id, unique per rank, tensor and box: the ids only key this plan's
-    destinations, and mooncake.reshard's canonical id (a SHA-256 of the box's JSON) costs
-    more than the rest of the fragment (a 1T MoE's TP8 engine has a million boxes)."""
-    return f"tp{tp_rank}@{','.join(map(str, offset))}+{','.join(map(str, shape))}/{tensor}"
 
 
 def _fallback_rows(

@@ -116,7 +116,7 @@ def test_a_box_part_refuses_boxes_the_contract_would_refuse():
         "out of bounds": a._replace(placement_fragment_id="x", global_offset=(7, 0)),
         "byte size mismatch": a._replace(placement_fragment_id="x", nbytes=a.nbytes + 1),
         "boxes of a overlap": a._replace(placement_fragment_id="x"),
-        "one box id twice": a._replace(global_offset=(4, 0)),
+        "declares box .* twice": a._replace(global_offset=(4, 0)),
         "does not declare": a._replace(placement_fragment_id="x", tensor_id="zzz"),
         "integers >= 0": a._replace(placement_fragment_id="x", global_offset=(-1, 0)),
         "integers >= 1": a._replace(placement_fragment_id="x", local_shape=(1.0, 4)),

@@ -8,7 +8,11 @@ import gc
 import numpy as np
 import pytest
 
+from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.plan import update
 from mooncake_rl.plan.planner import _PlanningMode
+from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.protocol import reported_placement
 
 switch = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
 
@@ -51,3 +55,25 @@ def test_a_failed_plan_restores_the_settings() -> None:
     with pytest.raises(RuntimeError), mode.held():
         raise RuntimeError("a plan that failed")
     assert gc.isenabled()
+
+
+def test_reading_boxes_on_a_miss_holds_the_mode_and_gives_it_back(monkeypatch) -> None:
+    """plan.update builds a 1T MoE's parts from a million boxes: with the collector paused
+    (it would rescan the caller's heap), and running again once the plan is made."""
+    specs = [TensorSpec("w", (8, 4), "bfloat16"), TensorSpec("b", (4,), "bfloat16")]
+    engines = {
+        url: [reported_placement(w) for w in workers]
+        for url, workers in simulated_engines(specs, [("n0", 2), ("n1", 2)], "direct").items()
+    }
+    seen: list[bool] = []
+    build = update._engine_parts
+
+    def spied(*args):
+        seen.append(gc.isenabled())
+        return build(*args)
+
+    monkeypatch.setattr(update, "_engine_parts", spied)
+    assert gc.isenabled()
+    plan = update.plan_routing(build_manifest("m", 1, specs, "now"), engines, "direct", 64)
+    assert seen == [False] and gc.isenabled()
+    assert plan.unique_demand_bytes == 8 * 4 * 2 + 4 * 2
