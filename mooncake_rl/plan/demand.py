@@ -185,6 +185,8 @@ class BoxPart:
     def __post_init__(self) -> None:
         if not isinstance(self.rank, ParallelRank):
             raise InvariantViolation("a placement part's rank must be a ParallelRank")
+        if set(map(type, self.tensors)) - {TensorDescriptor}:
+            raise InvariantViolation("a placement part's tensors must be TensorDescriptors")
         tensors = {t.tensor_id: t for t in self.tensors}
         if len(tensors) != len(self.tensors):
             raise InvariantViolation("a placement part declares one tensor twice")

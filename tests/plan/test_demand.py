@@ -125,5 +125,9 @@ def test_a_box_part_refuses_boxes_the_contract_would_refuse():
     for message, box in cases.items():
         with pytest.raises(InvariantViolation, match=message):
             with_box(box)
+    with pytest.raises(InvariantViolation, match="must be TensorDescriptors"):
+        BoxPart(part.rank, (*part.tensors, "c"), part.fragments)
+    with pytest.raises(InvariantViolation, match="must be Boxes"):
+        BoxPart(part.rank, part.tensors, (*part.fragments, tuple(a)))
     with pytest.raises(InvariantViolation, match="tensor b without a box"):
         BoxPart(part.rank, part.tensors, tuple(b for b in part.fragments if b.tensor_id != "b"))
