@@ -160,7 +160,7 @@ class Box(NamedTuple):
         return list(map(tuple.__new__, repeat(cls), rows))
 
 
-_BOX_ID, _BOX_TENSOR = attrgetter("placement_fragment_id"), attrgetter("tensor_id")
+_BOX_ID, _TENSOR_ID = attrgetter("placement_fragment_id"), attrgetter("tensor_id")
 _BOX_OFFSET, _BOX_SHAPE = attrgetter("global_offset"), attrgetter("local_shape")
 _BOX_NBYTES = attrgetter("nbytes")
 
@@ -199,7 +199,7 @@ class BoxPart:
             twice = next(i for i, n in Counter(ids).items() if n > 1)
             raise InvariantViolation(f"placement part {self.rank} declares box {twice} twice")
         fragments = tuple(sorted(self.fragments, key=_BOX_ID))
-        named = Counter(map(_BOX_TENSOR, fragments))
+        named = Counter(map(_TENSOR_ID, fragments))
         if named.keys() - tensors.keys():
             box = next(b for b in fragments if b.tensor_id not in tensors)
             raise InvariantViolation(
@@ -217,7 +217,7 @@ class BoxPart:
         ):
             for box in fragments:  # raises at the first box of another type, naming it
                 _require_box(box, tensors[box.tensor_id])
-        held = map(tensors.__getitem__, map(_BOX_TENSOR, fragments))
+        held = map(tensors.__getitem__, map(_TENSOR_ID, fragments))
         geometry = zip(
             map(attrgetter("global_shape", "itemsize"), held),
             offsets,
@@ -266,8 +266,6 @@ def _require_box(box: Box, tensor: TensorDescriptor) -> None:
     except ValueError as error:
         raise InvariantViolation(f"{error} (tensor {box.tensor_id})") from error
 
-
-_TENSOR_ID = attrgetter("tensor_id")
 
 # Tensor descriptors are digested with the same field lists as the source layout.
 _PART_TENSOR, _PART_AXES = TENSOR_FIELDS, TENSOR_AXES
