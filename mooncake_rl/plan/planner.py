@@ -76,11 +76,11 @@ def plan_routing(
         cached = cache.get(key)
         if cached is not None:
             return cached
-    if layout_digest is not None and source_digest(manifest) != layout_digest:
-        raise InvariantViolation(
-            f"the recorded layout digest of {manifest.group_id} does not match its manifest"
-        )
-    with _PLANNING.held():
+    with _PLANNING.held():  # the digest too: its tuples rescan a large caller's heap
+        if layout_digest is not None and source_digest(manifest) != layout_digest:
+            raise InvariantViolation(
+                f"the recorded layout digest of {manifest.group_id} does not match its manifest"
+            )
         table = build_routing_table(manifest, topology, demand, params, key, segments=segments)
         validate_routing_table(table)
     if cache is not None:

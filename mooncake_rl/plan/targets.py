@@ -9,8 +9,8 @@ consumers of a group's piece are the workers holding its slot in every instance.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise, repeat
-from operator import attrgetter
+from itertools import filterfalse, pairwise, repeat
+from operator import attrgetter, is_, itemgetter
 
 import numpy as np
 from mooncake.reshard.weight import ParallelRank, WeightManifest
@@ -172,6 +172,7 @@ _PLACED = attrgetter(
 
 
 _TENSOR_ID = attrgetter("tensor_id")
+_NAME, _SIZE = itemgetter(0), itemgetter(1)  # of a destination's (region, size) pairs
 
 
 def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> TargetGroup:
@@ -184,10 +185,13 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
     slot_of: list[int] = []
     for slot, (_, tensors, part_fragments) in enumerate(signature):
         mine = dict(zip(map(_TENSOR_ID, tensors), tensors, strict=True))
-        for tensor_id in mine.keys() & descriptors.keys():
-            first, other = descriptors[tensor_id], mine[tensor_id]
-            if first is not other and first != other:
-                raise InvariantViolation(f"placement tensor descriptor mismatch: {tensor_id}")
+        shared = list(mine.keys() & descriptors.keys())
+        firsts = list(map(descriptors.__getitem__, shared))
+        others = list(map(mine.__getitem__, shared))
+        if not all(map(is_, firsts, others)):  # ranks share descriptor objects, or equal ones
+            for tensor_id, first, other in zip(shared, firsts, others, strict=True):
+                if first != other:
+                    raise InvariantViolation(f"placement tensor descriptor mismatch: {tensor_id}")
         descriptors.update(mine)
         rows.extend(map(_PLACED, part_fragments))
         slot_of.extend([slot] * len(part_fragments))
@@ -252,7 +256,7 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
     for dest in destinations.values():
         if id(dest) in by_dest:
             continue
-        fresh = [name for name, _ in dest.regions if name not in region_ids]
+        fresh = list(filterfalse(region_ids.__contains__, map(_NAME, dest.regions)))
         region_ids.update(zip(fresh, range(len(names), len(names) + len(fresh)), strict=True))
         names.extend(fresh)
         by_dest[id(dest)] = (dest, *_resolved(dest, fkeys, nbytes, region_ids))
@@ -308,8 +312,8 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         region_worker, region_key = region_worker[default], region_key[default]
     declared = {  # each distinct destination's (region ids, sizes)
         id(dest): (
-            np.fromiter(map(region_ids.__getitem__, (n for n, _ in dest.regions)), I64),
-            np.fromiter((size for _, size in dest.regions), I64),
+            np.fromiter(map(region_ids.__getitem__, map(_NAME, dest.regions)), I64),
+            np.fromiter(map(_SIZE, dest.regions), I64),
         )
         for dest, _, _ in dest_list
     }

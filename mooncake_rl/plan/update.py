@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from operator import itemgetter, methodcaller, mul
+from functools import cache
+from operator import attrgetter, itemgetter, methodcaller, mul
 from typing import Any
 
 import numpy as np
@@ -404,8 +406,10 @@ def plan_routing(
     if kept is not None and kept.table is table:  # the key determines the whole plan
         return kept
     demand: CompatDemand | DirectDemand = CompatDemand()
-    if known is not None:
-        with planning_mode():  # reading boxes makes millions of short-lived objects
+    # One hold from the boxes to the table: each hold's end costs a pass of the collector
+    # over what it made (about 0.4 s for a 1T MoE's placement).
+    with planning_mode():
+        if known is not None:
             boxes = _Boxes(engines, describe)
             layouts = _direct_layouts(manifest, known, cache, boxes, table is None)
             for engine_layouts in layouts.values():
@@ -415,17 +419,17 @@ def plan_routing(
                     fallback[worker_id] = layout.fallback
             if table is None:  # only a miss builds the planner's demand (1T MoE: ~1M boxes)
                 demand = _direct_demand(manifest, known, cache.parts, layouts)
-    if table is None:
-        table = plan_table(
-            manifest,
-            topology,
-            demand,
-            params=params,
-            layout_digest=layout_digest,
-            segments=segments,
-        )
-        cache.tables.put(key, table)
-    _merge_planned_regions(table, regions)
+        if table is None:
+            table = plan_table(
+                manifest,
+                topology,
+                demand,
+                params=params,
+                layout_digest=layout_digest,
+                segments=segments,
+            )
+            cache.tables.put(key, table)
+        _merge_planned_regions(table, regions)
     totals = table.totals
     plan = RoutingPlan(
         mode,
@@ -805,13 +809,15 @@ def _engine_parts(
     """One engine's TP ranks as placement parts, and where each fragment lands."""
     source = {t.tensor_id: t for t in manifest.tensors}
     tp_size = next(iter(layouts.values())).tp_size
-    holders: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
-    for layout in layouts.values():
-        for shard in layout.shards:
-            holders.setdefault(shard["tensor"], []).append((layout.tp_rank, shard))
-    descriptors = {
-        name: _target_descriptor(source[name], shards, tp_size) for name, shards in holders.items()
+    columns = {
+        worker_id: (
+            list(map(_TENSOR, layout.shards)),
+            list(map(tuple, map(_GLOBAL_OFFSET, layout.shards))),
+            list(map(tuple, map(_LOCAL_SHAPE, layout.shards))),
+        )
+        for worker_id, layout in layouts.items()
     }
+    descriptors = _target_descriptors(source, columns.values(), tp_size)
     itemsize = {name: t.itemsize for name, t in source.items()}
     out = {}
     for worker_id, layout in layouts.items():
@@ -820,9 +826,7 @@ def _engine_parts(
         # equal boxes); mooncake.reshard's canonical id, a SHA-256 of the box's JSON, costs
         # more than the rest of it. Column passes: a 1T MoE's TP8 engine has a million boxes.
         shards = layout.shards
-        tensors = list(map(_TENSOR, shards))
-        shapes = list(map(tuple, map(_LOCAL_SHAPE, shards)))
-        offsets = list(map(tuple, map(_GLOBAL_OFFSET, shards)))
+        tensors, offsets, shapes = columns[worker_id]
         ids = list(map(f"tp{rank.tp}/{{}}@{{}}+{{}}".format, tensors, offsets, shapes))
         nbytes = map(mul, map(math.prod, shapes), map(itemsize.__getitem__, tensors))
         boxes = Box.columns(ids, tensors, offsets, shapes, nbytes)
@@ -861,39 +865,80 @@ def _fallback_rows(
     return tuple(rows)
 
 
-def _target_descriptor(
-    descriptor: TensorDescriptor, shards: Sequence[tuple[int, Mapping[str, Any]]], tp_size: int
-) -> TensorDescriptor:
-    """The tensor as the engine places it: split along one dim, replicated, or owned."""
-    split = sorted(
-        {
-            d
-            for _, s in shards
-            for d, (o, n) in enumerate(zip(s["global_offset"], s["local_shape"], strict=True))
-            if o != 0 or n != descriptor.global_shape[d]
-        }
+def _target_descriptors(
+    source: Mapping[str, TensorDescriptor],
+    columns: Iterable[tuple[list[str], list[tuple[int, ...]], list[tuple[int, ...]]]],
+    tp_size: int,
+) -> dict[str, TensorDescriptor]:
+    """Each described tensor as the engine places it: split along one dim, replicated, or
+    owned. ``columns``: each rank's boxes as (tensor, global offset, local shape) columns.
+
+    mooncake.reshard's constructor takes ~20 us a descriptor, 3 s for the 140k tensors of
+    a 1T MoE, to check the manifest's own descriptor (already checked) with a placement
+    that repeats. So it runs once per distinct placement (dims, split dims, axes), and
+    every other tensor takes that checked placement."""
+    split_dims = cache(_split_dims)
+    splits: set[tuple[str, tuple[int, ...]]] = set()
+    holders: Counter[str] = Counter()
+    for tensors, offsets, shapes in columns:
+        whole = map(_GLOBAL_SHAPE_OF, map(source.__getitem__, tensors))
+        splits.update(zip(tensors, map(split_dims, whole, offsets, shapes), strict=True))
+        holders.update(set(tensors))
+    cut: dict[str, tuple[int, ...]] = {}  # the dims some box of the tensor cuts
+    for tensor, dims in splits:
+        if dims and cut.setdefault(tensor, dims) != dims:
+            cut[tensor] = tuple(sorted({*cut[tensor], *dims}))
+    checked: dict[tuple, TensorDescriptor] = {}
+    out = {}
+    for name, ranks in holders.items():
+        descriptor = source[name]
+        split = cut.get(name, ())
+        if len(split) > 1:
+            raise InvariantViolation(f"{name} is split along several dimensions")
+        if split:
+            kind = "split"
+        elif tp_size == 1:
+            kind = "whole"
+        else:  # owned by fewer ranks: e.g. an expert under EP
+            kind = "replicated" if ranks == tp_size else "owned"
+        placement = (len(descriptor.global_shape), split, kind, descriptor.expert_id is None)
+        like = checked.get(placement)
+        if like is None:
+            like = checked[placement] = out[name] = replace(
+                descriptor, shard_dims=split, parallel_axes=_AXES[kind](split)
+            )
+        else:
+            out[name] = _placed_like(descriptor, like)
+    return out
+
+
+_AXES: dict[str, Callable[[tuple[int, ...]], tuple[Any, ...]]] = {
+    "split": lambda split: (SplitAxis("tp", split[0]),),
+    "whole": lambda split: (),
+    "replicated": lambda split: (ReplicatedAxis("tp"),),
+    "owned": lambda split: (OwnershipAxis("tp"),),
+}
+_GLOBAL_SHAPE_OF = attrgetter("global_shape")
+
+
+def _split_dims(
+    global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    return tuple(
+        d
+        for d, (o, n, whole) in enumerate(zip(offset, shape, global_shape, strict=False))
+        if o != 0 or n != whole
     )
-    if len(split) > 1:
-        raise InvariantViolation(f"{descriptor.tensor_id} is split along several dimensions")
-    ranks = {rank for rank, _ in shards}
-    axes: tuple[Any, ...]
-    if split:
-        axes = (SplitAxis("tp", split[0]),)
-    elif tp_size == 1:
-        axes = ()
-    elif len(ranks) == tp_size:
-        axes = (ReplicatedAxis("tp"),)
-    else:
-        axes = (OwnershipAxis("tp"),)  # e.g. an expert owned by one rank under EP
-    return TensorDescriptor(
-        tensor_id=descriptor.tensor_id,
-        global_shape=descriptor.global_shape,
-        dtype=descriptor.dtype,
-        itemsize=descriptor.itemsize,
-        shard_dims=tuple(split),
-        layout_fingerprint=descriptor.layout_fingerprint,
-        parallel_axes=axes,
+
+
+def _placed_like(descriptor: TensorDescriptor, like: TensorDescriptor) -> TensorDescriptor:
+    """``descriptor`` with ``like``'s checked placement (shard dims, axes), built without
+    the constructor: every field it would check is one it already checked."""
+    placed = object.__new__(TensorDescriptor)
+    vars(placed).update(
+        vars(descriptor), shard_dims=like.shard_dims, parallel_axes=like.parallel_axes
     )
+    return placed
 
 
 def plan_update(

@@ -131,3 +131,21 @@ def test_a_box_part_refuses_boxes_the_contract_would_refuse():
         BoxPart(part.rank, part.tensors, (*part.fragments, tuple(a)))
     with pytest.raises(InvariantViolation, match="tensor b without a box"):
         BoxPart(part.rank, part.tensors, tuple(b for b in part.fragments if b.tensor_id != "b"))
+
+
+def test_ranks_of_one_instance_must_describe_a_tensor_alike():
+    """Equal descriptors may be distinct objects; unequal ones are refused by name."""
+    ps = parts(SPECS, 2)
+    topology = Topology.of([Worker("w0", "n", "i", 0), Worker("w1", "n", "i", 1)])
+
+    def with_b(part, **changes):
+        tensors = tuple(replace(t, **changes) if t.tensor_id == "b" else t for t in part.tensors)
+        return replace(part, tensors=tensors)
+
+    equal = DirectDemand.of({"w0": ps[0], "w1": with_b(ps[1])})
+    assert with_b(ps[1]).tensors[1] is not ps[0].tensors[1]
+    table = plan_routing(manifest(SPECS), topology, equal)
+    assert table.totals.unique_demand_bytes == (8 * 4 + 4) * 2  # a and b, bf16
+    other = DirectDemand.of({"w0": ps[0], "w1": with_b(ps[1], layout_fingerprint="other")})
+    with pytest.raises(InvariantViolation, match="placement tensor descriptor mismatch: b"):
+        plan_routing(manifest(SPECS), topology, other)

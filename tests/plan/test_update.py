@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mooncake.reshard.weight import OwnershipAxis, ReplicatedAxis, SplitAxis, TensorDescriptor
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
@@ -322,6 +323,82 @@ def test_experts_owned_by_one_rank_are_read_once_by_their_owner() -> None:
     )
     assert reads == sorted((f"e/tp{i % 2}", f"experts.{i}.w") for i in range(4))
     assert plan.pushed_bytes == 0 and plan.store_read_bytes == 4 * 32
+
+
+def _described_parts(manifest: Any, workers: list[dict]) -> list[Any]:
+    layouts = update_module._engine_layout(manifest, workers)
+    return [d.part for d in update_module._engine_parts(manifest, layouts).values()]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(models(), clusters())
+def test_every_described_tensor_has_the_descriptor_the_library_builds(
+    specs: list[TensorSpec], cluster: list[tuple[str, int]]
+) -> None:
+    """Descriptors after the first of a placement skip mooncake.reshard's constructor:
+    it must accept their fields and give an equal descriptor, split along the dim the
+    engine cuts (``simulated_engines``: the first its TP size divides), else replicated."""
+    manifest = build_manifest("m", 1, specs, "now")
+    for workers in simulated_engines(specs, cluster, "direct").values():
+        tp = workers[0]["tp_size"]
+        for part in _described_parts(manifest, workers):
+            described = {d.tensor_id: d for d in part.tensors}
+            assert len(described) == len(part.tensors) == len(specs)
+            for spec in specs:
+                descriptor = described[spec.name]
+                assert TensorDescriptor(**vars(descriptor)) == descriptor
+                cut = [d for d, n in enumerate(spec.shape) if tp > 1 and n % tp == 0][:1]
+                if cut:
+                    axes: tuple[Any, ...] = (SplitAxis("tp", cut[0]),)
+                else:
+                    axes = (ReplicatedAxis("tp"),) if tp > 1 else ()
+                assert (descriptor.shard_dims, descriptor.parallel_axes) == (tuple(cut), axes)
+
+
+def test_descriptors_say_split_replicated_or_owned_as_the_boxes_do() -> None:
+    specs = [
+        TensorSpec("split", (4, 2), "float32"),
+        TensorSpec("whole", (4, 2), "float32"),
+        *(TensorSpec(f"experts.{i}.w", (4, 2), "float32") for i in range(2)),
+    ]
+    manifest = build_manifest("m", 1, specs, "now")
+    engines = {
+        "http://e": [
+            _worker(
+                r,
+                2,
+                {"split": 16, "whole": 32, f"experts.{r}.w": 32},
+                [
+                    ("split", (2 * r, 0), (2, 2), "split", 0),
+                    ("whole", (0, 0), (4, 2), "whole", 0),
+                    (f"experts.{r}.w", (0, 0), (4, 2), f"experts.{r}.w", 0),
+                ],
+            )
+            for r in range(2)
+        ]
+    }
+    axes = {
+        d.tensor_id: (d.shard_dims, d.parallel_axes)
+        for part in _described_parts(manifest, engines["http://e"])
+        for d in part.tensors
+    }
+    assert axes == {
+        "split": ((0,), (SplitAxis("tp", 0),)),
+        "whole": ((), (ReplicatedAxis("tp"),)),
+        "experts.0.w": ((), (OwnershipAxis("tp"),)),
+        "experts.1.w": ((), (OwnershipAxis("tp"),)),
+    }
+
+
+def test_a_tensor_cut_along_two_dims_is_refused_by_name() -> None:
+    specs = [TensorSpec("t", (4, 4), "float32")]
+    engines = {
+        "http://e": [
+            _worker(r, 2, {"t": 32}, [("t", (2 * r, 2 * r), (2, 2), "t", 0)]) for r in range(2)
+        ]
+    }
+    with pytest.raises(InvariantViolation, match="t is split along several dimensions"):
+        plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
 
 
 def test_engines_splitting_one_tensor_along_different_dims() -> None:
