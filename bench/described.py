@@ -1,14 +1,15 @@
 """Planning from engine descriptions, as the coordinator does; ONE JSON object.
 
-    python -m bench.described --model kimi-k2 --engines 4 [--tp 8 --dtype fp8]
+    python -m bench.described --model kimi-k2 --engines 4 [--tp 8 --dtype fp8 --experts owned]
 
 ``bench.plan`` times the planner core on placement parts built once and shared. A
 coordinator starts one step earlier: every engine worker's ``GET /mooncake/placement``
-reply (``mooncake_rl.plan.synthetic.simulated_engines``: each tensor split along its first
-dimension the TP size divides, one region per tensor, every worker reporting its
-``placement_digest``). ``plan_seconds_cold`` is ``plan.update.plan_routing`` on an empty
-cache: reading the descriptions, checking the reports, building the planner's placement
-parts (mooncake.reshard contract objects, one per box), planning and validating.
+reply (``mooncake_rl.plan.synthetic``: each tensor split along its first dimension the TP
+size divides, or with ``--experts owned`` the placement ``bench.plan`` plans; one region
+per tensor, every worker reporting its ``placement_digest``). ``plan_seconds_cold`` is
+``plan.update.plan_routing`` on an empty cache: reading the descriptions, checking the
+reports, building the planner's placement parts (one descriptor per tensor and a box per
+fragment, checked by mooncake.reshard's rules), planning and validating.
 ``plan_seconds_cached`` is the next generation's call (a hit), and
 ``plan_seconds_cached_without_boxes`` the same hit from replies without boxes
 (``GET /mooncake/placement?boxes=false``, what a coordinator reads first); the
@@ -31,8 +32,8 @@ from collections.abc import Sequence
 
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.layout import layout_digest
-from mooncake_rl.plan.shapes import DTYPES, MODELS, model_shape
-from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.shapes import DTYPES, MODELS, instance_parts, model_shape
+from mooncake_rl.plan.synthetic import described_engines, simulated_engines
 from mooncake_rl.plan.update import RoutingCache, plan_routing
 from mooncake_rl.protocol import reported_placement, without_boxes
 
@@ -45,6 +46,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--engines", type=int, default=4, help="identical engines, one per node")
     parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument(
+        "--experts",
+        choices=("split", "owned"),
+        default="split",
+        help="split: every tensor, experts too, split along the first dim the TP size "
+        "divides (TP without expert parallelism); owned: each expert whole on one rank, "
+        "the rest as plan.shapes places it (expert parallelism over the TP ranks, the "
+        "placement bench.plan plans)",
+    )
     args = parser.parse_args(argv)
     if args.engines < 1 or args.tp < 1:
         parser.error(f"--engines and --tp must be at least 1, got {args.engines} and {args.tp}")
@@ -54,9 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifests = [build_manifest(model.name, g, specs, "1970-01-01T00:00:00Z") for g in (1, 2)]
     digests = [layout_digest(m) for m in manifests]
     t0 = time.perf_counter()
-    described = simulated_engines(
-        specs, [(f"node{i}", args.tp) for i in range(args.engines + 1)], "direct"
-    )
+    nodes = [f"node{i}" for i in range(args.engines + 1)]
+    if args.experts == "owned":
+        described = described_engines(specs, instance_parts(model, args.tp), nodes)
+    else:
+        described = simulated_engines(specs, [(node, args.tp) for node in nodes], "direct")
     grown = {url: [reported_placement(w) for w in ws] for url, ws in described.items()}
     engines = dict(list(grown.items())[: args.engines])
     describe = time.perf_counter() - t0
@@ -90,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dtype": args.dtype,
         "engines": args.engines,
         "tp": args.tp,
+        "experts": args.experts,
         "tensors": len(specs),
         "boxes_per_engine": sum(len(w["shards"]) for w in one_engine),
         "describe_seconds": round(describe, 2),

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from mooncake.reshard.weight import WeightPlacementPart
 
 from mooncake_rl.generations.catalog import TensorSpec
 
@@ -34,35 +35,59 @@ def simulated_engines(
     """Engine URL -> worker descriptions, shaped like ``GET /mooncake/placement`` replies."""
     engines = {}
     for index, (node, tp) in enumerate(cluster):
-        workers = []
-        for rank in range(tp):
-            shards = []
-            if mode == "direct":
-                for spec in specs:
-                    offset, local = tp_box(spec, tp, rank)
-                    shards.append(
-                        {
-                            "tensor": spec.name,
-                            "global_shape": list(spec.shape),
-                            "global_offset": list(offset),
-                            "local_shape": list(local),
-                            "region": spec.name,
-                            "region_offset": 0,
-                            "bytes": math.prod(local) * spec.itemsize,
-                        }
-                    )
-            workers.append(
-                {
-                    "worker_id": f"e{index}/tp{rank}",
-                    "node": node,
-                    "tp_rank": rank,
-                    "tp_size": tp,
-                    "regions": {s["region"]: {"bytes": s.pop("bytes")} for s in shards},
-                    "shards": shards,
-                }
-            )
-        engines[f"http://engine{index}"] = workers
+        ranks = [
+            [(spec, *tp_box(spec, tp, rank)) for spec in specs] if mode == "direct" else []
+            for rank in range(tp)
+        ]
+        engines[f"http://engine{index}"] = _described(index, node, ranks)
     return engines
+
+
+def described_engines(
+    specs: Sequence[TensorSpec], parts: Sequence[WeightPlacementPart], nodes: Sequence[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """One engine per node, each rank placing what ``parts[rank]`` places (e.g.
+    ``plan.shapes.instance_parts``: experts owned whole under EP), as a direct-mode reply."""
+    by_name = {spec.name: spec for spec in specs}
+    ranks = [
+        [(by_name[f.tensor_id], f.global_offset, f.local_shape) for f in part.fragments]
+        for part in parts
+    ]
+    return {f"http://engine{i}": _described(i, node, ranks) for i, node in enumerate(nodes)}
+
+
+def _described(
+    index: int, node: str, ranks: Sequence[Sequence[tuple[TensorSpec, tuple, tuple]]]
+) -> list[dict[str, Any]]:
+    """Engine ``index``'s workers: rank r holds the (tensor, global offset, local shape)
+    boxes of ``ranks[r]``, one region per tensor."""
+    workers = []
+    for rank, boxes in enumerate(ranks):
+        shards = [
+            {
+                "tensor": spec.name,
+                "global_shape": list(spec.shape),
+                "global_offset": list(offset),
+                "local_shape": list(local),
+                "region": spec.name,
+                "region_offset": 0,
+            }
+            for spec, offset, local in boxes
+        ]
+        workers.append(
+            {
+                "worker_id": f"e{index}/tp{rank}",
+                "node": node,
+                "tp_rank": rank,
+                "tp_size": len(ranks),
+                "regions": {
+                    spec.name: {"bytes": math.prod(local) * spec.itemsize}
+                    for spec, _, local in boxes
+                },
+                "shards": shards,
+            }
+        )
+    return workers
 
 
 def shard_bytes(

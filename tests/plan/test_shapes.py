@@ -69,6 +69,18 @@ def test_the_described_bench_plans_from_engine_replies():
     assert result["reads"] > 0 and result["pushes"] > 0
 
 
+def test_engines_describing_owned_experts_plan_what_the_planner_bench_plans():
+    """``--experts owned``: engines describing ``plan.shapes``' placement (each expert whole
+    on one rank) through ``plan.update`` get the table ``bench.plan`` plans from the parts."""
+    described = bench_plan(
+        "--model", "small", "--engines", "3", "--experts", "owned", module="bench.described"
+    )
+    planned = bench_plan("--model", "small", "--target", "3xTP8")
+    assert described["experts"] == "owned"
+    assert described["demands"] == 3 * described["boxes_per_engine"]
+    assert (described["reads"], described["pushes"]) == (planned["reads"], planned["pushes"])
+
+
 def test_the_described_bench_refuses_an_empty_fleet():
     run = subprocess.run(
         [sys.executable, "-m", "bench.described", "--model", "small", "--engines", "0"],
