@@ -401,6 +401,21 @@ def test_a_tensor_cut_along_two_dims_is_refused_by_name() -> None:
         plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
 
 
+@pytest.mark.parametrize(
+    ("offset", "shape"),
+    [((2, 0), (4, 4)), ((0,), (4,)), ((0, 0, 0), (4, 4, 1))],
+    ids=["past-the-end", "fewer-dims", "more-dims"],
+)
+def test_a_box_that_does_not_fit_its_tensor_is_refused_before_planning(
+    offset: tuple[int, ...], shape: tuple[int, ...]
+) -> None:
+    specs = [TensorSpec("t", (4, 4), "float32")]
+    workers = [_worker(0, 1, {"t": 64}, [("t", offset, shape, "t", 0)])]
+    with pytest.raises(InvariantViolation, match=r"\(tensor t\)"):
+        manifest = build_manifest("m", 1, specs, "now")
+        plan_update(manifest, {"http://e": workers}, "direct", 64, RoutingCache())
+
+
 def test_engines_splitting_one_tensor_along_different_dims() -> None:
     """TP2 splits dim 1 (24-byte rows, 48 apart), TP4 splits dim 2 (2-byte rows, 8 apart):
     the object's grid pitch is 8, so the TP2 ranks receive 2-byte columns strided by 8
