@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -33,6 +33,7 @@ from mooncake_rl.generations.layout import TENSOR_AXES, TENSOR_FIELDS, is_digest
 from mooncake_rl.plan.source import SourceLayout
 
 STAGING_REGION = "staging"
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 COMPAT_REGION = "compat"
 # Direct mode's per-parameter fallback: full tensors a worker lands through ``load_weights``.
 FALLBACK_REGION = "fallback"
@@ -101,23 +102,44 @@ class Destinations:
     fragments: tuple[tuple[str, str, int], ...]
 
     def __post_init__(self) -> None:
+        """Column passes first (an engine's worker maps ~140k fragments); a row at a time
+        only to name the first bad one. Types are checked before anything is sorted."""
+        sizes = dict(self.regions)
+        if len(sizes) != len(self.regions):
+            raise InvariantViolation("destinations declare a region twice")
+        names, declared = list(sizes), list(sizes.values())
+        if (
+            set(map(type, names)) - {str}
+            or not all(names)
+            or STAGING_REGION in sizes
+            or set(map(type, declared)) - {int}
+            or min(declared, default=1) <= 0
+        ):
+            for name, size in self.regions:
+                if not isinstance(name, str) or not name or name == STAGING_REGION:
+                    raise InvariantViolation(f"bad destination region name {name!r}")
+                if type(size) is not int or size <= 0:
+                    raise InvariantViolation(f"region {name} needs a positive size, got {size!r}")
+        ids, bases = list(map(_FIRST, self.fragments)), list(map(_THIRD, self.fragments))
+        if set(map(type, ids)) - {str}:
+            bad = next(i for i in ids if type(i) is not str)
+            raise InvariantViolation(f"placement fragment id {bad!r} is not a string")
+        if len(set(ids)) != len(ids):
+            raise InvariantViolation("destinations map a placement fragment twice")
+        if (
+            set(map(_SECOND, self.fragments)) - sizes.keys()
+            or set(map(type, bases)) - {int}
+            or min(bases, default=0) < 0
+        ):
+            for fragment_id, region, base in sorted(self.fragments, key=_FIRST):
+                if region not in sizes:
+                    raise InvariantViolation(
+                        f"fragment {fragment_id} maps to unknown region {region}"
+                    )
+                if type(base) is not int or base < 0:
+                    raise InvariantViolation(f"fragment {fragment_id} has bad base offset {base!r}")
         regions = tuple(sorted(self.regions))
         fragments = tuple(sorted(self.fragments))
-        sizes = dict(regions)
-        if len(sizes) != len(regions):
-            raise InvariantViolation("destinations declare a region twice")
-        for name, size in regions:
-            if not isinstance(name, str) or not name or name == STAGING_REGION:
-                raise InvariantViolation(f"bad destination region name {name!r}")
-            if type(size) is not int or size <= 0:
-                raise InvariantViolation(f"region {name} needs a positive size, got {size!r}")
-        if len({f for f, _, _ in fragments}) != len(fragments):
-            raise InvariantViolation("destinations map a placement fragment twice")
-        for fragment_id, region, base in fragments:
-            if region not in sizes:
-                raise InvariantViolation(f"fragment {fragment_id} maps to unknown region {region}")
-            if type(base) is not int or base < 0:
-                raise InvariantViolation(f"fragment {fragment_id} has bad base offset {base!r}")
         object.__setattr__(self, "regions", regions)
         object.__setattr__(self, "fragments", fragments)
 
@@ -187,7 +209,7 @@ class BoxPart:
             raise InvariantViolation("a placement part's rank must be a ParallelRank")
         if set(map(type, self.tensors)) - {TensorDescriptor}:
             raise InvariantViolation("a placement part's tensors must be TensorDescriptors")
-        tensors = {t.tensor_id: t for t in self.tensors}
+        tensors = dict(zip(map(_TENSOR_ID, self.tensors), self.tensors, strict=True))
         if len(tensors) != len(self.tensors):
             raise InvariantViolation("a placement part declares one tensor twice")
         if set(map(type, self.fragments)) - {Box}:

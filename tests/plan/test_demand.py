@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -30,6 +31,26 @@ def test_destinations_validate():
         Destinations.of({"r": 0}, {})
     with pytest.raises(InvariantViolation, match="bad destination region name"):
         Destinations.of({"staging": 8}, {})
+
+
+@pytest.mark.parametrize(
+    ("regions", "fragments", "message"),
+    [
+        ({"a": 8, "": 8}, {}, "bad destination region name ''"),
+        ({"a": 8, 3: 8}, {}, "bad destination region name 3"),
+        ({"a": 8, "b": True}, {}, "region b needs a positive size, got True"),
+        ({"a": 8, "b": 8.0}, {}, "region b needs a positive size, got 8.0"),
+        ({"a": 8, "b": -1}, {}, "region b needs a positive size, got -1"),
+        ({"a": 8}, {"f0": ("a", 0), "f1": ("b", 0)}, "fragment f1 maps to unknown region b"),
+        ({"a": 8}, {"f0": ("a", 0), "f1": ("a", -4)}, "fragment f1 has bad base offset -4"),
+        ({"a": 8}, {"f0": ("a", 0), "f1": ("a", False)}, "fragment f1 has bad base offset False"),
+        ({"a": 8}, {"f0": ("a", 0), "f1": ("a", 2.0)}, "fragment f1 has bad base offset 2.0"),
+        ({"a": 8}, {"f0": ("a", 0), 7: ("a", 0)}, "placement fragment id 7 is not a string"),
+    ],
+)
+def test_destinations_name_the_first_bad_entry_among_good_ones(regions, fragments, message):
+    with pytest.raises(InvariantViolation, match=re.escape(message)):
+        Destinations.of(regions, fragments)
 
 
 def test_destinations_must_fit_cover_and_not_overlap():
