@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, repeat
+from itertools import chain, count, repeat
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
@@ -185,6 +185,7 @@ class Box(NamedTuple):
 _BOX_ID, _TENSOR_ID = attrgetter("placement_fragment_id"), attrgetter("tensor_id")
 _BOX_OFFSET, _BOX_SHAPE = attrgetter("global_offset"), attrgetter("local_shape")
 _BOX_NBYTES = attrgetter("nbytes")
+_SHAPE_AND_SIZE = attrgetter("global_shape", "itemsize")
 
 
 @dataclass(frozen=True, eq=False)
@@ -239,9 +240,18 @@ class BoxPart:
         ):
             for box in fragments:  # raises at the first box of another type, naming it
                 _require_box(box, tensors[box.tensor_id])
-        held = map(tensors.__getitem__, map(_TENSOR_ID, fragments))
+        # Each tensor's (global shape, itemsize) as a small int, so that a box's geometry
+        # key hashes an int and its own offset and shape, not the tensor's shape tuple.
+        kinds: dict[tuple, int] = {}
+        kind_of = dict(
+            zip(
+                tensors,
+                map(kinds.setdefault, map(_SHAPE_AND_SIZE, tensors.values()), count()),
+                strict=True,
+            )
+        )
         geometry = zip(
-            map(attrgetter("global_shape", "itemsize"), held),
+            map(kind_of.__getitem__, map(_TENSOR_ID, fragments)),
             offsets,
             shapes,
             map(_BOX_NBYTES, fragments),
