@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
-from operator import attrgetter, itemgetter, methodcaller, mul
+from operator import itemgetter, methodcaller, mul
 from typing import Any
 
 import numpy as np
@@ -886,7 +886,7 @@ def _target_descriptors(
     holders: Counter[str] = Counter()
     for tensors, shapes in ranks:
         shaped.update(zip(tensors, shapes, strict=True))
-        holders.update(dict.fromkeys(tensors, 1))  # in box order: see below
+        holders.update(dict.fromkeys(tensors, 1))  # in box order (docstring)
     split_dims = cache(_split_dims)
     cut: dict[str, tuple[int, ...]] = {}  # the dims some box of the tensor cuts
     for tensor, shape in shaped:
@@ -895,7 +895,7 @@ def _target_descriptors(
             cut[tensor] = tuple(sorted({*cut[tensor], *dims}))
     checked: dict[tuple, TensorDescriptor] = {}
     out = {}
-    for name, ranks in holders.items():
+    for name, held_by in holders.items():
         descriptor = source[name]
         split = cut.get(name, ())
         if len(split) > 1:
@@ -904,8 +904,8 @@ def _target_descriptors(
             kind = "split"
         elif tp_size == 1:
             kind = "whole"
-        else:  # owned by fewer ranks: e.g. an expert under EP
-            kind = "replicated" if ranks == tp_size else "owned"
+        else:  # on every rank, or owned by fewer (an expert under EP)
+            kind = "replicated" if held_by == tp_size else "owned"
         placement = (len(descriptor.global_shape), split, kind, descriptor.expert_id is None)
         like = checked.get(placement)
         if like is None:
@@ -923,7 +923,6 @@ _AXES: dict[str, Callable[[tuple[int, ...]], tuple[Any, ...]]] = {
     "replicated": lambda split: (ReplicatedAxis("tp"),),
     "owned": lambda split: (OwnershipAxis("tp"),),
 }
-_GLOBAL_SHAPE_OF = attrgetter("global_shape")
 
 
 def _split_dims(global_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
