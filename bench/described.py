@@ -30,6 +30,7 @@ import resource
 import time
 from collections.abc import Sequence
 
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan.shapes import DTYPES, MODELS, instance_parts, model_shape
@@ -66,7 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     nodes = [f"node{i}" for i in range(args.engines + 1)]
     if args.experts == "owned":
-        described = described_engines(specs, instance_parts(model, args.tp), nodes)
+        try:
+            parts = instance_parts(model, args.tp)
+        except InvariantViolation as error:  # e.g. experts that do not split over --tp
+            parser.error(f"--experts owned: {error}")
+        described = described_engines(specs, parts, nodes)
     else:
         described = simulated_engines(specs, [(node, args.tp) for node in nodes], "direct")
     grown = {url: [reported_placement(w) for w in ws] for url, ws in described.items()}

@@ -33,7 +33,6 @@ from mooncake_rl.generations.layout import TENSOR_AXES, TENSOR_FIELDS, is_digest
 from mooncake_rl.plan.source import SourceLayout
 
 STAGING_REGION = "staging"
-_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 COMPAT_REGION = "compat"
 # Direct mode's per-parameter fallback: full tensors a worker lands through ``load_weights``.
 FALLBACK_REGION = "fallback"
@@ -86,6 +85,9 @@ def compat_layout(layout: SourceLayout, align: int) -> CompatLayout:
         nbytes=nbytes,
         total_bytes=total,
     )
+
+
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)  # of a row's fields
 
 
 @dataclass(frozen=True)

@@ -934,9 +934,9 @@ def _split_dims(global_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[
 def _placed_like(descriptor: TensorDescriptor, like: TensorDescriptor) -> TensorDescriptor:
     """``descriptor`` with ``like``'s checked placement (shard dims, axes), built without
     the constructor: every field it would check is one it already checked. Fields are set
-    one by one in declaration order, as the constructor does, so the instance keeps the
-    class's compact attribute storage (a bulk ``__dict__`` update made every later
-    attribute read ~50 % slower)."""
+    one by one in declaration order, as the constructor sets them, so the instance keeps
+    the class's compact attribute storage (about 100 B less per descriptor than a copied
+    ``__dict__``: 14 MB for a 1T MoE's 140k tensors)."""
     placed = object.__new__(TensorDescriptor)
     for name, source in _PLACED_FROM:
         object.__setattr__(placed, name, getattr(like if source else descriptor, name))

@@ -81,13 +81,22 @@ def test_engines_describing_owned_experts_plan_what_the_planner_bench_plans():
     assert (described["reads"], described["pushes"]) == (planned["reads"], planned["pushes"])
 
 
-def test_the_described_bench_refuses_an_empty_fleet():
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engines", "0"], "--engines and --tp must be at least 1, got 0 and 8"),
+        (["--experts", "owned", "--tp", "7"], "--experts owned: 16 experts do not split over 7"),
+        (["--experts", "bogus"], "argument --experts: invalid choice: 'bogus'"),
+    ],
+    ids=["empty-fleet", "experts-do-not-split", "unknown-placement"],
+)
+def test_the_described_bench_refuses_what_it_cannot_describe(flags, message):
     run = subprocess.run(
-        [sys.executable, "-m", "bench.described", "--model", "small", "--engines", "0"],
+        [sys.executable, "-m", "bench.described", "--model", "small", *flags],
         cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert run.returncode == 2 and run.stdout == ""
-    assert "--engines and --tp must be at least 1, got 0 and 8" in run.stderr
+    assert message in run.stderr
