@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from operator import itemgetter, methodcaller, mul
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,9 @@ from mooncake_rl.plan.table import RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
 from mooncake_rl.protocol import PLACEMENT_DIGEST, has_boxes, placement_digest
 from mooncake_rl.store import StoreClient
+
+# What a worker declares before its layout is read (compat mode: none).
+_NO_REGIONS: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, eq=False)
@@ -388,7 +392,9 @@ def plan_routing(
     cache = cache if cache is not None else RoutingCache()
     topology = topology_of(engines)
     params = PlanParams(batch_bytes=batch_bytes)
-    regions: dict[str, dict[str, int]] = {w["worker_id"]: {} for ws in engines.values() for w in ws}
+    declared: dict[str, Mapping[str, int]] = {
+        w["worker_id"]: _NO_REGIONS for ws in engines.values() for w in ws
+    }
     region_dtypes: dict[str, dict[str, str]] = {}
     fallback: dict[str, tuple[dict[str, Any], ...]] = {}
     known = None
@@ -414,7 +420,7 @@ def plan_routing(
             layouts = _direct_layouts(manifest, known, cache, boxes, table is None)
             for engine_layouts in layouts.values():
                 for worker_id, layout in engine_layouts.items():
-                    regions[worker_id] = dict(layout.regions)
+                    declared[worker_id] = layout.regions
                     region_dtypes[worker_id] = layout.region_dtypes
                     fallback[worker_id] = layout.fallback
             if table is None:  # only a miss builds the planner's demand (1T MoE: ~1M boxes)
@@ -429,7 +435,7 @@ def plan_routing(
                 segments=segments,
             )
             cache.tables.put(key, table)
-        _merge_planned_regions(table, regions)
+        regions = _planned_regions(table, declared)
     totals = table.totals
     plan = RoutingPlan(
         mode,
@@ -640,30 +646,54 @@ class WorkerDemand:
     destinations: Destinations
 
 
-def _merge_planned_regions(table: RoutingTable, regions: dict[str, dict[str, int]]) -> None:
-    """Add the regions the table plans (staging, compat's buffer) to each worker's declared
-    ones, refusing a table whose size for a declared region differs. Worker by worker, so
-    the usual case (every declared size equal) is a C-level comparison of two lists: a 1T
-    MoE's table has millions of region rows, one per (worker, tensor)."""
+def _planned_regions(
+    table: RoutingTable, declared: Mapping[str, Mapping[str, int]]
+) -> dict[str, dict[str, int]]:
+    """Each worker's regions: its declared ones and those the table plans (staging, compat's
+    buffer), refusing a table whose size for a declared region differs.
+
+    A 1T MoE's table has millions of region rows, one per (worker, tensor), and identical
+    engines repeat them rank by rank. So workers that declare the same mapping (one object:
+    ranks of identical engines share their representative's layout) and get the same rows
+    are checked once and share the merged, new dict; the declared mappings are left as they
+    are (the layout cache holds them)."""
     rows = table.region_sizes
     order = grid.stable_order(rows["worker"])
     bounds = np.flatnonzero(grid.group_starts(rows["worker"][order]))[1:]
-    names = table.regions
+    merged: dict[tuple[int, bytes, bytes], dict[str, int]] = {}
+    planned: dict[str, dict[str, int]] = {}
     for block in np.split(order, bounds) if len(order) else ():
         worker = table.workers[int(rows["worker"][block[0]])]
-        mine = regions[worker]
-        planned = list(map(names.__getitem__, rows["region"][block].tolist()))
-        sizes = rows["size"][block].tolist()
-        declared = list(map(mine.get, planned))
-        if declared == sizes:
-            continue
-        for region, had, size in zip(planned, declared, sizes, strict=True):
-            if had is None:
-                mine[region] = size
-            elif had != size:
-                raise InvariantViolation(
-                    f"{worker}:{region} declares {had} bytes, plan needs {size}"
-                )
+        mine = declared[worker]
+        region_ids, sizes = rows["region"][block], rows["size"][block]
+        key = (id(mine), region_ids.tobytes(), sizes.tobytes())
+        if key not in merged:
+            merged[key] = _merged_regions(worker, mine, table.regions, region_ids, sizes)
+        planned[worker] = merged[key]
+    return {w: planned[w] if w in planned else dict(regions) for w, regions in declared.items()}
+
+
+def _merged_regions(
+    worker: str,
+    declared: Mapping[str, int],
+    names: tuple[str, ...],
+    region_ids: np.ndarray,
+    sizes: np.ndarray,
+) -> dict[str, int]:
+    """``declared`` and the planned regions it lacks; where every planned region is declared
+    with its size this is a C-level comparison of two lists."""
+    merged = dict(declared)
+    planned = list(map(names.__getitem__, region_ids.tolist()))
+    wanted = sizes.tolist()
+    if list(map(declared.get, planned)) == wanted:
+        return merged
+    for region, size in zip(planned, wanted, strict=True):
+        had = declared.get(region)
+        if had is None:
+            merged[region] = size
+        elif had != size:
+            raise InvariantViolation(f"{worker}:{region} declares {had} bytes, plan needs {size}")
+    return merged
 
 
 def _engine_layout(

@@ -217,6 +217,33 @@ def test_a_table_names_only_the_regions_workers_declare() -> None:
     assert_direct_shards_land(plan, engines, specs, seed=5)
 
 
+def test_region_maps_are_checked_once_per_rank_and_a_contradicted_size_is_refused() -> None:
+    """Ranks of identical engines declare one layout, so the planned regions are checked
+    once per rank and they share the merged map. A table that plans another size for a
+    declared region is refused by worker and region, and the declared map is left as it
+    was (the layout cache holds it)."""
+    specs = [TensorSpec("a", (8, 4), "float32"), TensorSpec("b", (6,), "float16")]
+    engines = reporting(simulated_engines(specs, [("n0", 2), ("n1", 2), ("n2", 2)], "direct"))
+    plan = plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+    declared = {
+        w["worker_id"]: {name: spec["bytes"] for name, spec in w["regions"].items()}
+        for ws in engines.values()
+        for w in ws
+    }
+    assert plan.routing.regions == declared
+    assert plan.routing.regions["e0/tp1"] is plan.routing.regions["e2/tp1"]
+    assert plan.routing.regions["e0/tp0"] is not plan.routing.regions["e0/tp1"]
+    contradicted = {**declared, "e1/tp1": {**declared["e1/tp1"], "a": 1}}
+    with pytest.raises(InvariantViolation, match=r"e1/tp1:a declares 1 bytes, plan needs 64"):
+        update_module._planned_regions(plan.routing.table, contradicted)
+    assert contradicted["e1/tp1"] == {"a": 1, "b": 6}
+    compat = plan_update(
+        build_manifest("m", 1, specs, "now"), engines, "compat", 64, RoutingCache()
+    )
+    (buffer,) = {id(r): r for r in compat.routing.regions.values()}.values()
+    assert set(compat.routing.regions) == set(declared) and list(buffer) == [COMPAT_REGION]
+
+
 def test_cache_hit_replans_nothing_and_binds_the_new_generation() -> None:
     specs = [TensorSpec("a", (4, 4), "float32"), TensorSpec("b", (8,), "float16")]
     engines = simulated_engines(specs, [("n0", 2), ("n1", 1)], "direct")
