@@ -1,10 +1,11 @@
 """Drive engines from one generation to the next over their ``/mooncake/*`` routes.
 
-1. collect placements; 2. check every object the plan reads before draining anything;
-3. open one update session on every engine (drain), renewed in the background; 4. plan and
-prepare; 5. apply stage by stage (each stage is a barrier: consumers are passive, so a
-worker's bytes have arrived once every worker returned); 6. commit, only after every apply
-succeeded.
+1. collect placements; 2. check every object the plan reads and plan, before any engine
+drains or leaves a router's rotation (engines serve while a cold plan runs); 3. open one
+update session on every engine (drain), renewed in the background; 4. prepare (re-planned
+around engines that did not drain); 5. apply stage by stage (each stage is a barrier:
+consumers are passive, so a worker's bytes have arrived once every worker returned);
+6. commit, only after every apply succeeded.
 
 With ``transport`` other than ``store`` (:mod:`mooncake_rl.transport`), engines are
 classified by GPU topology before step 3, and steps 4-5 deliver full tensors by broadcast
@@ -49,6 +50,7 @@ import httpx
 from yarl import URL
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
+from mooncake_rl.generations.checksums import ChecksumTable
 from mooncake_rl.generations.registry import (
     ActiveRecord,
     GenerationRegistry,
@@ -192,6 +194,47 @@ class _Options:
     train_pool: Sequence[str] | None
     sender: SenderLauncher | None
     in_place: bool = True
+
+
+class _Phases:
+    """Seconds per update phase, into ``result.phase_seconds``. A phase met twice adds up:
+    the plan is made before the drain and bound again (or re-planned) after it."""
+
+    def __init__(self, result: UpdateResult, progress: Callable[[str], None]) -> None:
+        self.result, self.progress = result, progress
+        self.clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        seconds = self.result.phase_seconds.get(name, 0.0) + now - self.clock
+        self.result.phase_seconds[name] = round(seconds, 4)
+        self.clock = now
+        self.progress(name)
+
+    def restart(self) -> None:
+        self.clock = time.perf_counter()
+
+
+@dataclass
+class _Survey:
+    """What one wave learnt before touching any engine (:meth:`Coordinator._survey`)."""
+
+    result: UpdateResult
+    phase: _Phases
+    checksums: ChecksumTable
+    placements: dict[str, dict[str, Any]]
+    targets: list[str]
+    classification: Classification
+    mixed: bool
+    # The Store transport: its planner for a set of engines, and the plan for every target.
+    plan_for: Callable[[Sequence[str]], UpdatePlan] | None = None
+    planned: UpdatePlan | None = None
+
+    def plan(self, urls: Sequence[str]) -> UpdatePlan:
+        """The plan for ``urls``: the one made before the drain when every target drained,
+        else a new one (a miss: the topology changed)."""
+        assert self.plan_for is not None and self.planned is not None
+        return self.planned if list(urls) == self.targets else self.plan_for(urls)
 
 
 def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:
@@ -480,19 +523,14 @@ class Coordinator:
         total.transport = chosen.value
         spare = len(self.engines) - needed
         for group in groups:
+            needed_now = max(1, len(group) - spare)
             try:
+                survey = self._survey(model, group, record, needed_now, options)
                 result = self.bracketed(
                     rotation,
                     tag,
                     group,
-                    functools.partial(
-                        self._update_engines,
-                        model,
-                        group,
-                        record,
-                        max(1, len(group) - spare),
-                        options,
-                    ),
+                    functools.partial(self._sync, survey, record, needed_now, options),
                 )
             except (UpdateFailed, ReadmitFailed) as error:
                 total.absorb(error.result)
@@ -544,15 +582,18 @@ class Coordinator:
             raise ReadmitFailed(result, stuck)
         return result
 
-    def _update_engines(
+    def _survey(
         self,
         model: str,
         engines: Sequence[str],
         record: ActiveRecord,
         needed: int,
         options: _Options,
-    ) -> UpdateResult:
-        """One update of ``engines`` to ``record``'s generation (see the module doc)."""
+    ) -> _Survey:
+        """Steps 1-2 and, for the Store transport, the plan: all before any engine leaves
+        rotation or drains, so engines serve while a cold plan runs (seconds for a 1T MoE),
+        and a placement the planner refuses changes nothing. The plan after the drain is
+        then the cache's hit, unless an engine failed to drain."""
         mode, chosen, train_pool = options.mode, options.transport, options.train_pool
         registry = GenerationRegistry(self.store, model)
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
@@ -561,14 +602,7 @@ class Coordinator:
         segments = registry.segment_hints(record)  # locality: reads stay on a segment's node
         result = UpdateResult(model, record.generation, mode, list(engines))
         result.transport = chosen.value
-        clock = time.perf_counter()
-
-        def phase(name: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            result.phase_seconds[name] = round(now - clock, 4)
-            clock = now
-            self._progress(name)
+        phase = _Phases(result, self._progress)
 
         placements, failed = self._all(engines, "GET", BARE_PLACEMENT)
         _left_out(result, failed)
@@ -603,8 +637,9 @@ class Coordinator:
             targets = [u for u in targets if u not in failed]
             _require_enough(result, targets, needed, "placement")
         phase("placement")
+        survey = _Survey(result, phase, checksums, placements, targets, classification, mixed)
         if not targets:
-            return result
+            return survey
         unreadable = payload_problems(self.store, manifest)
         if unreadable:
             result.error = (
@@ -615,21 +650,8 @@ class Coordinator:
             )
             raise UpdateFailed(result)
         phase("check")
-
-        session = SessionLease(self, self.session_ttl_s)
-        result.session = session.id
-
-        def base_body(url: str) -> dict[str, Any]:
-            return {
-                "session": session.id,
-                "model": model,
-                "generation": record.generation,
-                "manifest_digest": record.manifest_digest,
-                "fence": record.fence,
-                "incarnation": record.incarnation,
-                "mode": mode,
-                "in_place": options.in_place,
-            }
+        if chosen is not TransportMode.STORE:
+            return survey
 
         def describe(urls: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
             """Boxes a re-plan reads after the drain (the first plan's were read before)."""
@@ -644,28 +666,59 @@ class Coordinator:
             result.described = sorted({*result.described, *described})
             return {u: described[u]["workers"] for u in urls}
 
+        def plan_for(urls: Sequence[str]) -> UpdatePlan:
+            return plan_update(
+                manifest,
+                {u: placements[u]["workers"] for u in urls},
+                mode,
+                options.batch_bytes,
+                self.cache,
+                record.layout_digest,
+                options.direct_fallback,
+                segments,
+                describe,
+            )
+
+        survey.plan_for, survey.planned = plan_for, plan_for(targets)
+        phase("plan")
+        return survey
+
+    def _sync(
+        self, survey: _Survey, record: ActiveRecord, needed: int, options: _Options
+    ) -> UpdateResult:
+        """Steps 3-6 for the engines ``survey`` found (see the module doc)."""
+        result, phase, members = survey.result, survey.phase, survey.targets
+        phase.restart()  # leaving rotation is not a phase of the sync
+        if not members:
+            return result
+        session = SessionLease(self, self.session_ttl_s)
+        result.session = session.id
+
+        def base_body(url: str) -> dict[str, Any]:
+            return {
+                "session": session.id,
+                "model": result.model,
+                "generation": record.generation,
+                "manifest_digest": record.manifest_digest,
+                "fence": record.fence,
+                "incarnation": record.incarnation,
+                "mode": options.mode,
+                "in_place": options.in_place,
+            }
+
         try:
-            members = self._drain(session, targets, options.drain_mode, needed, result)
+            members = self._drain(session, members, options.drain_mode, needed, result)
             phase("drain")
-            if chosen is TransportMode.STORE:
+            if survey.planned is not None:
+                objects = survey.checksums.objects
                 members, plan, prepared = self._prepare(
                     session,
                     members,
-                    lambda urls: plan_update(
-                        manifest,
-                        {u: placements[u]["workers"] for u in urls},
-                        mode,
-                        options.batch_bytes,
-                        self.cache,
-                        record.layout_digest,
-                        options.direct_fallback,
-                        segments,
-                        describe,
-                    ),
+                    survey.plan,
                     lambda url, plan: {
                         **base_body(url),
                         "stages": plan.stages,
-                        "workers": plan.engine_workers(url, checksums.objects),
+                        "workers": plan.engine_workers(url, objects),
                     },
                     needed,
                     result,
@@ -680,9 +733,9 @@ class Coordinator:
                 members = self._deliver(
                     session,
                     members,
-                    classification,
-                    placements,
-                    options.sender or ChildLauncher(self.store.settings, train_pool),
+                    survey.classification,
+                    survey.placements,
+                    options.sender or ChildLauncher(self.store.settings, options.train_pool),
                     record,
                     options.batch_bytes,
                     needed,
@@ -699,7 +752,7 @@ class Coordinator:
         finally:
             session.stop()
             result.rebuild = sorted({*result.rebuild, *session.rebuilding})
-        if mixed:
+        if survey.mixed:
             require_mixed_ran(
                 {TransportMode(result.legs[u]["transport"]) for u in result.committed}
             )

@@ -22,12 +22,12 @@ import torch
 from mooncake_rl.apply.wire import decode_slice
 from mooncake_rl.cli import build_parser, main
 from mooncake_rl.coordinator import Coordinator, UpdateResult
-from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.synthetic import simulated_engines
-from mooncake_rl.protocol import reported_placement, without_boxes
+from mooncake_rl.protocol import PLACEMENT_DIGEST, reported_placement, without_boxes
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import trainer_settings
@@ -118,12 +118,12 @@ def engines_for(settings: Settings, watermark: int = WATERMARK) -> FakeEngines:
 
 
 @contextlib.contextmanager
-def coordinating(settings: Settings, engines: FakeEngines) -> Iterator[Coordinator]:
+def coordinating(settings: Settings, engines: FakeEngines, **options: Any) -> Iterator[Coordinator]:
     simulated = sorted(engines.placements)
     with (
         fleet(len(simulated), engines.handle) as urls,
         StoreClient(settings) as store,
-        Coordinator(store, urls) as coord,
+        Coordinator(store, urls, **options) as coord,
     ):
         engines.urls = dict(zip(urls, simulated, strict=True))
         yield coord
@@ -235,3 +235,38 @@ def test_an_update_reads_boxes_only_for_a_plan_it_does_not_hold(
     assert routes[:3] == ["placement?boxes=false"] * 2 + ["placement"]
     assert routes[3:5] == ["drain"] * 2
     assert "placement" not in routes[calls:] and "placement?boxes=false" in routes[calls:]
+
+
+def test_the_plan_is_made_before_any_engine_drains(coordinator_settings: Settings) -> None:
+    """A cold plan takes seconds for a 1T MoE: engines go on serving while it runs, and the
+    plan after the drain is the same one (no second lookup, no second plan)."""
+    engines = engines_for(coordinator_settings)
+    routes_at: dict[str, list[str]] = {}
+
+    def progress(phase: str) -> None:
+        routes_at.setdefault(phase, [route for _, route, _ in engines.calls])
+
+    with coordinating(coordinator_settings, engines, progress=progress) as coordinator:
+        result = coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+    assert len(result.committed) == 2
+    assert routes_at["plan"] == ["placement?boxes=false"] * 2 + ["placement"]
+    assert "drain" in routes_at["drain"]
+    assert list(result.phase_seconds)[:4] == ["placement", "check", "plan", "drain"]
+    assert (coordinator.cache.misses, coordinator.cache.hits) == (1, 0)
+
+
+def test_a_placement_the_planner_refuses_drains_no_engine(coordinator_settings: Settings) -> None:
+    """A box outside its tensor (a broken discovery) is refused by name while every engine
+    still serves: nothing was drained, nothing needs releasing."""
+    engines = engines_for(coordinator_settings)
+    first = sorted(engines.placements)[0]
+    worker = {k: v for k, v in engines.placements[first][0].items() if k != PLACEMENT_DIGEST}
+    box = worker["shards"][0]
+    box["global_offset"] = [64 + offset for offset in box["global_offset"]]
+    engines.placements[first][0] = reported_placement(worker)
+    with (
+        coordinating(coordinator_settings, engines) as coordinator,
+        pytest.raises(InvariantViolation, match=box["tensor"]),
+    ):
+        coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+    assert engines.paths() == {"placement?boxes=false", "placement"}
