@@ -12,80 +12,26 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from mooncake_rl.apply.wire import decode_slice
 from mooncake_rl.cli import build_parser, main
 from mooncake_rl.coordinator import Coordinator, UpdateResult
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
-from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.publisher import publish_local
-from mooncake_rl.generations.registry import GenerationRegistry
-from mooncake_rl.plan.synthetic import simulated_engines
-from mooncake_rl.protocol import PLACEMENT_DIGEST, reported_placement, without_boxes
+from mooncake_rl.protocol import PLACEMENT_DIGEST, reported_placement
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import trainer_settings
-from tests.fleet import fleet
+from tests.fleet import FakeEngines, fleet
 from verl_bridge.config import BridgeConfig
 
 MODEL = "batch-bytes"
 CLUSTER = [("node-a", 2), ("node-b", 2)]
 WATERMARK = 256 << 20
-
-
-class FakeEngines:
-    """Engines that describe simulated placements and accept every call, keeping the bodies."""
-
-    def __init__(self, placements: dict[str, list[dict[str, Any]]]) -> None:
-        self.placements = placements
-        self.urls: dict[str, str] = {}  # served URL -> simulated engine
-        self.calls: list[tuple[str, str, Any]] = []
-
-    async def handle(self, url: str, path: str, content: bytes, _: object) -> tuple[int, Any]:
-        route = path.removeprefix("/mooncake/")  # with its query
-        path, _, query = route.partition("?")
-        body = json.loads(content) if content else None
-        self.calls.append((url, route, body))
-        workers = self.placements[self.urls[url]]
-        described = [without_boxes(w) for w in workers] if query == "boxes=false" else workers
-        replies: dict[str, Any] = {
-            "placement": {"model": MODEL, "generation": 0, "fence": 0, "workers": described},
-            "prepare": {
-                "workers": [
-                    {"worker_id": w["worker_id"], "node": w["node"], "endpoint": "e", "regions": {}}
-                    for w in workers
-                ]
-            },
-            "apply": {
-                "workers": [
-                    {"worker_id": w["worker_id"], "store_read_bytes": 0, "pushed_bytes": 0}
-                    | {"seconds": 0.0}
-                    for w in workers
-                ]
-            },
-            "abort": {"state": "serving"},
-        }
-        return 200, replies.get(path, {})
-
-    def batches(self) -> list[int]:
-        """Bytes each prepared batch reads, over every worker slice the engines received."""
-        return [
-            sum(read.length for read in batch.reads)
-            for _, path, body in self.calls
-            if path == "prepare"
-            for worker in body["workers"].values()
-            for stage in decode_slice(worker["slice"]).stages
-            for batch in stage
-        ]
-
-    def paths(self) -> set[str]:
-        return {path for _, path, _ in self.calls}
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +52,7 @@ def coordinator_settings(master, holders, model_bytes: int) -> Settings:
 
 def engines_for(settings: Settings, watermark: int = WATERMARK) -> FakeEngines:
     with StoreClient(settings) as store:
-        registry = GenerationRegistry(store, MODEL)
-        manifest = registry.load_manifest(registry.active().generation)
-    placements = simulated_engines(specs_of(manifest), CLUSTER, "direct")
-    return FakeEngines(
-        {
-            url: [{**reported_placement(w), "staging_watermark_bytes": watermark} for w in ws]
-            for url, ws in placements.items()
-        }
-    )
+        return FakeEngines.of(store, MODEL, CLUSTER, watermark)
 
 
 @contextlib.contextmanager

@@ -11,14 +11,19 @@ import json
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from mooncake_rl.cli import main
 from mooncake_rl.coordinator import Coordinator, ReadmitFailed, UpdateFailed, UpdateResult
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.protocol import PLACEMENT_DIGEST, reported_placement
 from mooncake_rl.router import EngineHeldOut, Rotation, RotationBusy, VersionSkew, open_router
 from mooncake_rl.router.launch import RouterProcess
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from tests.conftest import settings_for
+from tests.fleet import FakeEngines, fleet
 from tests.router.conftest import HttpWorker
 
 pytestmark = pytest.mark.timeout(180)
@@ -169,6 +174,42 @@ def test_the_probe_rejects_an_engine_without_the_plugin_before_touching_anything
         bracket.coordinator.update("m", router=bracket.router)
     assert sorted(bracket.router.workers()) == sorted(bracket.urls)
     assert bracket.rotation.held_out() == {}
+
+
+def test_a_placement_the_planner_refuses_takes_no_engine_out_of_rotation(
+    start_router: Callable[[str], RouterProcess], stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Placements are read and planned before the bracket: an update the planner refuses
+    (a box past its tensor's rows) never touches the router, and no engine drains. Before,
+    every engine left rotation for the plan and came back."""
+    store = stores[0]
+    weights = torch.randn(8, 8, generator=torch.Generator().manual_seed(5))
+    publish_local(store, "refused", [("w", weights)], dtype="float32")
+    engines = FakeEngines.of(store, "refused", [("n0", 2)], 256 << 20)
+    (simulated,) = engines.placements
+    worker = {k: v for k, v in engines.placements[simulated][0].items() if k != PLACEMENT_DIGEST}
+    worker["shards"][0]["global_offset"] = [64, 0]
+    engines.placements[simulated][0] = reported_placement(worker)
+    router = open_router(start_router("vllm").spec)
+    changes: list[tuple[str, str]] = []
+    try:
+        with fleet(1, engines.handle) as urls:
+            engines.urls = {urls[0]: simulated}
+            router.add(urls[0])
+            for name in ("add", "remove"):
+                real = getattr(router, name)
+                monkeypatch.setattr(
+                    router, name, lambda url, _n=name, _f=real: changes.append((_n, url)) or _f(url)
+                )
+            with (
+                Coordinator(store, urls, holder="coordinator") as coordinator,
+                pytest.raises(InvariantViolation, match=r"out of bounds: tp0/w@\(64, 0\)"),
+            ):
+                coordinator.update("refused", mode="direct", router=router)
+            assert changes == [] and router.workers() == urls
+            assert "drain" not in engines.paths()
+    finally:
+        router.close()
 
 
 def test_the_router_cli_scales_up_and_down_through_the_rotation(
