@@ -13,6 +13,7 @@ import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,7 @@ RECORD_REPLICAS = 3
 """Copies of every small record (claims, fences, manifests, index): Mooncake places as many
 as there are segments, so no record depends on one segment when more than one exists."""
 DESCRIPTOR_BATCH = 4096  # keys per batch_get_replica_desc RPC
+DESCRIPTOR_THREADS = 4  # such RPCs in flight at once
 READ_ATTEMPTS = 6  # ranged reads repeated after LEASE_EXPIRED
 LEASE_EXPIRED = -707
 UPSERT_ATTEMPTS = 8  # upserts repeated after a concurrent upsert of the same key
@@ -333,22 +335,32 @@ class StoreClient:
 
     def complete_replicas(self, keys: Sequence[str]) -> list[tuple[int, str] | None]:
         """Each key's (size, segment) of its first complete memory replica, or None; few
-        RPCs for many keys. The segment is the replica's transport endpoint (segment name)."""
+        RPCs for many keys. The segment is the replica's transport endpoint (segment name).
+
+        Every update checks its generation's objects this way, so it is on the critical
+        path: a 1T MoE has 140k objects (1.5 s here one batch at a time). The binding
+        releases the GIL for the RPC, so a few batches are in flight at once, and each
+        replica's fields are read once."""
         from mooncake.store import ReplicaStatus
 
+        complete = ReplicaStatus.COMPLETE.value
+        chunks = [
+            keys[start : start + DESCRIPTOR_BATCH]
+            for start in range(0, len(keys), DESCRIPTOR_BATCH)
+        ]
+        with ThreadPoolExecutor(DESCRIPTOR_THREADS, thread_name_prefix="descriptors") as pool:
+            replies = list(pool.map(self._store.batch_get_replica_desc, map(list, chunks)))
         found_all: list[tuple[int, str] | None] = []
-        for start in range(0, len(keys), DESCRIPTOR_BATCH):
-            chunk = list(keys[start : start + DESCRIPTOR_BATCH])
-            found = self._store.batch_get_replica_desc(chunk)
+        for chunk, found in zip(chunks, replies, strict=True):
+            replicas_of = found.get
             for key in chunk:
-                complete = [
-                    r.get_memory_descriptor().buffer_descriptor
-                    for r in found.get(key, ())
-                    if r.is_memory_replica() and r.status == ReplicaStatus.COMPLETE
-                ]
-                found_all.append(
-                    (complete[0].size, complete[0].transport_endpoint) if complete else None
-                )
+                held = None
+                for replica in replicas_of(key, ()):
+                    if replica.is_memory_replica() and replica.status.value == complete:
+                        buffer = replica.get_memory_descriptor().buffer_descriptor
+                        held = (buffer.size, buffer.transport_endpoint)
+                        break
+                found_all.append(held)
         return found_all
 
     def replica_segments(self, key: str) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from mooncake_rl.errors import (
 )
 from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import DESCRIPTOR_BATCH as STORE_BATCH
 from mooncake_rl.store import RangeRead, StoreClient
 from tests.conftest import settings_for
 from tests.procs import ProcessGroup
@@ -220,6 +221,24 @@ def test_read_counters_match_bytes_moved(settings: Settings) -> None:
         with pytest.raises(ObjectNotFound):
             client.read_ranges(buffer.data_ptr(), [RangeRead("counters/none", 0, 0, 10)])
         assert (COUNTERS.snapshot() - before).store_read_bytes == 9990
+
+
+def test_complete_replicas_answer_each_key_in_order_across_batches(settings: Settings) -> None:
+    """Several descriptor batches are in flight at once; each key still gets its own answer
+    in the order asked: its size and segment, or None where it is absent."""
+    keys = [f"replicas/{i:05d}" for i in range(STORE_BATCH * 2 + 100)]
+    sizes = [1 + i % 7 for i in range(len(keys))]
+    with StoreClient(settings) as client:
+        for start in range(0, len(keys), 1000):
+            chunk = slice(start, start + 1000)
+            client._store.put_batch(keys[chunk], [b"x" * n for n in sizes[chunk]])
+        absent = {3, STORE_BATCH + 1, len(keys) - 1}
+        client.remove([keys[i] for i in absent])
+        asked = [*keys, "replicas/never"]
+        found = client.complete_replicas(asked)
+    assert found[-1] is None and len(found) == len(asked)
+    for i, held in enumerate(found[:-1]):
+        assert held == (None if i in absent else (sizes[i], client.segment)), keys[i]
 
 
 def test_store_refuses_unreachable_master() -> None:
