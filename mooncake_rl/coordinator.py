@@ -1097,13 +1097,7 @@ def stage_peers(
     """The advertised peers that ``url``'s workers push to in ``stage``: all an apply body
     needs. Naming every prepared worker instead makes each body grow with the fleet, and a
     stage's bytes with its square (1,000 engines: gigabytes of JSON per stage)."""
-    targets = {
-        op.peer
-        for worker in plan.engines[url]
-        for batch in plan.worker_slice(worker).stages[stage]
-        for op in batch.pushes
-    }
-    return {worker: peers[worker] for worker in sorted(targets)}
+    return {worker: peers[worker] for worker in sorted(plan.push_peers(url, stage))}
 
 
 def engine_gpus(

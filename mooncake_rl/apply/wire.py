@@ -1,7 +1,9 @@
 """The JSON shape of one worker's routing slice, as the coordinator sends it to engines.
 
 A slice is the worker's destination regions (name -> bytes, allocated by the worker at
-prepare) and its batches per stage. Ops travel as compact arrays:
+prepare) and its batches per stage. Ops travel as compact arrays (tuples until encoded: a
+1T MoE's engine has some 600k, and tuples of plain values leave the cyclic collector's
+view once it has seen them, where lists stay and make every full collection longer):
 read ``[key, src_offset, region, dst_offset, length]`` and
 push ``[peer, src_region, src_offset, dst_region, dst_offset, length]``.
 ``checksums`` (present when the coordinator loaded the generation's table) holds
@@ -11,7 +13,7 @@ checks what lands without loading the table itself (one table load per update).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,19 +50,29 @@ class WorkerSlice:
 
 def with_checksums(worker_slice: WorkerSlice, table: Mapping[str, ObjectChecksum]) -> WorkerSlice:
     """The slice carrying the checksums of exactly the objects it reads."""
-    missing = sorted(k for k in worker_slice.read_keys if k not in table)
+    return replace(worker_slice, checksums=checksums_of(worker_slice.read_keys, table))
+
+
+def checksums_of(
+    keys: Iterable[str], table: Mapping[str, ObjectChecksum]
+) -> dict[str, ObjectChecksum]:
+    """``table``'s rows of ``keys``, in key order; every key must have one."""
+    ordered = sorted(keys)
+    missing = [k for k in ordered if k not in table]
     if missing:
         raise InvariantViolation(f"the checksum table has no entry for {missing[0]}")
-    return replace(worker_slice, checksums={k: table[k] for k in sorted(worker_slice.read_keys)})
+    return {k: table[k] for k in ordered}
 
 
 def encode_slice(worker_slice: WorkerSlice) -> dict[str, Any]:
     encoded = _encode_ops(worker_slice)
     if worker_slice.checksums is not None:
-        encoded["checksums"] = {
-            k: [c.nbytes, c.whole, list(c.blocks)] for k, c in worker_slice.checksums.items()
-        }
+        encoded["checksums"] = encode_checksums(worker_slice.checksums)
     return encoded
+
+
+def encode_checksums(checksums: Mapping[str, ObjectChecksum]) -> dict[str, list[Any]]:
+    return {k: [c.nbytes, c.whole, list(c.blocks)] for k, c in checksums.items()}
 
 
 def _encode_ops(worker_slice: WorkerSlice) -> dict[str, Any]:
@@ -70,10 +82,10 @@ def _encode_ops(worker_slice: WorkerSlice) -> dict[str, Any]:
             [
                 {
                     "reads": [
-                        [r.key, r.src_offset, r.region, r.dst_offset, r.length] for r in batch.reads
+                        (r.key, r.src_offset, r.region, r.dst_offset, r.length) for r in batch.reads
                     ],
                     "pushes": [
-                        [p.peer, p.src_region, p.src_offset, p.dst_region, p.dst_offset, p.length]
+                        (p.peer, p.src_region, p.src_offset, p.dst_region, p.dst_offset, p.length)
                         for p in batch.pushes
                     ],
                 }

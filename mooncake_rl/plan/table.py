@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -351,6 +351,48 @@ class BoundRoutingTable:
             for p in batch.pushes
             for src, dst, length in record_ranges(p)
         ]
+
+    def read_rows(self, batch: RecordBatch) -> list[list[Any]]:
+        """``read_ops`` as the wire's rows (``apply.wire``), built from whole columns: a 1T
+        MoE's TP8 engine reads some 470k ranges per update, and a ``ReadOp`` each, then a
+        row each, took seconds of the coordinator's prepare."""
+        r = batch.reads
+        record, src, dst, length = expanded_ranges(r)
+        objects = r["object"][record].tolist()
+        key_of = {o: self.keys[o] for o in set(objects)}  # type: ignore[misc]
+        regions = map(self.table.regions.__getitem__, r["dst_region"][record].tolist())
+        columns = (map(key_of.__getitem__, objects), src, regions, dst, length)
+        return list(zip(*columns, strict=True))
+
+    def push_rows(self, batch: RecordBatch) -> list[list[Any]]:
+        """``push_ops`` as the wire's rows, built like :meth:`read_rows`."""
+        p = batch.pushes
+        record, src, dst, length = expanded_ranges(p)
+        regions, workers = self.table.regions.__getitem__, self.table.workers.__getitem__
+        columns = (
+            map(workers, p["peer"][record].tolist()),
+            map(regions, p["src_region"][record].tolist()),
+            src,
+            map(regions, p["dst_region"][record].tolist()),
+            dst,
+            length,
+        )
+        return list(zip(*columns, strict=True))
+
+
+def expanded_ranges(records: np.ndarray) -> tuple[np.ndarray, list[int], list[int], list[int]]:
+    """:func:`record_ranges` of every record at once: each range's record, then its source
+    and destination offsets and length as lists, in record order."""
+    length, count = records["length"].astype(np.int64), records["count"].astype(np.int64)
+    src_stride, dst_stride = records["src_stride"], records["dst_stride"]
+    fused = (count == 1) | ((src_stride == length) & (dst_stride == length))
+    ranges = np.where(fused, 1, count)
+    record = np.repeat(np.arange(len(records)), ranges)
+    row = np.arange(len(record)) - np.repeat(np.cumsum(ranges) - ranges, ranges)
+    src = records["src_offset"][record] + row * src_stride[record]
+    dst = records["dst_offset"][record] + row * dst_stride[record]
+    length = np.where(fused, length * count, length)[record]
+    return record, src.tolist(), dst.tolist(), length.tolist()
 
 
 def bind(table: RoutingTable, group_id: str) -> BoundRoutingTable:

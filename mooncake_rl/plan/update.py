@@ -16,7 +16,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from functools import cache
+from functools import cache, cached_property
 from operator import itemgetter, methodcaller, mul
 from types import MappingProxyType
 from typing import Any
@@ -32,7 +32,7 @@ from mooncake.reshard.weight import (
 )
 
 from mooncake_rl.apply.executor import Batch
-from mooncake_rl.apply.wire import WorkerSlice, encode_slice, with_checksums
+from mooncake_rl.apply.wire import WorkerSlice, checksums_of, encode_checksums
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.layout import SegmentMap
@@ -52,7 +52,7 @@ from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.planner import plan_key, planning_mode
 from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.stored import StoredTables
-from mooncake_rl.plan.table import RoutingTable, bind
+from mooncake_rl.plan.table import BoundRoutingTable, RecordBatch, RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
 from mooncake_rl.protocol import PLACEMENT_DIGEST, has_boxes, placement_digest
 from mooncake_rl.store import StoreClient
@@ -125,14 +125,12 @@ class UpdatePlan:
     def worker_slice(self, worker: str) -> WorkerSlice:
         """The worker's regions and executor batches per stage, bound to this generation."""
         if worker not in self._slices:
-            table = self.routing.table
-            bound = bind(table, self.group_id)
+            bound = self._bound
             stages: list[list[Batch]] = [[] for _ in range(self.stages)]
-            if worker in table.worker_ids:
-                for batch in table.batches(worker):
-                    stages[batch.stage - 1].append(
-                        Batch(tuple(bound.read_ops(batch)), tuple(bound.push_ops(batch)))
-                    )
+            for batch in self._batches(worker):
+                stages[batch.stage - 1].append(
+                    Batch(tuple(bound.read_ops(batch)), tuple(bound.push_ops(batch)))
+                )
             self._slices[worker] = WorkerSlice(
                 self.routing.regions[worker], tuple(tuple(s) for s in stages)
             )
@@ -145,11 +143,7 @@ class UpdatePlan:
         with the checksums of the objects it reads when the generation's table is given."""
         return {
             worker: {
-                "slice": encode_slice(
-                    self.worker_slice(worker)
-                    if checksums is None
-                    else with_checksums(self.worker_slice(worker), checksums)
-                ),
+                "slice": self._encoded_slice(worker, checksums),
                 "layout": list(self.routing.layout),
                 "region_dtypes": dict(self.routing.region_dtypes.get(worker, {})),
                 "fallback": list(self.routing.fallback.get(worker, ())),
@@ -158,6 +152,40 @@ class UpdatePlan:
             }
             for worker in self.engines[url]
         }
+
+    def push_peers(self, url: str, stage: int) -> set[str]:
+        """The workers ``url``'s workers push to in ``stage`` (from 0), read off the table."""
+        table = self.routing.table
+        ids = [table.worker_ids[w] for w in self.engines[url] if w in table.worker_ids]
+        pushes = table.pushes
+        mine = pushes[np.isin(pushes["worker"], ids) & (pushes["stage"] == stage + 1)]
+        return set(map(table.workers.__getitem__, np.unique(mine["peer"]).tolist()))
+
+    def _encoded_slice(
+        self, worker: str, checksums: Mapping[str, ObjectChecksum] | None
+    ) -> dict[str, Any]:
+        """``encode_slice`` of the worker's slice (``with_checksums`` when given), made from
+        the table's columns without the executor's op objects: the same JSON, in a fraction
+        of the time (a 1T MoE's TP8 engine: some 610k ranges per update)."""
+        bound = self._bound
+        stages: list[list[dict[str, Any]]] = [[] for _ in range(self.stages)]
+        keys: set[str] = set()
+        for batch in self._batches(worker):
+            reads = bound.read_rows(batch)
+            keys.update(row[0] for row in reads)
+            stages[batch.stage - 1].append({"reads": reads, "pushes": bound.push_rows(batch)})
+        encoded: dict[str, Any] = {"regions": dict(self.routing.regions[worker]), "stages": stages}
+        if checksums is not None:
+            encoded["checksums"] = encode_checksums(checksums_of(keys, checksums))
+        return encoded
+
+    def _batches(self, worker: str) -> tuple[RecordBatch, ...]:
+        table = self.routing.table
+        return table.batches(worker) if worker in table.worker_ids else ()
+
+    @cached_property
+    def _bound(self) -> BoundRoutingTable:
+        return bind(self.routing.table, self.group_id)
 
 
 Describe = Callable[[Sequence[str]], Mapping[str, Sequence[Mapping[str, Any]]]]

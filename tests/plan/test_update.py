@@ -15,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mooncake.reshard.weight import OwnershipAxis, ReplicatedAxis, SplitAxis, TensorDescriptor
 
+from mooncake_rl.apply.wire import encode_slice, with_checksums
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan import update as update_module
 from mooncake_rl.plan.cache import Lru
@@ -142,6 +144,41 @@ def test_slices_deliver_exactly_the_demanded_bytes_reading_each_once(
     nodes = {node for node, _ in cluster}
     if mode == "compat":
         assert plan.routing.cross_node_pushed_bytes == model_bytes * (len(nodes) - 1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    models(),
+    clusters(),
+    st.sampled_from(["compat", "direct"]),
+    st.sampled_from([16, 64, 1 << 20]),
+)
+def test_prepare_bodies_from_columns_equal_the_executors_slices_encoded(
+    specs: list[TensorSpec], cluster: list[tuple[str, int]], mode: str, batch_bytes: int
+) -> None:
+    """``engine_workers`` encodes each slice from the table's columns (strided records
+    expanded range by range); the JSON equals what ``encode_slice`` makes of the executor's
+    own ops, with and without checksums, and each stage's apply peers are the workers those
+    ops push to. A checksum table that lacks an object the slice reads is refused by key."""
+    manifest = build_manifest("m", 1, specs, "now")
+    plan = plan_update(
+        manifest, simulated_engines(specs, cluster, mode), mode, batch_bytes, RoutingCache()
+    )
+    slices = {w: plan.worker_slice(w) for w in plan.routing.regions}
+    rows = {key: ObjectChecksum.of(key.encode()) for s in slices.values() for key in s.read_keys}
+    for url, workers in plan.engines.items():
+        with_rows, plain = plan.engine_workers(url, rows), plan.engine_workers(url)
+        for worker in workers:
+            assert plain[worker]["slice"] == encode_slice(slices[worker])
+            assert with_rows[worker]["slice"] == encode_slice(with_checksums(slices[worker], rows))
+        for stage in range(plan.stages):
+            pushed = {op.peer for w in workers for b in slices[w].stages[stage] for op in b.pushes}
+            assert plan.push_peers(url, stage) == pushed
+    reader = next(w for w, s in slices.items() if s.read_keys)
+    url = next(u for u, ws in plan.engines.items() if reader in ws)
+    first = min(slices[reader].read_keys)
+    with pytest.raises(InvariantViolation, match=f"checksum table has no entry for {first}"):
+        plan.engine_workers(url, {k: v for k, v in rows.items() if k != first})
 
 
 def test_identical_engines_are_read_once_and_each_slice_names_its_placement(

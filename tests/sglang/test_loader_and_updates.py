@@ -397,12 +397,14 @@ def first_read_changed(body: dict[str, Any], **change: Any) -> dict[str, Any]:
     changed = copy.deepcopy(body)
     for routing in changed["workers"].values():
         sliced = routing["slice"]
-        read = next(b["reads"][0] for stage in sliced["stages"] for b in stage if b["reads"])
+        reads = next(b["reads"] for stage in sliced["stages"] for b in stage if b["reads"])
+        read = list(reads[0])
         if "key" in change:
             old, read[0] = read[0], change["key"](read[0])
             sliced["checksums"][read[0]] = sliced["checksums"][old]
         if "src_offset" in change:
             read[1] = change["src_offset"]
+        reads[0] = read
     return changed
 
 
@@ -553,9 +555,11 @@ def test_apply_writes_only_into_peers_advertised_in_the_session(world: World) ->
     # A push past the end of the region its peer advertised is refused before it is sent.
     body = prepare_body(world)
     for routing in body["workers"].values():
-        push = next(p for b in routing["slice"]["stages"][0] for p in b["pushes"])
+        pushes = next(b["pushes"] for b in routing["slice"]["stages"][0] if b["pushes"])
+        push = list(pushes[0])
         size = body["workers"][push[0]]["slice"]["regions"][push[3]]
         push[4] = size - push[5] + 1
+        pushes[0] = push
     prepared = world.call("prepare", wire(PrepareRequest, body))
     assert [r["ok"] for r in prepared] == [True, True], prepared
     peers = {r["worker_id"]: {k: r[k] for k in ADVERTISED} for r in prepared}
