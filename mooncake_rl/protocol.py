@@ -17,13 +17,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The ``/mooncake/*`` contract's version, reported in every engine's status; bumped on any
 change a coordinator of the previous version could misread (2: direct mode receives in
 place, so an aborted update may leave the engine rebuilding; 3: a direct slice names the
 placement digest it was planned for, which a version-2 engine refuses as an unknown
-field). A coordinator refuses engines of another version before it drains any (see
-:mod:`mooncake_rl.router.probe`)."""
+field; 4: a slice's read or push may be a strided run, ``count, src_stride, dst_stride``
+appended, which a version-3 engine refuses as malformed). A coordinator refuses engines of
+another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
 PLACEMENT_DIGEST = "placement_digest"
 PLANNED_FIELDS = ("tp_rank", "tp_size", "regions", "shards")
 """What a direct-mode plan reads of a worker's placement. Not its node (the topology's) nor
@@ -94,12 +95,23 @@ class Wire(BaseModel):
 
 # -- a worker's routing slice (mooncake_rl.apply.wire encodes it) --------------------------
 class BatchWire(Wire):
-    reads: list[tuple[Name, Count, Name, Count, Length]] = Field(
-        max_length=1 << 24, description="[key, src_offset, region, dst_offset, length]"
-    )
-    pushes: list[tuple[WorkerId, Name, Count, Name, Count, Length]] = Field(
+    """Reads and pushes; either may end in a strided run, ``count, src_stride, dst_stride``."""
+
+    reads: list[
+        tuple[Name, Count, Name, Count, Length]
+        | tuple[Name, Count, Name, Count, Length, Length, Length, Length]
+    ] = Field(
         max_length=1 << 24,
-        description="[peer, src_region, src_offset, dst_region, dst_offset, length]",
+        description="[key, src_offset, region, dst_offset, length(, count, src_stride, "
+        "dst_stride)]",
+    )
+    pushes: list[
+        tuple[WorkerId, Name, Count, Name, Count, Length]
+        | tuple[WorkerId, Name, Count, Name, Count, Length, Length, Length, Length]
+    ] = Field(
+        max_length=1 << 24,
+        description="[peer, src_region, src_offset, dst_region, dst_offset, length(, count, "
+        "src_stride, dst_stride)]",
     )
 
 

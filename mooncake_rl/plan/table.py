@@ -19,7 +19,7 @@ never exceeds it unless a single row does); stage 1 pushes ride in the batch of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -352,47 +352,57 @@ class BoundRoutingTable:
             for src, dst, length in record_ranges(p)
         ]
 
-    def read_rows(self, batch: RecordBatch) -> list[list[Any]]:
-        """``read_ops`` as the wire's rows (``apply.wire``), built from whole columns: a 1T
-        MoE's TP8 engine reads some 470k ranges per update, and a ``ReadOp`` each, then a
-        row each, took seconds of the coordinator's prepare."""
+    def read_rows(self, batch: RecordBatch) -> list[tuple[Any, ...]]:
+        """``read_ops`` as the wire's arrays (``apply.wire``), one per record (a strided
+        record as one strided run), built from whole columns: a 1T MoE's TP8 engine reads
+        some 470k ranges from about 9k records per update, and a ``ReadOp`` per range, then
+        an array per op, took seconds of the coordinator's prepare."""
         r = batch.reads
-        record, src, dst, length = expanded_ranges(r)
-        objects = r["object"][record].tolist()
+        objects = r["object"].tolist()
         key_of = {o: self.keys[o] for o in set(objects)}  # type: ignore[misc]
-        regions = map(self.table.regions.__getitem__, r["dst_region"][record].tolist())
-        columns = (map(key_of.__getitem__, objects), src, regions, dst, length)
-        return list(zip(*columns, strict=True))
+        regions = map(self.table.regions.__getitem__, r["dst_region"].tolist())
+        return _wire_rows(r, map(key_of.__getitem__, objects), regions)
 
-    def push_rows(self, batch: RecordBatch) -> list[list[Any]]:
-        """``push_ops`` as the wire's rows, built like :meth:`read_rows`."""
+    def push_rows(self, batch: RecordBatch) -> list[tuple[Any, ...]]:
+        """``push_ops`` as the wire's arrays, built like :meth:`read_rows`."""
         p = batch.pushes
-        record, src, dst, length = expanded_ranges(p)
         regions, workers = self.table.regions.__getitem__, self.table.workers.__getitem__
-        columns = (
-            map(workers, p["peer"][record].tolist()),
-            map(regions, p["src_region"][record].tolist()),
-            src,
-            map(regions, p["dst_region"][record].tolist()),
-            dst,
-            length,
+        return _wire_rows(
+            p,
+            map(workers, p["peer"].tolist()),
+            map(regions, p["src_region"].tolist()),
+            map(regions, p["dst_region"].tolist()),
         )
-        return list(zip(*columns, strict=True))
 
 
-def expanded_ranges(records: np.ndarray) -> tuple[np.ndarray, list[int], list[int], list[int]]:
-    """:func:`record_ranges` of every record at once: each range's record, then its source
-    and destination offsets and length as lists, in record order."""
-    length, count = records["length"].astype(np.int64), records["count"].astype(np.int64)
+def _wire_rows(records: np.ndarray, *names: Iterable[str]) -> list[tuple[Any, ...]]:
+    """Wire arrays of ``records``: ``(*names[:-1], src, names[-1], dst, length)``, a record
+    whose sides are both contiguous fused into one range (as :func:`record_ranges` does),
+    any other with ``count, src_stride, dst_stride`` appended."""
+    length, count = records["length"], records["count"]
     src_stride, dst_stride = records["src_stride"], records["dst_stride"]
     fused = (count == 1) | ((src_stride == length) & (dst_stride == length))
-    ranges = np.where(fused, 1, count)
-    record = np.repeat(np.arange(len(records)), ranges)
-    row = np.arange(len(record)) - np.repeat(np.cumsum(ranges) - ranges, ranges)
-    src = records["src_offset"][record] + row * src_stride[record]
-    dst = records["dst_offset"][record] + row * dst_stride[record]
-    length = np.where(fused, length * count, length)[record]
-    return record, src.tolist(), dst.tolist(), length.tolist()
+    *first, last = names
+    rows = list(
+        zip(
+            *first,
+            records["src_offset"].tolist(),
+            last,
+            records["dst_offset"].tolist(),
+            np.where(fused, length * count, length).tolist(),
+            strict=True,
+        )
+    )
+    strided = np.flatnonzero(~fused)
+    runs = zip(
+        count[strided].tolist(),
+        src_stride[strided].tolist(),
+        dst_stride[strided].tolist(),
+        strict=True,
+    )
+    for i, run in zip(strided.tolist(), runs, strict=True):
+        rows[i] += run
+    return rows
 
 
 def bind(table: RoutingTable, group_id: str) -> BoundRoutingTable:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mooncake.reshard.weight import OwnershipAxis, ReplicatedAxis, SplitAxis, TensorDescriptor
 
-from mooncake_rl.apply.wire import encode_slice, with_checksums
+from mooncake_rl.apply.wire import decode_slice, with_checksums
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.checksums import ObjectChecksum
@@ -153,24 +153,23 @@ def test_slices_deliver_exactly_the_demanded_bytes_reading_each_once(
     st.sampled_from(["compat", "direct"]),
     st.sampled_from([16, 64, 1 << 20]),
 )
-def test_prepare_bodies_from_columns_equal_the_executors_slices_encoded(
+def test_prepare_bodies_from_columns_decode_to_the_executors_slices(
     specs: list[TensorSpec], cluster: list[tuple[str, int]], mode: str, batch_bytes: int
 ) -> None:
-    """``engine_workers`` encodes each slice from the table's columns (strided records
-    expanded range by range); the JSON equals what ``encode_slice`` makes of the executor's
-    own ops, with and without checksums, and each stage's apply peers are the workers those
-    ops push to. A checksum table that lacks an object the slice reads is refused by key."""
+    """``engine_workers`` encodes each slice from the table's columns, a strided record as
+    one strided run; what a worker decodes is exactly the executor's own slice, with and
+    without checksums, and each stage's apply peers are the workers those ops push to. A
+    checksum table that lacks an object the slice reads is refused by key."""
     manifest = build_manifest("m", 1, specs, "now")
-    plan = plan_update(
-        manifest, simulated_engines(specs, cluster, mode), mode, batch_bytes, RoutingCache()
-    )
+    engines = simulated_engines(specs, cluster, mode)
+    plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache())
     slices = {w: plan.worker_slice(w) for w in plan.routing.regions}
     rows = {key: ObjectChecksum.of(key.encode()) for s in slices.values() for key in s.read_keys}
     for url, workers in plan.engines.items():
         with_rows, plain = plan.engine_workers(url, rows), plan.engine_workers(url)
         for worker in workers:
-            assert plain[worker]["slice"] == encode_slice(slices[worker])
-            assert with_rows[worker]["slice"] == encode_slice(with_checksums(slices[worker], rows))
+            assert decode_slice(plain[worker]["slice"]) == slices[worker]
+            assert decode_slice(with_rows[worker]["slice"]) == with_checksums(slices[worker], rows)
         for stage in range(plan.stages):
             pushed = {op.peer for w in workers for b in slices[w].stages[stage] for op in b.pushes}
             assert plan.push_peers(url, stage) == pushed
