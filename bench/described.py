@@ -17,6 +17,10 @@ fragment, checked by mooncake.reshard's rules), planning and validating.
 parse the former, are what each engine's full reply costs a coordinator.
 ``plan_seconds_fleet_change`` plans once more with one engine added: a miss (the topology
 changed) that reuses the distinct placement's parts (``plan.update.PartsCache``).
+``prepare_bodies_seconds`` builds every engine's prepare-body slices for that hit
+(``UpdatePlan.engine_workers``, what every update costs the coordinator after the drain),
+``prepare_body_bytes`` is one engine's as JSON and ``prepare_body_encode_seconds`` the
+``json.dumps`` of them all.
 ``describe_seconds`` (not part of any) builds the replies and their reports, the engines'
 side.
 """
@@ -35,7 +39,7 @@ from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan.shapes import DTYPES, MODELS, instance_parts, model_shape
 from mooncake_rl.plan.synthetic import described_engines, simulated_engines
-from mooncake_rl.plan.update import RoutingCache, plan_routing
+from mooncake_rl.plan.update import RoutingCache, plan_routing, plan_update
 from mooncake_rl.protocol import reported_placement, without_boxes
 
 BATCH_BYTES = 256 << 20
@@ -92,6 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cached_bare_s = time.perf_counter() - t0  # no describe: a hit that read a box would fail
     assert hit.table is bare_hit.table is cold.table and (cache.hits, cache.misses) == (2, 1)
     assert bare_hit.regions == hit.regions and bare_hit.region_dtypes == hit.region_dtypes
+    update = plan_update(manifests[1], engines, "direct", BATCH_BYTES, cache, digests[1])
+    t0 = time.perf_counter()
+    bodies = [update.engine_workers(url) for url in engines]
+    bodies_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    encoded = [json.dumps({"workers": body}) for body in bodies]
+    encode_s = time.perf_counter() - t0
+    del bodies
     t0 = time.perf_counter()
     plan_routing(manifests[1], grown, "direct", BATCH_BYTES, cache, digests[1])
     fleet_change_s = time.perf_counter() - t0
@@ -119,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine_reply_bytes_without_boxes": len(replies[1]),
         "engine_reply_parse_seconds": round(parse_s, 3),
         "plan_seconds_fleet_change": round(fleet_change_s, 3),
+        "prepare_bodies_seconds": round(bodies_s, 3),
+        "prepare_body_bytes": len(encoded[0]),
+        "prepare_body_encode_seconds": round(encode_s, 3),
         "peak_rss_growth_bytes": (peak - before) * 1024,
         "reads": len(table.reads),
         "pushes": len(table.pushes),

@@ -67,6 +67,7 @@ def test_the_described_bench_plans_from_engine_replies():
     assert result["plan_seconds_fleet_change"] > 0
     assert result["demands"] == 3 * result["boxes_per_engine"] > 0
     assert result["reads"] > 0 and result["pushes"] > 0
+    assert result["prepare_body_bytes"] > 0 and result["prepare_bodies_seconds"] > 0
 
 
 def test_engines_describing_owned_experts_plan_what_the_planner_bench_plans():
