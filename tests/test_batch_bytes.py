@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from mooncake_rl.apply.wire import decode_slice
 from mooncake_rl.cli import build_parser, main
 from mooncake_rl.coordinator import Coordinator, UpdateResult
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.plan.update import UpdatePlan
 from mooncake_rl.protocol import PLACEMENT_DIGEST, reported_placement
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -189,8 +192,69 @@ def test_the_plan_is_made_before_any_engine_drains(coordinator_settings: Setting
     assert len(result.committed) == 2
     assert routes_at["plan"] == ["placement?boxes=false"] * 2 + ["placement"]
     assert "drain" in routes_at["drain"]
-    assert list(result.phase_seconds)[:4] == ["placement", "check", "plan", "drain"]
+    assert list(result.phase_seconds)[:5] == ["placement", "check", "plan", "bodies", "drain"]
     assert (coordinator.cache.misses, coordinator.cache.hits) == (1, 0)
+
+
+def test_prepare_bodies_are_encoded_before_the_drain_and_sent_as_planned(
+    coordinator_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Encoding a 1T MoE's slices takes the coordinator seconds per engine: each engine's is
+    made once, while every engine serves, and is what that engine's prepare receives."""
+    engines = engines_for(coordinator_settings)
+    made: list[tuple[str, list[str], dict[str, Any]]] = []
+    engine_workers = UpdatePlan.engine_workers
+
+    def spied(plan: UpdatePlan, url: str, checksums: Any = None) -> dict[str, Any]:
+        workers = engine_workers(plan, url, checksums)
+        made.append((url, [route for _, route, _ in engines.calls], workers))
+        return workers
+
+    monkeypatch.setattr(UpdatePlan, "engine_workers", spied)
+    with coordinating(coordinator_settings, engines) as coordinator:
+        result = coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+    assert sorted(result.committed) == sorted(url for url, _, _ in made) == sorted(engines.urls)
+    assert all("drain" not in routes for _, routes, _ in made)
+    prepared = {url: body for url, route, body in engines.calls if route == "prepare"}
+    for url, _, workers in made:
+        assert prepared[url]["workers"] == json.loads(json.dumps(workers))
+        assert prepared[url]["session"] == result.session and prepared[url]["stages"] == 2
+
+
+def test_an_engine_lost_at_prepare_gets_the_survivors_a_new_plans_bodies(
+    coordinator_settings: Settings,
+) -> None:
+    """The bodies encoded before the drain belong to the plan for every target; once an
+    engine fails its prepare, the survivor is prepared again from the re-plan, which pushes
+    nothing to the lost engine."""
+    engines = engines_for(coordinator_settings)
+    handle = engines.handle
+
+    async def losing(url: str, path: str, content: bytes, headers: Any) -> tuple[int, Any]:
+        status, reply = await handle(url, path, content, headers)
+        if path == "/mooncake/prepare" and engines.urls[url] == lost:
+            return 500, {"detail": {"code": "prepare_failed", "message": "injected"}}
+        return status, reply
+
+    lost = sorted(engines.placements)[0]
+    engines.handle = losing  # type: ignore[method-assign]
+    with coordinating(coordinator_settings, engines) as coordinator:
+        result = coordinator.update(MODEL, mode="direct", batch_bytes=4096, min_engines=1)
+    [survivor] = result.committed
+    lost_workers = {w["worker_id"] for w in engines.placements[lost]}
+    pushed_to = [
+        {
+            push.peer
+            for worker in body["workers"].values()
+            for stage in decode_slice(worker["slice"]).stages
+            for batch in stage
+            for push in batch.pushes
+        }
+        for url, route, body in engines.calls
+        if route == "prepare" and url == survivor
+    ]
+    assert len(pushed_to) == 2
+    assert pushed_to[0] & lost_workers and not pushed_to[1] & lost_workers
 
 
 def test_a_placement_the_planner_refuses_drains_no_engine(coordinator_settings: Settings) -> None:
