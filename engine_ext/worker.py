@@ -332,9 +332,7 @@ class UpdateWorker(ABC):
             )
         in_place: dict[str, torch.Tensor] = {}
         if call.mode == "direct":
-            self._check_direct(
-                worker_slice, raw.get("region_dtypes", {}), raw.get("placement_digest")
-            )
+            self._check_direct(worker_slice, raw.get("placement_digest"))
             if call.in_place:
                 live = self.in_place_parameters()
                 in_place = {n: live[n] for n in worker_slice.regions if n in live}
@@ -414,7 +412,6 @@ class UpdateWorker(ABC):
     def _check_direct(
         self,
         worker_slice: WorkerSlice,
-        region_dtypes: Mapping[str, str],
         planned_for: str | None,
     ) -> None:
         """Direct mode lands bytes as they arrive: the slice must be planned for this
@@ -448,7 +445,7 @@ class UpdateWorker(ABC):
                     "placement_mismatch",
                     f"region {name} is {specs[name].nbytes} bytes, slice says {nbytes}",
                 )
-        for name, stored in region_dtypes.items():
+        for name, stored in worker_slice.region_dtypes.items():
             if name not in specs:
                 raise RequestRefused(
                     409, "placement_mismatch", f"slice gives a dtype for {name}, no region here"

@@ -17,13 +17,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """The ``/mooncake/*`` contract's version, reported in every engine's status; bumped on any
 change a coordinator of the previous version could misread (2: direct mode receives in
 place, so an aborted update may leave the engine rebuilding; 3: a direct slice names the
 placement digest it was planned for, which a version-2 engine refuses as an unknown
 field; 4: a slice's read or push may be a strided run, ``count, src_stride, dst_stride``
-appended, which a version-3 engine refuses as malformed). A coordinator refuses engines of
+appended, which a version-3 engine refuses as malformed; 5: a slice lists its strings once
+in ``names`` and its arrays carry indices, which a version-4 engine refuses as
+malformed). A coordinator refuses engines of
 another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
 PLACEMENT_DIGEST = "placement_digest"
 PLANNED_FIELDS = ("tp_rank", "tp_size", "regions", "shards")
@@ -95,19 +97,20 @@ class Wire(BaseModel):
 
 # -- a worker's routing slice (mooncake_rl.apply.wire encodes it) --------------------------
 class BatchWire(Wire):
-    """Reads and pushes; either may end in a strided run, ``count, src_stride, dst_stride``."""
+    """Reads and pushes, their strings as indices into the slice's ``names``; either may end
+    in a strided run, ``count, src_stride, dst_stride``."""
 
     reads: list[
-        tuple[Name, Count, Name, Count, Length]
-        | tuple[Name, Count, Name, Count, Length, Length, Length, Length]
+        tuple[Count, Count, Count, Count, Length]
+        | tuple[Count, Count, Count, Count, Length, Length, Length, Length]
     ] = Field(
         max_length=1 << 24,
         description="[key, src_offset, region, dst_offset, length(, count, src_stride, "
         "dst_stride)]",
     )
     pushes: list[
-        tuple[WorkerId, Name, Count, Name, Count, Length]
-        | tuple[WorkerId, Name, Count, Name, Count, Length, Length, Length, Length]
+        tuple[Count, Count, Count, Count, Count, Length]
+        | tuple[Count, Count, Count, Count, Count, Length, Length, Length, Length]
     ] = Field(
         max_length=1 << 24,
         description="[peer, src_region, src_offset, dst_region, dst_offset, length(, count, "
@@ -116,7 +119,12 @@ class BatchWire(Wire):
 
 
 class SliceWire(Wire):
-    regions: dict[Name, Length]
+    names: list[Name] = Field(
+        max_length=1 << 24, description="every string the slice names, once; arrays index it"
+    )
+    regions: list[tuple[Count, Length] | tuple[Count, Length, Count]] = Field(
+        max_length=1 << 24, description="[name, bytes(, stored dtype: direct mode)]"
+    )
     stages: list[list[BatchWire]] = Field(max_length=MAX_STAGES)
     checksums: dict[Name, tuple[Length, Hex32, list[Hex16]]] | None = None
 
@@ -135,7 +143,6 @@ class TensorRow(Wire):
 class WorkerRouting(Wire):
     slice: SliceWire
     layout: list[TensorRow]
-    region_dtypes: dict[Name, DtypeName]
     fallback: list[TensorRow]
     placement_digest: Digest | None = Field(
         None, description="direct mode: the worker's placement the slice was planned for"

@@ -1,7 +1,13 @@
 """The JSON shape of one worker's routing slice, as the coordinator sends it to engines.
 
 A slice is the worker's destination regions (name -> bytes, allocated by the worker at
-prepare) and its batches per stage. Ops travel as compact arrays:
+prepare) and its batches per stage. Every string it names (region names, object keys,
+peers) is listed once in ``names``, and the slice's arrays carry indices into it: a 1T
+MoE's TP8 worker names some 140k regions, each in its regions, reads and pushes, and
+spelled out they were most of a 312 MB prepare body (protocol 5). ``regions`` is
+``[[name, bytes(, stored dtype)], ...]``: direct mode names the dtype each region's bytes
+are stored in, which the worker checks against its parameter's. Ops travel as compact
+arrays:
 read ``[key, src_offset, region, dst_offset, length]`` and
 push ``[peer, src_region, src_offset, dst_region, dst_offset, length]``. A strided run (a
 column shard's rows: ``count`` ranges of ``length`` bytes, ``src_stride`` and
@@ -17,8 +23,8 @@ checks what lands without loading the table itself (one table load per update).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
@@ -31,6 +37,8 @@ class WorkerSlice:
     regions: Mapping[str, int]
     stages: tuple[tuple[Batch, ...], ...]
     checksums: Mapping[str, ObjectChecksum] | None = None
+    # direct mode: the dtype each region's bytes are stored in (region -> dtype name)
+    region_dtypes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, size in self.regions.items():
@@ -38,6 +46,9 @@ class WorkerSlice:
                 raise InvariantViolation(
                     f"region {name!r} needs a positive integer size, got {size!r}"
                 )
+        unknown = set(self.region_dtypes) - set(self.regions)
+        if unknown:
+            raise InvariantViolation(f"the slice gives a dtype for {min(unknown)!r}, not a region")
 
     @property
     def read_keys(self) -> set[str]:
@@ -68,28 +79,52 @@ def checksums_of(
     return {k: table[k] for k in ordered}
 
 
+class NameTable:
+    """The strings one slice names, each once, in the order first named; the slice's arrays
+    carry their indices (``names``)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._indices: dict[str, int] = {}
+
+    def __call__(self, name: str) -> int:
+        index = self._indices.get(name)
+        if index is None:
+            index = self._indices[name] = len(self.names)
+            self.names.append(name)
+        return index
+
+    def regions(
+        self, regions: Mapping[str, int], dtypes: Mapping[str, str]
+    ) -> list[tuple[int, ...]]:
+        """A slice's ``regions``: ``(name, bytes)`` arrays, the stored dtype appended where
+        ``dtypes`` names one."""
+        return [
+            (self(name), size) if name not in dtypes else (self(name), size, self(dtypes[name]))
+            for name, size in regions.items()
+        ]
+
+
 def encode_slice(worker_slice: WorkerSlice) -> dict[str, Any]:
-    encoded = _encode_ops(worker_slice)
-    if worker_slice.checksums is not None:
-        encoded["checksums"] = encode_checksums(worker_slice.checksums)
-    return encoded
-
-
-def encode_checksums(checksums: Mapping[str, ObjectChecksum]) -> dict[str, list[Any]]:
-    return {k: [c.nbytes, c.whole, list(c.blocks)] for k, c in checksums.items()}
-
-
-def _encode_ops(worker_slice: WorkerSlice) -> dict[str, Any]:
-    return {
-        "regions": dict(worker_slice.regions),
+    name = NameTable()
+    encoded: dict[str, Any] = {
+        "regions": name.regions(worker_slice.regions, worker_slice.region_dtypes),
         "stages": [
             [
                 {
                     "reads": [
-                        (r.key, r.src_offset, r.region, r.dst_offset, r.length) for r in batch.reads
+                        (name(r.key), r.src_offset, name(r.region), r.dst_offset, r.length)
+                        for r in batch.reads
                     ],
                     "pushes": [
-                        (p.peer, p.src_region, p.src_offset, p.dst_region, p.dst_offset, p.length)
+                        (
+                            name(p.peer),
+                            name(p.src_region),
+                            p.src_offset,
+                            name(p.dst_region),
+                            p.dst_offset,
+                            p.length,
+                        )
                         for p in batch.pushes
                     ],
                 }
@@ -97,7 +132,15 @@ def _encode_ops(worker_slice: WorkerSlice) -> dict[str, Any]:
             ]
             for stage in worker_slice.stages
         ],
+        "names": name.names,
     }
+    if worker_slice.checksums is not None:
+        encoded["checksums"] = encode_checksums(worker_slice.checksums)
+    return encoded
+
+
+def encode_checksums(checksums: Mapping[str, ObjectChecksum]) -> dict[str, list[Any]]:
+    return {k: [c.nbytes, c.whole, list(c.blocks)] for k, c in checksums.items()}
 
 
 def _ints(values: Sequence[Any], what: str) -> list[int]:
@@ -113,7 +156,18 @@ MAX_RANGES = 1 << 24
 def decode_slice(raw: Mapping[str, Any]) -> WorkerSlice:
     """Parse and validate a slice received over HTTP; raises InvariantViolation if malformed."""
     try:
-        regions = dict(raw["regions"])
+        name = _namer(raw["names"])
+        regions: dict[str, int] = {}
+        dtypes: dict[str, str] = {}
+        for index, size, *dtype in raw["regions"]:
+            region = name(index)
+            if region in regions:
+                raise InvariantViolation(f"the slice gives region {region!r} twice")
+            regions[region] = size
+            if len(dtype) > 1:
+                raise InvariantViolation(f"region {region!r}: [name, bytes(, dtype)], got more")
+            if dtype:
+                dtypes[region] = name(dtype[0])
         stages = []
         ranges = 0
         for stage in raw["stages"]:
@@ -123,16 +177,17 @@ def decode_slice(raw: Mapping[str, Any]) -> WorkerSlice:
                 for key, src, region, dst, length, *run in batch["reads"]:
                     src, dst, length = _ints([src, dst, length], "read offsets")
                     ranges = _counted(ranges, run, length)
+                    key, region = name(key), name(region)
                     reads.extend(
-                        ReadOp(str(key), s, str(region), d, n)
-                        for s, d, n in _ranges(src, dst, length, run)
+                        ReadOp(key, s, region, d, n) for s, d, n in _ranges(src, dst, length, run)
                     )
                 pushes = []
                 for peer, src_region, src, dst_region, dst, length, *run in batch["pushes"]:
                     src, dst, length = _ints([src, dst, length], "push offsets")
                     ranges = _counted(ranges, run, length)
+                    peer, src_region, dst_region = name(peer), name(src_region), name(dst_region)
                     pushes.extend(
-                        PushOp(str(peer), str(src_region), s, str(dst_region), d, n)
+                        PushOp(peer, src_region, s, dst_region, d, n)
                         for s, d, n in _ranges(src, dst, length, run)
                     )
                 if any(op.length == 0 for op in (*reads, *pushes)):
@@ -147,7 +202,23 @@ def decode_slice(raw: Mapping[str, Any]) -> WorkerSlice:
             }
     except (KeyError, TypeError, ValueError) as error:
         raise InvariantViolation(f"malformed routing slice: {error}") from error
-    return WorkerSlice(regions, tuple(stages), checksums)
+    return WorkerSlice(regions, tuple(stages), checksums, dtypes)
+
+
+def _namer(names: Any) -> Callable[[Any], str]:
+    """The slice's ``names`` looked up by index, each index checked."""
+    if not isinstance(names, list) or not all(type(n) is str and n for n in names):
+        raise InvariantViolation("a slice's names must be a list of non-empty strings")
+    count = len(names)
+
+    def name(index: Any) -> str:
+        if type(index) is not int or not 0 <= index < count:
+            raise InvariantViolation(
+                f"name index {index!r} is not one of the slice's {count} names"
+            )
+        return names[index]
+
+    return name
 
 
 def _counted(total: int, run: Sequence[Any], length: int) -> int:

@@ -19,7 +19,7 @@ never exceeds it unless a single row does); stage 1 pushes ride in the batch of 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mooncake_rl.apply.executor import PushOp, ReadOp
+from mooncake_rl.apply.wire import NameTable
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.keys import payload_prefix
 from mooncake_rl.plan import grid
@@ -352,30 +353,39 @@ class BoundRoutingTable:
             for src, dst, length in record_ranges(p)
         ]
 
-    def read_rows(self, batch: RecordBatch) -> list[tuple[Any, ...]]:
+    def read_rows(self, batch: RecordBatch, name: NameTable) -> list[tuple[Any, ...]]:
         """``read_ops`` as the wire's arrays (``apply.wire``), one per record (a strided
-        record as one strided run), built from whole columns: a 1T MoE's TP8 engine reads
-        some 470k ranges from about 9k records per update, and a ``ReadOp`` per range, then
-        an array per op, took seconds of the coordinator's prepare."""
+        record as one strided run), built from whole columns, each string as its index in
+        the slice's ``name`` table: a 1T MoE's TP8 engine reads some 470k ranges from about
+        9k records per update, and a ``ReadOp`` per range, then an array per op, took
+        seconds of the coordinator's prepare."""
         r = batch.reads
-        objects = r["object"].tolist()
-        key_of = {o: self.keys[o] for o in set(objects)}  # type: ignore[misc]
-        regions = map(self.table.regions.__getitem__, r["dst_region"].tolist())
-        return _wire_rows(r, map(key_of.__getitem__, objects), regions)
+        keys = _indices(r["object"], lambda o: name(self.keys[o]))
+        return _wire_rows(r, keys, _indices(r["dst_region"], self._region_names(name)))
 
-    def push_rows(self, batch: RecordBatch) -> list[tuple[Any, ...]]:
+    def push_rows(self, batch: RecordBatch, name: NameTable) -> list[tuple[Any, ...]]:
         """``push_ops`` as the wire's arrays, built like :meth:`read_rows`."""
         p = batch.pushes
-        regions, workers = self.table.regions.__getitem__, self.table.workers.__getitem__
+        region = self._region_names(name)
         return _wire_rows(
             p,
-            map(workers, p["peer"].tolist()),
-            map(regions, p["src_region"].tolist()),
-            map(regions, p["dst_region"].tolist()),
+            _indices(p["peer"], lambda w: name(self.table.workers[w])),
+            _indices(p["src_region"], region),
+            _indices(p["dst_region"], region),
         )
 
+    def _region_names(self, name: NameTable) -> Callable[[int], int]:
+        return lambda region: name(self.table.regions[region])
 
-def _wire_rows(records: np.ndarray, *names: Iterable[str]) -> list[tuple[Any, ...]]:
+
+def _indices(ids: np.ndarray, index_of: Callable[[int], int]) -> Iterable[int]:
+    """``index_of`` each of ``ids``, called once per distinct id."""
+    column = ids.tolist()
+    indices = {i: index_of(i) for i in dict.fromkeys(column)}
+    return map(indices.__getitem__, column)
+
+
+def _wire_rows(records: np.ndarray, *names: Iterable[int]) -> list[tuple[Any, ...]]:
     """Wire arrays of ``records``: ``(*names[:-1], src, names[-1], dst, length)``, a record
     whose sides are both contiguous fused into one range (as :func:`record_ranges` does),
     any other with ``count, src_stride, dst_stride`` appended."""

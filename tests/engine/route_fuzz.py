@@ -37,11 +37,11 @@ def templates(model: str, generation: int, session: str, digest: str) -> dict[st
     row = {"name": "t", "region": "r", "offset": 0, "shape": [4], "dtype": "float32"}
     routing = {
         "slice": {
-            "regions": {"r": 16},
-            "stages": [[{"reads": [[f"{model}/g{generation}/x", 0, "r", 0, 16]], "pushes": []}]],
+            "names": ["r", f"{model}/g{generation}/x"],
+            "regions": [[0, 16]],
+            "stages": [[{"reads": [[1, 0, 0, 0, 16]], "pushes": []}]],
         },
         "layout": [row],
-        "region_dtypes": {},
         "fallback": [],
     }
     return {

@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 
 from bench.load import Load
 from engine_ext.vllm.server import VllmServer
+from mooncake_rl.apply.wire import WorkerSlice, encode_slice
 from mooncake_rl.cli import main
 from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
 from mooncake_rl.generations import GenerationRegistry
@@ -446,15 +447,12 @@ def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: Wor
         workers = engine.mooncake("GET", "placement").json()["workers"]
         routing = {
             w["worker_id"]: {
-                "slice": {
-                    "regions": dict([next((n, r["bytes"]) for n, r in w["regions"].items())]),
-                    "stages": [[]],
-                },
+                "slice": encode_slice(WorkerSlice({first: w["regions"][first]["bytes"]}, ((),))),
                 "layout": [],
-                "region_dtypes": {},
                 "fallback": [],
             }
             for w in workers
+            for first in [next(iter(w["regions"]))]
         }
         prepare = prepare_body(session, record, mode="direct", stages=1, workers=routing)
         assert engine.mooncake("POST", "prepare", prepare).status_code == 200
@@ -492,9 +490,8 @@ def test_an_update_ended_after_receiving_in_place_rebuilds_instead_of_serving_a_
     norm = "model.norm.weight"
     routing = {
         worker["worker_id"]: {
-            "slice": {"regions": {norm: worker["regions"][norm]["bytes"]}, "stages": [[]]},
+            "slice": encode_slice(WorkerSlice({norm: worker["regions"][norm]["bytes"]}, ((),))),
             "layout": [],
-            "region_dtypes": {},
             "fallback": [],
         }
     }

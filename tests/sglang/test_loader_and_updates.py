@@ -400,8 +400,11 @@ def first_read_changed(body: dict[str, Any], **change: Any) -> dict[str, Any]:
         reads = next(b["reads"] for stage in sliced["stages"] for b in stage if b["reads"])
         read = list(reads[0])
         if "key" in change:
-            old, read[0] = read[0], change["key"](read[0])
-            sliced["checksums"][read[0]] = sliced["checksums"][old]
+            names = sliced["names"]
+            old = names[read[0]]
+            read[0] = len(names)
+            names.append(change["key"](old))
+            sliced["checksums"][names[-1]] = sliced["checksums"][old]
         if "src_offset" in change:
             read[1] = change["src_offset"]
         reads[0] = read
@@ -410,7 +413,9 @@ def first_read_changed(body: dict[str, Any], **change: Any) -> dict[str, Any]:
 
 def first_read_keys(body: dict[str, Any]) -> list[str]:
     return [
-        next(b["reads"][0][0] for stage in r["slice"]["stages"] for b in stage if b["reads"])
+        r["slice"]["names"][
+            next(b["reads"][0][0] for stage in r["slice"]["stages"] for b in stage if b["reads"])
+        ]
         for r in body["workers"].values()
     ]
 
@@ -473,6 +478,37 @@ def test_prepare_refuses_what_the_store_contradicts(world: World) -> None:
     status = world.status()
     assert (status["state"], status["generation"]) == ("serving", 3)
     assert world.compare(2) == [[], []]
+
+
+def test_a_region_stored_in_another_dtype_is_refused_by_name(world: World) -> None:
+    """Direct mode lands bytes as they arrive, so each region's stored dtype (sent in the
+    slice's regions) must be its parameter's, and one direct mode cannot land at all is
+    refused as unsupported; both before anything is staged."""
+    body = prepare_body(world, mode="direct")
+    refused = []
+    for stored, code in (("float16", "dtype_mismatch"), ("int8", "unsupported_dtype")):
+        case = copy.deepcopy(body)
+        for routing in case["workers"].values():
+            sliced, names = routing["slice"], routing["slice"]["names"]
+            at = next(i for i, r in enumerate(sliced["regions"]) if len(r) == 3)
+            index, size, dtype = sliced["regions"][at]
+            assert names[dtype] != stored
+            names.append(stored)
+            sliced["regions"][at] = (index, size, len(names) - 1)
+            refused.append(names[index])
+        replies = world.call("prepare", wire(PrepareRequest, case))
+        status = 409 if code == "dtype_mismatch" else 422
+        assert refusals(replies) == [{"status": status, "code": code}] * 2, replies
+        said = {
+            "dtype_mismatch": "direct mode needs stored dtype float16 to equal parameter "
+            "dtype; {} is",
+            "unsupported_dtype": "{} is stored as int8; direct mode lands only",
+        }[code]
+        for reply, region in zip(replies, refused[-2:], strict=True):
+            assert reply["error"].startswith(said.format(region)), reply
+    adverts = [advert_key(body["session"], w) for w in body["workers"]]
+    assert world.store.exists(adverts) == [False, False]
+    assert world.status()["state"] == "serving"
 
 
 def test_a_slice_planned_for_another_placement_is_refused(world: World) -> None:
@@ -556,8 +592,9 @@ def test_apply_writes_only_into_peers_advertised_in_the_session(world: World) ->
     body = prepare_body(world)
     for routing in body["workers"].values():
         pushes = next(b["pushes"] for b in routing["slice"]["stages"][0] if b["pushes"])
-        push = list(pushes[0])
-        size = body["workers"][push[0]]["slice"]["regions"][push[3]]
+        push, names = list(pushes[0]), routing["slice"]["names"]
+        peer = body["workers"][names[push[0]]]["slice"]
+        size = {peer["names"][i]: n for i, n in peer["regions"]}[names[push[3]]]
         push[4] = size - push[5] + 1
         pushes[0] = push
     prepared = world.call("prepare", wire(PrepareRequest, body))
