@@ -24,9 +24,9 @@ place, so an aborted update may leave the engine rebuilding; 3: a direct slice n
 placement digest it was planned for, which a version-2 engine refuses as an unknown
 field; 4: a slice's read or push may be a strided run, ``count, src_stride, dst_stride``
 appended, which a version-3 engine refuses as malformed; 5: a slice lists its strings once
-in ``names`` and its arrays carry indices, which a version-4 engine refuses as
-malformed). A coordinator refuses engines of
-another version before it drains any (see :mod:`mooncake_rl.router.probe`)."""
+in ``names``, its arrays carry indices and its regions their stored dtypes, which a
+version-4 engine refuses as malformed). A coordinator refuses engines of another version
+before it drains any (see :mod:`mooncake_rl.router.probe`)."""
 PLACEMENT_DIGEST = "placement_digest"
 PLANNED_FIELDS = ("tp_rank", "tp_size", "regions", "shards")
 """What a direct-mode plan reads of a worker's placement. Not its node (the topology's) nor

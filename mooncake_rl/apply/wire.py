@@ -84,24 +84,30 @@ class NameTable:
     carry their indices (``names``)."""
 
     def __init__(self) -> None:
-        self.names: list[str] = []
         self._indices: dict[str, int] = {}
 
     def __call__(self, name: str) -> int:
-        index = self._indices.get(name)
-        if index is None:
-            index = self._indices[name] = len(self.names)
-            self.names.append(name)
-        return index
+        return self._indices.setdefault(name, len(self._indices))
+
+    def many(self, names: Iterable[str]) -> list[int]:
+        indices = self._indices
+        index = indices.setdefault
+        return [index(name, len(indices)) for name in names]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._indices)
 
     def regions(
         self, regions: Mapping[str, int], dtypes: Mapping[str, str]
     ) -> list[tuple[int, ...]]:
         """A slice's ``regions``: ``(name, bytes)`` arrays, the stored dtype appended where
         ``dtypes`` names one."""
+        indices = self.many(regions)
+        kinds = {dtype: self(dtype) for dtype in sorted(set(dtypes.values()))}
         return [
-            (self(name), size) if name not in dtypes else (self(name), size, self(dtypes[name]))
-            for name, size in regions.items()
+            (index, size) if name not in dtypes else (index, size, kinds[dtypes[name]])
+            for index, (name, size) in zip(indices, regions.items(), strict=True)
         ]
 
 

@@ -19,7 +19,7 @@ never exceeds it unless a single row does); stage 1 pushes ride in the batch of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -199,6 +199,10 @@ class RoutingTable:
         return {w: i for i, w in enumerate(self.workers)}
 
     @cached_property
+    def region_ids(self) -> dict[str, int]:
+        return {r: i for i, r in enumerate(self.regions)}
+
+    @cached_property
     def totals(self) -> Totals:
         reads, pushes, demands = self.reads, self.pushes, self.demands
         node = self.worker_node
@@ -353,36 +357,79 @@ class BoundRoutingTable:
             for src, dst, length in record_ranges(p)
         ]
 
-    def read_rows(self, batch: RecordBatch, name: NameTable) -> list[tuple[Any, ...]]:
-        """``read_ops`` as the wire's arrays (``apply.wire``), one per record (a strided
-        record as one strided run), built from whole columns, each string as its index in
-        the slice's ``name`` table: a 1T MoE's TP8 engine reads some 470k ranges from about
-        9k records per update, and a ``ReadOp`` per range, then an array per op, took
-        seconds of the coordinator's prepare."""
-        r = batch.reads
-        keys = _indices(r["object"], lambda o: name(self.keys[o]))
-        return _wire_rows(r, keys, _indices(r["dst_region"], self._region_names(name)))
-
-    def push_rows(self, batch: RecordBatch, name: NameTable) -> list[tuple[Any, ...]]:
-        """``push_ops`` as the wire's arrays, built like :meth:`read_rows`."""
-        p = batch.pushes
-        region = self._region_names(name)
-        return _wire_rows(
-            p,
-            _indices(p["peer"], lambda w: name(self.table.workers[w])),
-            _indices(p["src_region"], region),
-            _indices(p["dst_region"], region),
+    def slice_names(self) -> SliceNames:
+        """A fresh name table for one worker's slice, with this table's ids mapped into it."""
+        name = NameTable()
+        table = self.table
+        return SliceNames(
+            name,
+            _IdNames(name, self.keys.__getitem__, len(self.keys)),
+            _IdNames(name, table.regions.__getitem__, len(table.regions)),
+            _IdNames(name, table.workers.__getitem__, len(table.workers)),
         )
 
-    def _region_names(self, name: NameTable) -> Callable[[int], int]:
-        return lambda region: name(self.table.regions[region])
+    def read_rows(self, batch: RecordBatch, names: SliceNames) -> list[tuple[Any, ...]]:
+        """``read_ops`` as the wire's arrays (``apply.wire``), one per record (a strided
+        record as one strided run), built from whole columns, each string as its index in
+        the slice's ``names``: a 1T MoE's TP8 engine reads some 470k ranges from about 9k
+        records per update, and a ``ReadOp`` per range, then an array per op, took seconds
+        of the coordinator's prepare."""
+        r = batch.reads
+        return _wire_rows(r, names.objects(r["object"]), names.regions(r["dst_region"]))
+
+    def push_rows(self, batch: RecordBatch, names: SliceNames) -> list[tuple[Any, ...]]:
+        """``push_ops`` as the wire's arrays, built like :meth:`read_rows`."""
+        p = batch.pushes
+        return _wire_rows(
+            p,
+            names.workers(p["peer"]),
+            names.regions(p["src_region"]),
+            names.regions(p["dst_region"]),
+        )
 
 
-def _indices(ids: np.ndarray, index_of: Callable[[int], int]) -> Iterable[int]:
-    """``index_of`` each of ``ids``, called once per distinct id."""
-    column = ids.tolist()
-    indices = {i: index_of(i) for i in dict.fromkeys(column)}
-    return map(indices.__getitem__, column)
+class _IdNames:
+    """One kind of a table's ids (objects, regions, workers) as indices into a slice's
+    name table, each id named once per slice (a 1T MoE's TP8 worker names some 140k
+    regions across hundreds of batches)."""
+
+    def __init__(self, name: NameTable, string_of: Callable[[int], str], count: int) -> None:
+        self.name, self.string_of = name, string_of
+        self.index = np.full(count, -1, dtype=np.int64)
+
+    def __call__(self, ids: np.ndarray) -> list[int]:
+        fresh = np.unique(ids[self.index[ids] < 0])
+        if len(fresh):
+            self.index[fresh] = self.name.many(map(self.string_of, fresh.tolist()))
+        return self.index[ids].tolist()
+
+
+class SliceNames(NamedTuple):
+    """A worker slice's name table and the table's ids mapped into it."""
+
+    table: NameTable
+    objects: _IdNames
+    regions: _IdNames
+    workers: _IdNames
+
+    def own_regions(
+        self, regions: Mapping[str, int], dtypes: Mapping[str, str], ids: Mapping[str, int]
+    ) -> list[tuple[int, ...]]:
+        """The slice's ``regions`` arrays (:meth:`NameTable.regions`), named first; their
+        table ids (``ids``) are then known to the region mapping, which names them no more."""
+        rows = self.table.regions(regions, dtypes)
+        known = [
+            (ids[name], row[0]) for name, row in zip(regions, rows, strict=True) if name in ids
+        ]
+        if known:
+            table_ids, indices = zip(*known, strict=True)
+            self.regions.index[list(table_ids)] = indices
+        return rows
+
+    def read_keys(self) -> Iterable[str]:
+        """The keys of the objects the slice reads (every object named so far)."""
+        named = np.flatnonzero(self.objects.index >= 0).tolist()
+        return map(self.table.names.__getitem__, self.objects.index[named].tolist())
 
 
 def _wire_rows(records: np.ndarray, *names: Iterable[int]) -> list[tuple[Any, ...]]:
