@@ -18,9 +18,10 @@ parse the former, are what each engine's full reply costs a coordinator.
 ``plan_seconds_fleet_change`` plans once more with one engine added: a miss (the topology
 changed) that reuses the distinct placement's parts (``plan.update.PartsCache``).
 ``prepare_bodies_seconds`` builds every engine's prepare-body slices for that hit
-(``UpdatePlan.engine_workers``, what every update costs the coordinator after the drain),
-``prepare_body_bytes`` is one engine's as JSON and ``prepare_body_encode_seconds`` the
-``json.dumps`` of them all.
+(``UpdatePlan.engine_workers``, what every update costs the coordinator before the drain),
+with the checksum rows of the objects each worker reads (synthetic hashes of the real
+sizes, one per 4 MiB block as published); ``prepare_body_bytes`` is one engine's as JSON
+and ``prepare_body_encode_seconds`` the ``json.dumps`` of them all.
 ``describe_seconds`` (not part of any) builds the replies and their reports, the engines'
 side.
 """
@@ -34,8 +35,11 @@ import resource
 import time
 from collections.abc import Sequence
 
+from mooncake.reshard.weight import WeightManifest
+
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
+from mooncake_rl.generations.checksums import BLOCK_BYTES, ObjectChecksum, block_spans
 from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan.shapes import DTYPES, MODELS, instance_parts, model_shape
 from mooncake_rl.plan.synthetic import described_engines, simulated_engines
@@ -43,6 +47,18 @@ from mooncake_rl.plan.update import RoutingCache, plan_routing, plan_update
 from mooncake_rl.protocol import reported_placement, without_boxes
 
 BATCH_BYTES = 256 << 20
+
+
+def synthetic_checksums(manifest: WeightManifest) -> dict[str, ObjectChecksum]:
+    """A checksum row per object of ``manifest``, of its size and shape on the wire (block
+    hashes per ``BLOCK_BYTES``), with made-up hashes: prepare bodies carry them."""
+    rows = {}
+    for i, fragment in enumerate(manifest.fragments):
+        blocks = len(list(block_spans(fragment.nbytes))) if fragment.nbytes > BLOCK_BYTES else 0
+        rows[fragment.object_key] = ObjectChecksum(
+            fragment.nbytes, f"{i:032x}", tuple(f"{i + k:016x}" for k in range(blocks))
+        )
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,8 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert hit.table is bare_hit.table is cold.table and (cache.hits, cache.misses) == (2, 1)
     assert bare_hit.regions == hit.regions and bare_hit.region_dtypes == hit.region_dtypes
     update = plan_update(manifests[1], engines, "direct", BATCH_BYTES, cache, digests[1])
+    checksums = synthetic_checksums(manifests[1])
     t0 = time.perf_counter()
-    bodies = [update.engine_workers(url) for url in engines]
+    bodies = [update.engine_workers(url, checksums) for url in engines]
     bodies_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     encoded = [json.dumps({"workers": body}) for body in bodies]

@@ -126,7 +126,9 @@ class SliceWire(Wire):
         max_length=1 << 24, description="[name, bytes(, stored dtype: direct mode)]"
     )
     stages: list[list[BatchWire]] = Field(max_length=MAX_STAGES)
-    checksums: dict[Name, tuple[Length, Hex32, list[Hex16]]] | None = None
+    checksums: list[tuple[Count, Length, Hex32, list[Hex16]]] | None = Field(
+        None, max_length=1 << 24, description="[key, nbytes, whole, [block, ...]]"
+    )
 
 
 class TensorRow(Wire):

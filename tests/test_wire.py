@@ -119,6 +119,11 @@ def test_every_string_is_its_index_in_the_slice_names() -> None:
         (lambda raw: raw.update(names=[*NAMES, ""]), "list of non-empty strings"),
         (lambda raw: raw.update(names={"0": "r"}), "list of non-empty strings"),
         (lambda raw: raw.pop("names"), "malformed routing slice: 'names'"),
+        (lambda raw: raw.update(checksums=[(7, 8, "0" * 32, [])]), "name index 7 is not"),
+        (
+            lambda raw: raw.update(checksums=[(1, 8, "0" * 32, []), (1, 8, "0" * 32, [])]),
+            "gives the checksum of 'k' twice",
+        ),
     ],
 )
 def test_a_name_index_that_names_nothing_is_refused_by_name(

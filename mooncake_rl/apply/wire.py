@@ -17,7 +17,7 @@ update from about 9k such runs. Arrays are tuples until encoded (tuples of plain
 leave the cyclic collector's view once it has seen them; lists stay, and make every full
 collection of a large heap longer).
 ``checksums`` (present when the coordinator loaded the generation's table) holds
-``{key: [nbytes, whole, [block, ...]]}`` for every object the worker reads, so the worker
+``[key, nbytes, whole, [block, ...]]`` for every object the worker reads, so the worker
 checks what lands without loading the table itself (one table load per update).
 """
 
@@ -98,6 +98,10 @@ class NameTable:
     def names(self) -> list[str]:
         return list(self._indices)
 
+    def checksums(self, checksums: Mapping[str, ObjectChecksum]) -> list[tuple[Any, ...]]:
+        """A slice's ``checksums``: ``(key, nbytes, whole, blocks)`` arrays."""
+        return [(self(key), c.nbytes, c.whole, c.blocks) for key, c in checksums.items()]
+
     def regions(
         self, regions: Mapping[str, int], dtypes: Mapping[str, str]
     ) -> list[tuple[int, ...]]:
@@ -138,15 +142,11 @@ def encode_slice(worker_slice: WorkerSlice) -> dict[str, Any]:
             ]
             for stage in worker_slice.stages
         ],
-        "names": name.names,
     }
     if worker_slice.checksums is not None:
-        encoded["checksums"] = encode_checksums(worker_slice.checksums)
+        encoded["checksums"] = name.checksums(worker_slice.checksums)
+    encoded["names"] = name.names
     return encoded
-
-
-def encode_checksums(checksums: Mapping[str, ObjectChecksum]) -> dict[str, list[Any]]:
-    return {k: [c.nbytes, c.whole, list(c.blocks)] for k, c in checksums.items()}
 
 
 def _ints(values: Sequence[Any], what: str) -> list[int]:
@@ -200,12 +200,15 @@ def decode_slice(raw: Mapping[str, Any]) -> WorkerSlice:
                     raise InvariantViolation("zero-length range in slice")
                 batches.append(Batch(tuple(reads), tuple(pushes)))
             stages.append(tuple(batches))
-        checksums = None
+        checksums: dict[str, ObjectChecksum] | None = None
         if raw.get("checksums") is not None:
-            checksums = {
-                str(k): ObjectChecksum(int(n), str(w), tuple(str(b) for b in blocks))
-                for k, (n, w, blocks) in dict(raw["checksums"]).items()
-            }
+            checksums = {}
+            for index, nbytes, whole, blocks in raw["checksums"]:
+                key = name(index)
+                if key in checksums:
+                    raise InvariantViolation(f"the slice gives the checksum of {key!r} twice")
+                blocks = tuple(str(b) for b in blocks)
+                checksums[key] = ObjectChecksum(int(nbytes), str(whole), blocks)
     except (KeyError, TypeError, ValueError) as error:
         raise InvariantViolation(f"malformed routing slice: {error}") from error
     return WorkerSlice(regions, tuple(stages), checksums, dtypes)

@@ -32,7 +32,7 @@ from mooncake.reshard.weight import (
 )
 
 from mooncake_rl.apply.executor import Batch
-from mooncake_rl.apply.wire import WorkerSlice, checksums_of, encode_checksums
+from mooncake_rl.apply.wire import WorkerSlice, checksums_of
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.layout import SegmentMap
@@ -143,17 +143,21 @@ class UpdatePlan:
         self, url: str, checksums: Mapping[str, ObjectChecksum] | None = None
     ) -> dict[str, Any]:
         """The prepare body's ``workers``: one encoded slice per worker of the engine, each
-        with the checksums of the objects it reads when the generation's table is given."""
-        return {
-            worker: {
-                "slice": self._encoded_slice(worker, checksums),
-                "layout": list(self.routing.layout),
-                "fallback": list(self.routing.fallback.get(worker, ())),
-                # The worker refuses a slice planned for another placement than its own.
-                **_named("placement_digest", self.routing.reports.get(worker)),
+        with the checksums of the objects it reads when the generation's table is given.
+        Made in the planner's mode (:func:`planning_mode`): a 1T MoE's TP8 engine takes
+        millions of fresh arrays, whose allocations set off collections that rescan the
+        coordinator's heap (plans, placements) over and over."""
+        with planning_mode():
+            return {
+                worker: {
+                    "slice": self._encoded_slice(worker, checksums),
+                    "layout": list(self.routing.layout),
+                    "fallback": list(self.routing.fallback.get(worker, ())),
+                    # The worker refuses a slice planned for another placement than its own.
+                    **_named("placement_digest", self.routing.reports.get(worker)),
+                }
+                for worker in self.engines[url]
             }
-            for worker in self.engines[url]
-        }
 
     def push_peers(self, url: str, stage: int) -> set[str]:
         """The workers ``url``'s workers push to in ``stage`` (from 0), read off the table."""
@@ -179,9 +183,10 @@ class UpdatePlan:
             reads, pushes = bound.read_rows(batch, names), bound.push_rows(batch, names)
             stages[batch.stage - 1].append({"reads": reads, "pushes": pushes})
         encoded: dict[str, Any] = {"regions": regions, "stages": stages}
-        encoded["names"] = names.table.names
         if checksums is not None:
-            encoded["checksums"] = encode_checksums(checksums_of(names.read_keys(), checksums))
+            read = checksums_of(names.read_keys(), checksums)
+            encoded["checksums"] = names.table.checksums(read)
+        encoded["names"] = names.table.names
         return encoded
 
     def _dtypes(self, worker: str) -> Mapping[str, str]:

@@ -401,10 +401,10 @@ def first_read_changed(body: dict[str, Any], **change: Any) -> dict[str, Any]:
         read = list(reads[0])
         if "key" in change:
             names = sliced["names"]
-            old = names[read[0]]
-            read[0] = len(names)
-            names.append(change["key"](old))
-            sliced["checksums"][names[-1]] = sliced["checksums"][old]
+            old, read[0] = read[0], len(names)
+            names.append(change["key"](names[old]))
+            row = next(row for row in sliced["checksums"] if row[0] == old)
+            sliced["checksums"].append((read[0], *row[1:]))
         if "src_offset" in change:
             read[1] = change["src_offset"]
         reads[0] = read
@@ -426,7 +426,9 @@ def test_prepare_refuses_what_the_store_contradicts(world: World) -> None:
     assert body["generation"] == 3 and body["fence"] == 3
     active, older = group_id(MODEL, 3) + "/", group_id(MODEL, 1) + "/"
     sizes = {
-        k: row[0] for r in body["workers"].values() for k, row in r["slice"]["checksums"].items()
+        r["slice"]["names"][key]: nbytes
+        for r in body["workers"].values()
+        for key, nbytes, *_ in r["slice"]["checksums"]
     }
     cases: list[tuple[dict[str, Any], int, str, str]] = [
         ({**body, "generation": 999_999}, 409, "unknown_generation", "not an active record"),
