@@ -19,7 +19,7 @@ never exceeds it unless a single row does); stage 1 pushes ride in the batch of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -197,10 +197,6 @@ class RoutingTable:
     @cached_property
     def worker_ids(self) -> dict[str, int]:
         return {w: i for i, w in enumerate(self.workers)}
-
-    @cached_property
-    def region_ids(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.regions)}
 
     @cached_property
     def totals(self) -> Totals:
@@ -411,20 +407,6 @@ class SliceNames(NamedTuple):
     objects: _IdNames
     regions: _IdNames
     workers: _IdNames
-
-    def own_regions(
-        self, regions: Mapping[str, int], dtypes: Mapping[str, str], ids: Mapping[str, int]
-    ) -> list[tuple[int, ...]]:
-        """The slice's ``regions`` arrays (:meth:`NameTable.regions`), named first; their
-        table ids (``ids``) are then known to the region mapping, which names them no more."""
-        rows = self.table.regions(regions, dtypes)
-        known = [
-            (ids[name], row[0]) for name, row in zip(regions, rows, strict=True) if name in ids
-        ]
-        if known:
-            table_ids, indices = zip(*known, strict=True)
-            self.regions.index[list(table_ids)] = indices
-        return rows
 
     def read_keys(self) -> Iterable[str]:
         """The keys of the objects the slice reads (every object named so far)."""

@@ -175,9 +175,7 @@ class UpdatePlan:
         of the time (a 1T MoE's TP8 engine: some 610k ranges per update)."""
         bound = self._bound
         names = bound.slice_names()
-        regions = names.own_regions(
-            self.routing.regions[worker], self._dtypes(worker), bound.table.region_ids
-        )
+        regions = names.table.regions(self.routing.regions[worker], self._dtypes(worker))
         stages: list[list[dict[str, Any]]] = [[] for _ in range(self.stages)]
         for batch in self._batches(worker):
             reads, pushes = bound.read_rows(batch, names), bound.push_rows(batch, names)
