@@ -1,20 +1,25 @@
 """Planning from engine descriptions, as the coordinator does; ONE JSON object.
 
     python -m bench.described --model kimi-k2 --engines 4 [--tp 8 --dtype fp8 --experts owned]
+    python -m bench.described --model kimi-k2 --dtype fp8 --engines 4 --tp 32 --experts ep \
+        --nodes-per-engine 4
 
 ``bench.plan`` times the planner core on placement parts built once and shared. A
 coordinator starts one step earlier: every engine worker's ``GET /mooncake/placement``
 reply (``mooncake_rl.plan.synthetic``: each tensor split along its first dimension the TP
-size divides, or with ``--experts owned`` the placement ``bench.plan`` plans; one region
-per tensor, every worker reporting its ``placement_digest``). ``plan_seconds_cold`` is
-``plan.update.plan_routing`` on an empty cache: reading the descriptions, checking the
-reports, building the planner's placement parts (one descriptor per tensor and a box per
-fragment, checked by mooncake.reshard's rules), planning and validating.
+size divides, or with ``--experts owned`` the placement ``bench.plan`` plans, or with
+``--experts ep --tp 32 --nodes-per-engine 4`` the matched placement of ``bench.plan
+--target 4xEP32``; one region per tensor, every worker reporting its ``placement_digest``).
+``plan_seconds_cold`` is ``plan.update.plan_routing`` on an empty cache: reading the
+descriptions, checking the reports, building the planner's placement parts (one descriptor
+per tensor and a box per fragment, checked by mooncake.reshard's rules), planning and
+validating.
 ``plan_seconds_cached`` is the next generation's call (a hit), and
 ``plan_seconds_cached_without_boxes`` the same hit from replies without boxes
 (``GET /mooncake/placement?boxes=false``, what a coordinator reads first); the
 ``engine_reply_bytes`` of one engine's reply with and without boxes, and the seconds to
-parse the former, are what each engine's full reply costs a coordinator.
+parse the former (with the collector paused, as the coordinator reads boxes), are what each
+engine's full reply costs a coordinator.
 ``plan_seconds_fleet_change`` plans once more with one engine added: a miss (the topology
 changed) that reuses the distinct placement's parts (``plan.update.PartsCache``).
 ``prepare_bodies_seconds`` builds every engine's prepare-body slices for that hit
@@ -41,6 +46,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.checksums import BLOCK_BYTES, ObjectChecksum, block_spans
 from mooncake_rl.generations.layout import layout_digest
+from mooncake_rl.plan.planner import planning_mode
 from mooncake_rl.plan.shapes import DTYPES, MODELS, instance_parts, model_shape
 from mooncake_rl.plan.synthetic import described_engines, simulated_engines
 from mooncake_rl.plan.update import RoutingCache, plan_routing, plan_update
@@ -69,29 +75,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument(
         "--experts",
-        choices=("split", "owned"),
+        choices=("split", "owned", "ep"),
         default="split",
         help="split: every tensor, experts too, split along the first dim the TP size "
         "divides (TP without expert parallelism); owned: each expert whole on one rank, "
         "the rest as plan.shapes places it (expert parallelism over the TP ranks, the "
-        "placement bench.plan plans)",
+        "placement bench.plan plans); ep: each expert whole on one rank, every other "
+        "tensor whole on each (bench.plan's --layout ep, the matched placement)",
+    )
+    parser.add_argument(
+        "--nodes-per-engine",
+        type=int,
+        default=1,
+        help="nodes each engine spans, its ranks filling them in order (--tp 32 "
+        "--nodes-per-engine 4: an instance of 32 GPUs on four 8-GPU nodes)",
     )
     args = parser.parse_args(argv)
     if args.engines < 1 or args.tp < 1:
         parser.error(f"--engines and --tp must be at least 1, got {args.engines} and {args.tp}")
+    if args.nodes_per_engine < 1 or args.tp % args.nodes_per_engine:
+        parser.error(f"--nodes-per-engine must divide --tp {args.tp}, got {args.nodes_per_engine}")
+    if args.nodes_per_engine > 1 and args.experts == "split":
+        parser.error("--nodes-per-engine needs --experts owned or ep")
 
     model = model_shape(args.model, args.dtype)
     specs = [TensorSpec(t.name, t.shape, t.dtype) for t in model.tensors]
     manifests = [build_manifest(model.name, g, specs, "1970-01-01T00:00:00Z") for g in (1, 2)]
     digests = [layout_digest(m) for m in manifests]
     t0 = time.perf_counter()
-    nodes = [f"node{i}" for i in range(args.engines + 1)]
-    if args.experts == "owned":
+    nodes = [f"node{i}" for i in range((args.engines + 1) * args.nodes_per_engine)]
+    if args.experts != "split":
         try:
-            parts = instance_parts(model, args.tp)
+            parts = instance_parts(model, args.tp, "ep" if args.experts == "ep" else "tp")
         except InvariantViolation as error:  # e.g. experts that do not split over --tp
-            parser.error(f"--experts owned: {error}")
-        described = described_engines(specs, parts, nodes)
+            parser.error(f"--experts {args.experts}: {error}")
+        described = described_engines(specs, parts, nodes, args.nodes_per_engine)
     else:
         described = simulated_engines(specs, [(node, args.tp) for node in nodes], "direct")
     grown = {url: [reported_placement(w) for w in ws] for url, ws in described.items()}
@@ -127,9 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert (cache.misses, cache.parts.built) == (2, 1)
     one_engine = next(iter(engines.values()))
     replies = [json.dumps({"workers": ws}).encode() for ws in (one_engine, bare[next(iter(bare))])]
-    t0 = time.perf_counter()
-    json.loads(replies[0])
-    parse_s = time.perf_counter() - t0
+    with planning_mode():  # as the coordinator reads boxes
+        t0 = time.perf_counter()
+        json.loads(replies[0])
+        parse_s = time.perf_counter() - t0
     table = cold.table
     result = {
         "model": args.model,
@@ -137,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engines": args.engines,
         "tp": args.tp,
         "experts": args.experts,
+        "nodes_per_engine": args.nodes_per_engine,
         "tensors": len(specs),
         "boxes_per_engine": sum(len(w["shards"]) for w in one_engine),
         "describe_seconds": round(describe, 2),

@@ -11,6 +11,7 @@ batch is read back from the prepare bodies the engines received.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 from collections.abc import Iterator
@@ -176,6 +177,28 @@ def test_an_update_reads_boxes_only_for_a_plan_it_does_not_hold(
     assert routes[:3] == ["placement?boxes=false"] * 2 + ["placement"]
     assert routes[3:5] == ["drain"] * 2
     assert "placement" not in routes[calls:] and "placement?boxes=false" in routes[calls:]
+
+
+def test_boxes_are_read_with_the_collector_paused(coordinator_settings: Settings) -> None:
+    """A 1T MoE engine's boxes parse into some 200k dicts; read with the cyclic collector
+    running, they set off passes over the coordinator's whole heap (1.8 s instead of 0.4 s
+    per reply). The read with boxes holds the planner's mode; the others do not."""
+    engines = engines_for(coordinator_settings)
+    collecting: dict[str, list[bool]] = {}
+    handle = engines.handle
+
+    async def observed(url: str, path: str, content: bytes, headers: object) -> tuple[int, Any]:
+        collecting.setdefault(path.removeprefix("/mooncake/"), []).append(gc.isenabled())
+        return await handle(url, path, content, headers)
+
+    engines.handle = observed  # type: ignore[method-assign]
+    assert gc.isenabled()
+    with coordinating(coordinator_settings, engines) as coordinator:
+        result = coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+    assert len(result.committed) == 2 and gc.isenabled()
+    assert collecting["placement"] == [False]  # one of the two identical engines
+    assert collecting["placement?boxes=false"] == [True, True]
+    assert all(collecting["drain"]) and all(collecting["prepare"])
 
 
 def test_the_plan_is_made_before_any_engine_drains(coordinator_settings: Settings) -> None:

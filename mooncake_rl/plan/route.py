@@ -112,14 +112,15 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     stage1 = np.concatenate([np.flatnonzero(local), rem[is_relay]])
     stage2 = rem[~is_relay]
     relay2 = relay_of[~is_relay]
-    sender = np.concatenate([reader[owner[stage1]], worker[relay2]])
+    read1 = owner[stage1]  # a stage 1 push sends its chunk from where the reader landed it
+    sender = np.concatenate([reader[read1], worker[relay2]])
     pair = np.concatenate([stage1, stage2])
     o = owner[pair]
     stage = np.concatenate([np.ones(len(stage1), I64), np.full(len(stage2), 2, I64)])
-    s_region = np.concatenate([land_region[owner[stage1]], region[relay2]])
-    s_off = np.concatenate([land_off[owner[stage1]], dst[relay2]])
-    s_pitch = np.concatenate([land_pitch[owner[stage1]], dst_pitch[relay2]])
-    del node, remote, local, rem, is_relay, group, relay_of, stage1, stage2, relay2
+    s_region = np.concatenate([land_region[read1], region[relay2]])
+    s_off = np.concatenate([land_off[read1], dst[relay2]])
+    s_pitch = np.concatenate([land_pitch[read1], dst_pitch[relay2]])
+    del node, remote, local, rem, is_relay, group, relay_of, stage1, stage2, relay2, read1
     batch = np.where(stage == 1, read_batch[o], 0)
     two = np.flatnonzero(stage == 2)
     order2 = two[grid.lex_order(sender[two], rank[o[two]], worker[pair[two]])]

@@ -39,28 +39,40 @@ def simulated_engines(
             [(spec, *tp_box(spec, tp, rank)) for spec in specs] if mode == "direct" else []
             for rank in range(tp)
         ]
-        engines[f"http://engine{index}"] = _described(index, node, ranks)
+        engines[f"http://engine{index}"] = _described(index, [node] * tp, ranks)
     return engines
 
 
 def described_engines(
-    specs: Sequence[TensorSpec], parts: Sequence[WeightPlacementPart], nodes: Sequence[str]
+    specs: Sequence[TensorSpec],
+    parts: Sequence[WeightPlacementPart],
+    nodes: Sequence[str],
+    nodes_per_engine: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
-    """One engine per node, each rank placing what ``parts[rank]`` places (e.g.
-    ``plan.shapes.instance_parts``: experts owned whole under EP), as a direct-mode reply."""
+    """Engines over ``nodes``, each rank placing what ``parts[rank]`` places (e.g.
+    ``plan.shapes.instance_parts``: experts owned whole under EP), as direct-mode replies.
+    Each engine spans ``nodes_per_engine`` consecutive nodes, its ranks filling them in
+    order (an instance of 32 GPUs on four 8-GPU nodes); leftover nodes hold no engine."""
     by_name = {spec.name: spec for spec in specs}
     ranks = [
         [(by_name[f.tensor_id], f.global_offset, f.local_shape) for f in part.fragments]
         for part in parts
     ]
-    return {f"http://engine{i}": _described(i, node, ranks) for i, node in enumerate(nodes)}
+    per_node = -(-len(parts) // nodes_per_engine)
+    spans = range(len(nodes) // nodes_per_engine)
+    return {
+        f"http://engine{i}": _described(
+            i, [nodes[i * nodes_per_engine + r // per_node] for r in range(len(parts))], ranks
+        )
+        for i in spans
+    }
 
 
 def _described(
-    index: int, node: str, ranks: Sequence[Sequence[tuple[TensorSpec, tuple, tuple]]]
+    index: int, nodes: Sequence[str], ranks: Sequence[Sequence[tuple[TensorSpec, tuple, tuple]]]
 ) -> list[dict[str, Any]]:
-    """Engine ``index``'s workers: rank r holds the (tensor, global offset, local shape)
-    boxes of ``ranks[r]``, one region per tensor."""
+    """Engine ``index``'s workers: rank r sits on ``nodes[r]`` and holds the (tensor, global
+    offset, local shape) boxes of ``ranks[r]``, one region per tensor."""
     workers = []
     for rank, boxes in enumerate(ranks):
         shards = [
@@ -77,7 +89,7 @@ def _described(
         workers.append(
             {
                 "worker_id": f"e{index}/tp{rank}",
-                "node": node,
+                "node": nodes[rank],
                 "tp_rank": rank,
                 "tp_size": len(ranks),
                 "regions": {

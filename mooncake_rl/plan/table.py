@@ -199,6 +199,12 @@ class RoutingTable:
         return {w: i for i, w in enumerate(self.workers)}
 
     @cached_property
+    def unique_demand_bytes(self) -> int:
+        """The size of the union of the demanded source bytes, from the table's own demands;
+        the validator's single-pull total and :attr:`totals` read one computation."""
+        return demanded_union_bytes(self.demands)
+
+    @cached_property
     def totals(self) -> Totals:
         reads, pushes, demands = self.reads, self.pushes, self.demands
         node = self.worker_node
@@ -228,7 +234,7 @@ class RoutingTable:
             node_nic_out=nic_out,
             delivered_bytes=landed.astype(np.int64),
             demanded_bytes=demanded.astype(np.int64),
-            unique_demand_bytes=demanded_union_bytes(demands),
+            unique_demand_bytes=self.unique_demand_bytes,
         )
 
 
@@ -259,17 +265,13 @@ def duplex_nic_bytes(
 
 def demanded_union_bytes(demands: np.ndarray) -> int:
     """Size of the union of the demanded source bytes (what single-pull must read)."""
-    cols = np.stack(
-        [
-            demands[n].astype(np.int64)
-            for n in ("object", "src_offset", "length", "count", "src_stride")
-        ]
-    )
-    if not cols.shape[1]:
+    fields = [demands[n] for n in ("object", "src_offset", "length", "count", "src_stride")]
+    if not len(demands):
         return 0
     # Duplicates are harmless but cost sorting: the consumers of one piece (every replica's
-    # worker) sit side by side, so dropping repeats of the previous row first leaves a few.
-    cols = cols[:, grid.group_starts(*cols)]
+    # worker) sit side by side, so repeats of the previous row go first, read in place.
+    kept = grid.group_starts(*fields)
+    cols = np.stack([field[kept].astype(np.int64) for field in fields])
     order = grid.lex_order(cols[0], cols[1])  # adjacent duplicates go; any left are harmless
     unique = cols[:, order][:, grid.group_starts(*cols[:, order])]
     rects, _ = grid.to_rects(*unique)

@@ -27,7 +27,7 @@ import numpy as np
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan import grid
-from mooncake_rl.plan.table import RoutingTable, demanded_union_bytes
+from mooncake_rl.plan.table import RoutingTable
 
 I64 = np.int64
 CONTENT_BLOCK = 1 << 20  # writes compared at once (bounds the content check's temporaries)
@@ -135,7 +135,7 @@ class _V:
             self.disjoint(self.demands, self._demand, "demands")
             self.disjoint(self.land, self._landing, "writes")
             self.single_pull_disjoint()
-            union = demanded_union_bytes(self.t.demands)
+            union = self.t.unique_demand_bytes
             self.content_and_coverage(placed.result())
         self.single_pull_total(union)
 
@@ -366,7 +366,7 @@ class _V:
         return l_len * l_cnt
 
     def single_pull_total(self, union: int) -> None:
-        """``union``: :func:`demanded_union_bytes` of the table's demands."""
+        """``union``: the table's ``unique_demand_bytes`` (the union of its demanded bytes)."""
         total = int((self.reads["length"] * self.reads["count"]).sum())
         if total != union:
             raise InvariantViolation(

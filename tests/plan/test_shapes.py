@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.catalog import TensorSpec
 from mooncake_rl.plan.shapes import MODELS, cluster, instance_parts, parse_target
+from mooncake_rl.plan.synthetic import described_engines
 
 from .helpers import bench_plan
 
@@ -82,14 +84,44 @@ def test_engines_describing_owned_experts_plan_what_the_planner_bench_plans():
     assert (described["reads"], described["pushes"]) == (planned["reads"], planned["pushes"])
 
 
+def test_engines_spanning_nodes_plan_what_the_planner_bench_plans_for_the_matched_placement():
+    """``--experts ep --tp 32 --nodes-per-engine 4``: each engine's 32 ranks fill four
+    8-GPU nodes in order, and the coordinator's path plans ``bench.plan``'s 4xEP32 table."""
+    flags = ("--model", "small", "--engines", "2", "--tp", "16", "--experts", "ep")
+    described = bench_plan(*flags, "--nodes-per-engine", "2", module="bench.described")
+    planned = bench_plan("--model", "small", "--target", "2xEP16")
+    assert (described["experts"], described["nodes_per_engine"]) == ("ep", 2)
+    assert (described["reads"], described["pushes"]) == (planned["reads"], planned["pushes"])
+    assert described["demands"] == 2 * described["boxes_per_engine"]
+
+
+def test_described_engines_fill_their_nodes_rank_by_rank():
+    model = MODELS["small"]()
+    specs = [TensorSpec(t.name, t.shape, t.dtype) for t in model.tensors]
+    nodes = [f"n{i}" for i in range(9)]
+    engines = described_engines(specs, instance_parts(model, 8, "ep"), nodes, 4)
+    assert list(engines) == ["http://engine0", "http://engine1"]  # n8 is left over
+    for i, workers in enumerate(engines.values()):
+        assert [w["tp_rank"] for w in workers] == list(range(8))
+        assert [w["node"] for w in workers] == [nodes[4 * i + r // 2] for r in range(8)]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--engines", "0"], "--engines and --tp must be at least 1, got 0 and 8"),
         (["--experts", "owned", "--tp", "7"], "--experts owned: 16 experts do not split over 7"),
         (["--experts", "bogus"], "argument --experts: invalid choice: 'bogus'"),
+        (["--nodes-per-engine", "3"], "--nodes-per-engine must divide --tp 8, got 3"),
+        (["--nodes-per-engine", "2"], "--nodes-per-engine needs --experts owned or ep"),
     ],
-    ids=["empty-fleet", "experts-do-not-split", "unknown-placement"],
+    ids=[
+        "empty-fleet",
+        "experts-do-not-split",
+        "unknown-placement",
+        "nodes-do-not-divide",
+        "split-spans-no-nodes",
+    ],
 )
 def test_the_described_bench_refuses_what_it_cannot_describe(flags, message):
     run = subprocess.run(
