@@ -10,6 +10,8 @@ reply (``mooncake_rl.plan.synthetic``: each tensor split along its first dimensi
 size divides, or with ``--experts owned`` the placement ``bench.plan`` plans, or with
 ``--experts ep --tp 32 --nodes-per-engine 4`` the matched placement of ``bench.plan
 --target 4xEP32``; one region per tensor, every worker reporting its ``placement_digest``).
+The plan gets the replies as a coordinator holds them: each engine's without boxes, and
+the first engine's (one per distinct placement) with them.
 ``plan_seconds_cold`` is ``plan.update.plan_routing`` on an empty cache: reading the
 descriptions, checking the reports, building the planner's placement parts (one descriptor
 per tensor and a box per fragment, checked by mooncake.reshard's rules), planning and
@@ -39,6 +41,7 @@ import os
 import resource
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from mooncake.reshard.weight import WeightManifest
 
@@ -65,6 +68,23 @@ def synthetic_checksums(manifest: WeightManifest) -> dict[str, ObjectChecksum]:
             fragment.nbytes, f"{i:032x}", tuple(f"{i + k:016x}" for k in range(blocks))
         )
     return rows
+
+
+def reset_peak_rss() -> int:
+    """The resident set now, made the peak: building every engine's reply peaks higher than
+    the plan does. Linux resets the peak on a write of 5 to ``clear_refs``; elsewhere the
+    earlier peak stays, and the plan's growth reads as what it added above it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def bare_replies(workers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An engine's ``GET /mooncake/placement?boxes=false`` reply: digests, no boxes."""
+    return [without_boxes(reported_placement(w)) for w in workers]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,10 +132,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         described = described_engines(specs, parts, nodes, args.nodes_per_engine)
     else:
         described = simulated_engines(specs, [(node, args.tp) for node in nodes], "direct")
-    grown = {url: [reported_placement(w) for w in ws] for url, ws in described.items()}
+    # As a coordinator holds them (``Coordinator._survey``): every engine's reply without
+    # boxes, and the boxes of one engine per distinct placement, here the first (the others
+    # report its digests). Every engine with its boxes would leave the plan a heap 16x the
+    # size to pass the collector over when its hold ends.
+    grown = {
+        url: [reported_placement(w) for w in ws] if i == 0 else bare_replies(ws)
+        for i, (url, ws) in enumerate(described.items())
+    }
+    del described
     engines = dict(list(grown.items())[: args.engines])
     describe = time.perf_counter() - t0
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = reset_peak_rss()
     cache = RoutingCache()
     t0, c0 = time.perf_counter(), time.process_time()
     cold = plan_routing(manifests[0], engines, "direct", BATCH_BYTES, cache, digests[0])
