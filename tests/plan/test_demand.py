@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan import (
@@ -18,6 +21,7 @@ from mooncake_rl.plan import (
 )
 from mooncake_rl.plan.demand import Box, BoxPart, part_digest
 from mooncake_rl.plan.stored import encode_table
+from mooncake_rl.plan.targets import _named_regions
 
 from .helpers import Spec, manifest, parts
 
@@ -170,3 +174,27 @@ def test_ranks_of_one_instance_must_describe_a_tensor_alike():
     other = DirectDemand.of({"w0": ps[0], "w1": with_b(ps[1], layout_fingerprint="other")})
     with pytest.raises(InvariantViolation, match="placement tensor descriptor mismatch: b"):
         plan_routing(manifest(SPECS), topology, other)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 12).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(st.lists(st.integers(0, n - 1), max_size=20), min_size=1, max_size=3),
+        )
+    )
+)
+def test_region_names_keep_what_is_used_in_order(case: tuple[int, list[list[int]]]) -> None:
+    """``_named_regions`` marks the ids in use instead of sorting them (a 1T MoE's table
+    names 4.8M): the names used, staging first, and the ids renumbered densely in the same
+    order, exactly as ``np.unique`` would give them."""
+    count, columns = case
+    names = ["staging", *(f"r{i}" for i in range(1, count))]
+    ids = [np.array(column, np.int64) for column in columns]
+    used, dense = np.unique(np.concatenate([np.zeros(1, np.int64), *ids]), return_inverse=True)
+    kept, *renumbered = _named_regions(names, *ids)
+    assert kept == tuple(names[i] for i in used.tolist())
+    ends = np.cumsum([len(i) for i in ids])[:-1]
+    for got, want in zip(renumbered, np.split(dense[1:], ends), strict=True):
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
