@@ -15,7 +15,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cache, cached_property
 from operator import itemgetter, methodcaller, mul
 from types import MappingProxyType
@@ -1004,12 +1004,18 @@ def _placed_like(descriptor: TensorDescriptor, like: TensorDescriptor) -> Tensor
     """``descriptor`` with ``like``'s checked placement (shard dims, axes), built without
     the constructor: every field it would check is one it already checked. A copy of its
     fields with the placement's two set: four times faster than setting each field (0.04
-    against 0.16 s for a 1T MoE's 140k tensors), for 60 B more per descriptor."""
+    against 0.16 s for a 1T MoE's 140k tensors), for 60 B more per descriptor. Only the
+    declared fields: anything else an instance holds (a cached value) may depend on the
+    placement."""
     placed = object.__new__(TensorDescriptor)
-    fields_of = descriptor.__dict__.copy()
+    own = descriptor.__dict__
+    fields_of = own.copy() if len(own) == len(_FIELDS) else {f: own[f] for f in _FIELDS}
     fields_of["shard_dims"], fields_of["parallel_axes"] = like.shard_dims, like.parallel_axes
     object.__setattr__(placed, "__dict__", fields_of)
     return placed
+
+
+_FIELDS = tuple(f.name for f in fields(TensorDescriptor))
 
 
 def plan_update(

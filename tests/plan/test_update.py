@@ -7,6 +7,7 @@ the bytes its declared shards must hold, computed independently with numpy slici
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
@@ -416,6 +417,19 @@ def test_every_described_tensor_has_the_descriptor_the_library_builds(
                 else:
                     axes = (ReplicatedAxis("tp"),) if tp > 1 else ()
                 assert (descriptor.shard_dims, descriptor.parallel_axes) == (tuple(cut), axes)
+
+
+def test_a_placed_descriptor_takes_only_declared_fields() -> None:
+    """A descriptor takes a checked placement by a copy of its fields; anything else the
+    source instance holds (a value some library version caches on it) stays behind, since
+    it may depend on the placement it had."""
+    manifest = build_manifest("m", 1, [TensorSpec("a", (4, 2), "float32")], "now")
+    source = manifest.tensors[0]
+    like = replace(source, shard_dims=(0,), parallel_axes=(SplitAxis("tp", 0),))
+    object.__setattr__(source, "_cached_by_a_library", "for the old placement")
+    placed = update_module._placed_like(source, like)
+    assert vars(placed).keys() == {f.name for f in fields(TensorDescriptor)}
+    assert placed == like and TensorDescriptor(**vars(placed)) == like
 
 
 def test_descriptors_say_split_replicated_or_owned_as_the_boxes_do() -> None:
