@@ -54,7 +54,12 @@ from mooncake_rl.plan.planner import plan_routing as plan_table
 from mooncake_rl.plan.stored import StoredTables
 from mooncake_rl.plan.table import BoundRoutingTable, RecordBatch, RoutingTable, bind
 from mooncake_rl.plan.topology import Topology, Worker
-from mooncake_rl.protocol import PLACEMENT_DIGEST, has_boxes, placement_digest
+from mooncake_rl.protocol import (
+    PLACEMENT_DIGEST,
+    has_boxes,
+    placement_digest,
+    reports_own_placement,
+)
 from mooncake_rl.store import StoreClient
 
 # What a worker declares before its layout is read (compat mode: none).
@@ -390,10 +395,9 @@ def require_true_reports(engines: Mapping[str, Sequence[Mapping[str, Any]]]) -> 
 
 
 def _require_true_report(w: Mapping[str, Any]) -> None:
-    reported = w.get(PLACEMENT_DIGEST)
-    if reported is not None and reported != placement_digest(w):
+    if not reports_own_placement(w):
         raise InvariantViolation(
-            f"worker {w['worker_id']} reported placement digest {reported}, but its "
+            f"worker {w['worker_id']} reported placement digest {w[PLACEMENT_DIGEST]}, but its "
             f"placement hashes to {placement_digest(w)}: the engine runs another "
             "mooncake-rl version; upgrade it to the coordinator's"
         )

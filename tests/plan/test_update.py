@@ -26,7 +26,12 @@ from mooncake_rl.plan.cache import Lru
 from mooncake_rl.plan.demand import COMPAT_REGION
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
-from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest, without_boxes
+from mooncake_rl.protocol import (
+    PLACEMENT_DIGEST,
+    placement_digest,
+    reports_own_placement,
+    without_boxes,
+)
 
 from .helpers import reporting
 
@@ -218,6 +223,40 @@ def test_identical_engines_are_read_once_and_each_slice_names_its_placement(
     false["shards"][0]["region_offset"] = 4
     with pytest.raises(InvariantViolation, match="worker e0/tp0 reported placement digest"):
         plan_update(build_manifest("m", 1, specs, "now"), engines, "direct", 64, RoutingCache())
+
+
+_JSON_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 70), 1 << 70),  # past 64 bits too: orjson refuses those
+    st.floats(allow_nan=False, allow_infinity=False),  # 1e16: orjson and json spell it apart
+    st.text(max_size=6),  # not only ASCII: json escapes it, orjson does not
+)
+_JSON = st.recursive(
+    _JSON_LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fields=st.fixed_dictionaries({f: _JSON for f in ("tp_rank", "tp_size", "regions", "shards")}),
+    other=_JSON,
+)
+def test_a_report_is_true_exactly_when_it_is_the_canonical_digest(
+    fields: dict[str, Any], other: Any
+) -> None:
+    """The coordinator's fast check of a placement report (orjson) decides as the canonical
+    form (the standard library's JSON) does, whatever the description holds: a true report
+    is never refused, a report of another description never accepted."""
+    worker = {"worker_id": "e0/tp0", "node": "n0", **fields}
+    assert reports_own_placement(worker)  # no report: nothing to check
+    assert reports_own_placement({**worker, PLACEMENT_DIGEST: placement_digest(worker)})
+    changed = {**worker, "shards": [worker["shards"], other]}
+    assert not reports_own_placement({**changed, PLACEMENT_DIGEST: placement_digest(worker)})
 
 
 def test_a_fleet_change_replans_with_the_parts_of_placements_it_kept() -> None:
