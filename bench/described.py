@@ -28,7 +28,8 @@ changed) that reuses the distinct placement's parts (``plan.update.PartsCache``)
 (``UpdatePlan.engine_workers``, what every update costs the coordinator before the drain),
 with the checksum rows of the objects each worker reads (synthetic hashes of the real
 sizes, one per 4 MiB block as published); ``prepare_body_bytes`` is one engine's as JSON
-and ``prepare_body_encode_seconds`` the ``json.dumps`` of them all.
+and ``prepare_body_encode_seconds`` the encoding of them all (``plan.update.encode_workers``,
+as the coordinator sends them).
 ``describe_seconds`` (not part of any) builds the replies and their reports, the engines'
 side.
 """
@@ -52,7 +53,7 @@ from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.plan.planner import planning_mode
 from mooncake_rl.plan.shapes import DTYPES, MODELS, instance_parts, model_shape
 from mooncake_rl.plan.synthetic import described_engines, simulated_engines
-from mooncake_rl.plan.update import RoutingCache, plan_routing, plan_update
+from mooncake_rl.plan.update import RoutingCache, encode_workers, plan_routing, plan_update
 from mooncake_rl.protocol import reported_placement, without_boxes
 
 BATCH_BYTES = 256 << 20
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bodies = [update.engine_workers(url, checksums) for url in engines]
     bodies_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    encoded = [json.dumps({"workers": body}) for body in bodies]
+    encoded = list(map(encode_workers, bodies))  # as the coordinator encodes them
     encode_s = time.perf_counter() - t0
     del bodies
     t0 = time.perf_counter()

@@ -245,7 +245,7 @@ class _Survey:
         ``plan`` is the one made then, else now (a re-plan after an engine failed)."""
         if plan is self.planned and url in self.encoded:
             return self.encoded[url]
-        return _json(plan.engine_workers(url, self.checksums.objects))
+        return plan.encoded_workers(url, self.checksums.objects)
 
 
 def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:

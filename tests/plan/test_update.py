@@ -7,6 +7,7 @@ the bytes its declared shards must hold, computed independently with numpy slici
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields, replace
 from typing import Any
 
@@ -164,8 +165,9 @@ def test_prepare_bodies_from_columns_decode_to_the_executors_slices(
 ) -> None:
     """``engine_workers`` encodes each slice from the table's columns, a strided record as
     one strided run; what a worker decodes is exactly the executor's own slice, with and
-    without checksums, and each stage's apply peers are the workers those ops push to. A
-    checksum table that lacks an object the slice reads is refused by key."""
+    without checksums, and the body's JSON is the standard library's bytes. Each stage's
+    apply peers are the workers those ops push to. A checksum table that lacks an object
+    the slice reads is refused by key."""
     manifest = build_manifest("m", 1, specs, "now")
     engines = simulated_engines(specs, cluster, mode)
     plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache())
@@ -173,6 +175,11 @@ def test_prepare_bodies_from_columns_decode_to_the_executors_slices(
     rows = {key: ObjectChecksum.of(key.encode()) for s in slices.values() for key in s.read_keys}
     for url, workers in plan.engines.items():
         with_rows, plain = plan.engine_workers(url, rows), plan.engine_workers(url)
+        for body, encoded in (
+            (with_rows, plan.encoded_workers(url, rows)),
+            (plain, plan.encoded_workers(url)),
+        ):
+            assert encoded == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         for worker in workers:
             assert decode_slice(plain[worker]["slice"]) == slices[worker]
             assert decode_slice(with_rows[worker]["slice"]) == with_checksums(slices[worker], rows)
