@@ -897,11 +897,20 @@ def _engine_parts(
     """One engine's TP ranks as placement parts, and where each fragment lands."""
     source = {t.tensor_id: t for t in manifest.tensors}
     tp_size = next(iter(layouts.values())).tp_size
+    # One tuple object per distinct offset or shape: a 1T MoE's boxes repeat a few dozen,
+    # and the parts are kept, so 360k equal tuples would outlive the plan and each
+    # collector pass would walk them.
+    interned: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def distinct(rows: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
+        made = list(map(tuple, rows))
+        return list(map(interned.setdefault, made, made))
+
     columns = {
         worker_id: (
             list(map(_TENSOR, layout.shards)),
-            list(map(tuple, map(_GLOBAL_OFFSET, layout.shards))),
-            list(map(tuple, map(_LOCAL_SHAPE, layout.shards))),
+            distinct(map(_GLOBAL_OFFSET, layout.shards)),
+            distinct(map(_LOCAL_SHAPE, layout.shards)),
         )
         for worker_id, layout in layouts.items()
     }
