@@ -59,7 +59,13 @@ from mooncake_rl.generations.registry import (
     require_active,
 )
 from mooncake_rl.plan.planner import planning_mode
-from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update, require_staging
+from mooncake_rl.plan.update import (
+    RoutingCache,
+    UpdatePlan,
+    encode_workers,
+    plan_update,
+    require_staging,
+)
 from mooncake_rl.protocol import MAX_TTL_S
 from mooncake_rl.router.adapters import Router
 from mooncake_rl.router.probe import require_compatible, waves
@@ -245,7 +251,7 @@ class _Survey:
         ``plan`` is the one made then, else now (a re-plan after an engine failed)."""
         if plan is self.planned and url in self.encoded:
             return self.encoded[url]
-        return plan.encoded_workers(url, self.checksums.objects)
+        return encode_workers(plan.engine_workers(url, self.checksums.objects))
 
 
 def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:
