@@ -31,11 +31,23 @@ SYSTEM_LIBRARIES = ("libibverbs.so.1", "librdmacm.so.1", "libnuma.so.1")
 INSTALL_HINT = "apt-get install -y libibverbs1 librdmacm1 libnuma1"
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> tuple[int, ...]:
+    """``count`` distinct TCP ports nobody listens on right now (the kernel picks them).
+
+    Every socket stays bound until all are picked. The kernel picks each port at random
+    from about 14,000, so three picked one after another repeat one for about 1 master
+    start in 5,000, and that master then dies binding it.
+    """
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return tuple(int(sock.getsockname()[1]) for sock in sockets)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the kernel picks it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 def master_binary() -> Path:
@@ -361,9 +373,10 @@ class EmbeddedMaster(_Service):
         check_system_libraries()
         binary = master_binary()
         host = self.config.host
-        self.rpc_port = self.config.rpc_port or free_port(host)
-        self.metadata_port = self.config.metadata_port or free_port(host)
-        self.metrics_port = self.config.metrics_port or free_port(host)
+        rpc, metadata, metrics = free_ports(3, host)
+        self.rpc_port = self.config.rpc_port or rpc
+        self.metadata_port = self.config.metadata_port or metadata
+        self.metrics_port = self.config.metrics_port or metrics
         args = [
             str(binary),
             f"--rpc_port={self.rpc_port}",

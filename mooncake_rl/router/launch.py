@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.router.adapters import RouterError, RouterKind, RouterSpec, open_router
-from mooncake_rl.services import ManagedProcess, free_port
+from mooncake_rl.services import ManagedProcess, free_ports
 
 INSTALL_HINT = "install the router extra: pip install 'mooncake-rl[router]'"
 
@@ -36,9 +36,9 @@ class RouterProcess:
 
     def __init__(self, kind: RouterKind, log_dir: Path, host: str = "127.0.0.1") -> None:
         self.kind = kind
-        self.port = free_port(host)
+        self.port, metrics_port = free_ports(2, host)
         self.url = f"http://{host}:{self.port}"
-        args = router_command(kind, host, self.port, free_port(host))
+        args = router_command(kind, host, self.port, metrics_port)
         log_dir.mkdir(parents=True, exist_ok=True)
         self._process = ManagedProcess(args, log_dir / f"{kind}-router.{self.port}.log")
 

@@ -25,7 +25,7 @@ from mooncake_rl.generations.commands import generation_status, verify_generatio
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import Incarnation, NoActiveGeneration
 from mooncake_rl.generations.weights import active_weights
-from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder, free_port
+from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder, free_ports
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import TEST_LEASE_TTL_MS, trainer_settings
@@ -36,11 +36,12 @@ SEGMENT = 64 << 20
 
 def fixed_port_master(log_dir: Path) -> EmbeddedMaster:
     """A master whose ports are chosen once, so a restart comes back at the same address."""
+    rpc_port, metadata_port, metrics_port = free_ports(3)
     config = MasterConfig(
         lease_ttl_ms=TEST_LEASE_TTL_MS,
-        rpc_port=free_port(),
-        metadata_port=free_port(),
-        metrics_port=free_port(),
+        rpc_port=rpc_port,
+        metadata_port=metadata_port,
+        metrics_port=metrics_port,
         log_dir=log_dir,
     )
     return EmbeddedMaster(config).start()
