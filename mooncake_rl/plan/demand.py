@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, count, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, gt, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -87,76 +87,94 @@ def compat_layout(layout: SourceLayout, align: int) -> CompatLayout:
     )
 
 
-_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)  # of a row's fields
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Destinations:
     """Where one worker wants its placement fragments to land.
 
-    ``regions``: (region name, size in bytes), e.g. one fused ``qkv_proj`` parameter buffer.
-    ``fragments``: (placement_fragment_id, region, base offset): the fragment's row-major bytes
-    occupy ``[base, base + nbytes)`` of the region. Every fragment of the worker's part needs
-    an entry; two fragments may share a region (fused parameters) but must not overlap.
+    Regions: ``region_names[i]`` has ``region_sizes[i]`` bytes, e.g. one fused ``qkv_proj``
+    parameter buffer. Fragments: the row-major bytes of placement fragment
+    ``fragment_ids[j]`` occupy ``[fragment_bases[j], fragment_bases[j] + nbytes)`` of region
+    ``fragment_regions[j]``. Every fragment of the worker's part needs an entry; two
+    fragments may share a region (fused parameters) but must not overlap.
+
+    Kept as columns, not a row tuple per region and fragment: a 1T MoE's TP worker maps
+    some 5,600 fragments, each to its own region, and a plan keeps every worker's
+    destinations, so rows were 360k objects per engine that every collector pass walked.
+    Order carries no meaning; :attr:`digest` is taken over the rows in sorted order.
     """
 
-    regions: tuple[tuple[str, int], ...]
-    fragments: tuple[tuple[str, str, int], ...]
+    region_names: tuple[str, ...]
+    region_sizes: tuple[int, ...]
+    fragment_ids: tuple[str, ...] = ()
+    fragment_regions: tuple[str, ...] = ()
+    fragment_bases: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        """Column passes first (an engine's worker maps ~140k fragments); a row at a time
-        only to name the first bad one. Types are checked before anything is sorted."""
-        sizes = dict(self.regions)
-        if len(sizes) != len(self.regions):
-            raise InvariantViolation("destinations declare a region twice")
-        names, declared = list(sizes), list(sizes.values())
+        """Column passes first; a row at a time only to name the first bad one (fragments
+        in id order). Types are checked before anything is compared."""
+        names, declared = self.region_names, self.region_sizes
+        ids, where, bases = self.fragment_ids, self.fragment_regions, self.fragment_bases
+        if len(names) != len(declared) or not len(ids) == len(where) == len(bases):
+            raise InvariantViolation("destination columns must have equal lengths")
         if (
             set(map(type, names)) - {str}
             or not all(names)
-            or STAGING_REGION in sizes
+            or STAGING_REGION in names
             or set(map(type, declared)) - {int}
             or min(declared, default=1) <= 0
         ):
-            for name, size in self.regions:
+            for name, size in zip(names, declared, strict=True):
                 if not isinstance(name, str) or not name or name == STAGING_REGION:
                     raise InvariantViolation(f"bad destination region name {name!r}")
                 if type(size) is not int or size <= 0:
                     raise InvariantViolation(f"region {name} needs a positive size, got {size!r}")
-        ids, bases = list(map(_FIRST, self.fragments)), list(map(_THIRD, self.fragments))
+        known = set(names)
+        if len(known) != len(names):
+            raise InvariantViolation("destinations declare a region twice")
         if set(map(type, ids)) - {str}:
             bad = next(i for i in ids if type(i) is not str)
             raise InvariantViolation(f"placement fragment id {bad!r} is not a string")
         if len(set(ids)) != len(ids):
             raise InvariantViolation("destinations map a placement fragment twice")
-        if (
-            set(map(_SECOND, self.fragments)) - sizes.keys()
-            or set(map(type, bases)) - {int}
-            or min(bases, default=0) < 0
-        ):
-            for fragment_id, region, base in sorted(self.fragments, key=_FIRST):
-                if region not in sizes:
+        if set(where) - known or set(map(type, bases)) - {int} or min(bases, default=0) < 0:
+            for fragment_id, region, base in sorted(zip(ids, where, bases, strict=True)):
+                if region not in known:
                     raise InvariantViolation(
                         f"fragment {fragment_id} maps to unknown region {region}"
                     )
                 if type(base) is not int or base < 0:
                     raise InvariantViolation(f"fragment {fragment_id} has bad base offset {base!r}")
-        regions = tuple(sorted(self.regions))
-        fragments = tuple(sorted(self.fragments))
-        object.__setattr__(self, "regions", regions)
-        object.__setattr__(self, "fragments", fragments)
+        # Regions in name order: a plan numbers regions in this order, and one plan key
+        # (whose digest ignores order) must give one table, however an engine listed them.
+        if any(map(gt, names, names[1:])):
+            order = sorted(range(len(names)), key=names.__getitem__)
+            object.__setattr__(self, "region_names", tuple(map(names.__getitem__, order)))
+            object.__setattr__(self, "region_sizes", tuple(map(declared.__getitem__, order)))
 
     @classmethod
     def of(
         cls, regions: Mapping[str, int], fragments: Mapping[str, tuple[str, int]]
     ) -> Destinations:
+        rows = tuple(fragments.values())
         return cls(
-            tuple(regions.items()),
-            tuple((f, region, base) for f, (region, base) in fragments.items()),
+            tuple(regions),
+            tuple(regions.values()),
+            tuple(fragments),
+            tuple(map(itemgetter(0), rows)),
+            tuple(map(itemgetter(1), rows)),
         )
 
     @cached_property
     def digest(self) -> str:
-        return hashlib.sha256(repr((self.regions, self.fragments)).encode()).hexdigest()
+        rows = (
+            tuple(sorted(zip(self.region_names, self.region_sizes, strict=True))),
+            tuple(
+                sorted(
+                    zip(self.fragment_ids, self.fragment_regions, self.fragment_bases, strict=True)
+                )
+            ),
+        )
+        return hashlib.sha256(repr(rows).encode()).hexdigest()
 
 
 class Box(NamedTuple):

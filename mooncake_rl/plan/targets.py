@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import filterfalse, pairwise, repeat
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, is_
 
 import numpy as np
 from mooncake.reshard.weight import ParallelRank, WeightManifest
@@ -172,7 +172,6 @@ _PLACED = attrgetter(
 
 
 _TENSOR_ID = attrgetter("tensor_id")
-_NAME, _SIZE = itemgetter(0), itemgetter(1)  # of a destination's (region, size) pairs
 
 
 def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> TargetGroup:
@@ -256,7 +255,7 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
     for dest in destinations.values():
         if id(dest) in by_dest:
             continue
-        fresh = list(filterfalse(region_ids.__contains__, map(_NAME, dest.regions)))
+        fresh = list(filterfalse(region_ids.__contains__, dest.region_names))
         region_ids.update(zip(fresh, range(len(names), len(names) + len(fresh)), strict=True))
         names.extend(fresh)
         by_dest[id(dest)] = (dest, *_resolved(dest, fkeys, nbytes, region_ids))
@@ -314,8 +313,8 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         region_worker, region_key = region_worker[default], region_key[default]
     declared = {  # each distinct destination's (region ids, sizes)
         id(dest): (
-            np.fromiter(map(region_ids.__getitem__, map(_NAME, dest.regions)), I64),
-            np.fromiter(map(_SIZE, dest.regions), I64),
+            np.fromiter(map(region_ids.__getitem__, dest.region_names), I64),
+            np.array(dest.region_sizes, I64),
         )
         for dest, _, _ in dest_list
     }
@@ -376,13 +375,13 @@ def _resolved(
     maps some 140k fragments."""
     region = np.full(len(fkeys), -1, I64)
     base = np.zeros(len(fkeys), I64)
-    if not dest.fragments:
+    ids, where, offsets = dest.fragment_ids, dest.fragment_regions, dest.fragment_bases
+    if not ids:
         return region, base
-    ids, where, offsets = zip(*dest.fragments, strict=True)
     n = len(ids)
     key = np.fromiter(map(fkeys.get, ids, repeat(-1)), I64, n)
-    offset = np.fromiter(offsets, I64, n)
-    sizes = dict(dest.regions)
+    offset = np.array(offsets, I64)
+    sizes = dict(zip(dest.region_names, dest.region_sizes, strict=True))
     size = np.fromiter(map(sizes.__getitem__, where), I64, n)
     known = key >= 0
     overruns = known & (offset + nbytes[np.where(known, key, 0)] > size)

@@ -922,10 +922,15 @@ def _engine_parts(
         ids = list(map(f"tp{rank.tp}/{{}}@{{}}+{{}}".format, tensors, offsets, shapes))
         nbytes = map(mul, map(math.prod, shapes), map(itemsize.__getitem__, tensors))
         boxes = Box.columns(ids, tensors, offsets, shapes, nbytes)
-        bases = zip(map(_REGION, shards), map(int, map(_REGION_OFFSET, shards)), strict=True)
-        destination = dict(zip(ids, bases, strict=True))
         part = BoxPart(rank, tuple(map(descriptors.__getitem__, dict.fromkeys(tensors))), boxes)
-        out[worker_id] = WorkerDemand(part, Destinations.of(layout.regions, destination))
+        destinations = Destinations(
+            tuple(layout.regions),
+            tuple(layout.regions.values()),
+            tuple(ids),
+            tuple(map(_REGION, shards)),
+            tuple(map(int, map(_REGION_OFFSET, shards))),
+        )
+        out[worker_id] = WorkerDemand(part, destinations)
     return out
 
 

@@ -29,7 +29,7 @@ from mooncake.reshard.weight import (
     WeightPlacementPart,
 )
 
-from mooncake_rl.plan import STAGING_REGION, RoutingTable, object_key
+from mooncake_rl.plan import STAGING_REGION, Destinations, RoutingTable, object_key
 from mooncake_rl.protocol import reported_placement
 
 ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float32": 4}
@@ -173,6 +173,12 @@ def parts(
             )
         )
     return out
+
+
+def landings(destinations: Destinations) -> dict[str, tuple[str, int]]:
+    """Each placement fragment's (region, base offset): the mapping ``Destinations.of`` took."""
+    rows = zip(destinations.fragment_regions, destinations.fragment_bases, strict=True)
+    return dict(zip(destinations.fragment_ids, rows, strict=True))
 
 
 def _cut(offset, local):

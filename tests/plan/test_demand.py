@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import replace
 
@@ -75,6 +76,29 @@ def test_destinations_must_fit_cover_and_not_overlap():
         plan({"p": 72}, {ids["a"]: ("p", 0), ids["b"]: ("p", 60)})
     table = plan({"p": 80}, {ids["a"]: ("p", 8), ids["b"]: ("p", 0)})
     assert sorted(int(r["dst_offset"]) for r in table.reads) == [0, 8]
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_destinations_listed_in_any_order_give_one_digest_and_one_table(order):
+    """A plan key's destination digest ignores the order an engine lists its regions and
+    fragments in, so the table planned for that key must not depend on it either."""
+    ps = parts(SPECS, 1)
+    ids = {f.tensor_id: f.placement_fragment_id for f in ps[0].fragments}
+    regions = [("ra", 4096), ("rb", 4096), ("unused", 8)]
+    fragments = [(ids["a"], "ra", 64), (ids["b"], "rb", 0)]
+    listed = [regions[i] for i in order]
+    landing = fragments[::-1] if order[0] % 2 else fragments
+    columns = [*zip(*listed, strict=True), *zip(*landing, strict=True)]
+    dest = Destinations(*map(tuple, columns))
+    baseline = Destinations.of(dict(regions), {f: (r, b) for f, r, b in fragments})
+    assert dest.digest == baseline.digest
+    topology = Topology.of([Worker("w", "n")])
+    tables = [
+        plan_routing(manifest(SPECS), topology, DirectDemand.of({"w": ps[0]}, {"w": d}))
+        for d in (baseline, dest)
+    ]
+    assert encode_table(tables[0]).tobytes() == encode_table(tables[1]).tobytes()
+    assert dest.region_names == ("ra", "rb", "unused")
 
 
 def test_direct_demand_validates_parts_and_digest_is_generation_free():

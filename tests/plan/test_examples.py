@@ -25,7 +25,16 @@ from mooncake_rl.plan.shapes import (
     weight_manifest,
 )
 
-from .helpers import Spec, check_delivery, contents, execute, fragment_bytes, manifest, parts
+from .helpers import (
+    Spec,
+    check_delivery,
+    contents,
+    execute,
+    fragment_bytes,
+    landings,
+    manifest,
+    parts,
+)
 
 
 def reads_of(table, worker: str) -> list[tuple]:
@@ -112,7 +121,7 @@ def test_fused_qkv_gate_up_and_tp_row_and_column_shards():
     spec = {s.name: s for s in LAYER}
     expected = {}
     for r in range(2):
-        dest = dict((f, (region, base)) for f, region, base in fused(ps[r]).fragments)
+        dest = landings(fused(ps[r]))
         for f in ps[r].fragments:
             region, base = dest[f.placement_fragment_id]
             chunk = fragment_bytes(

@@ -28,6 +28,7 @@ from .helpers import (
     contents,
     execute,
     fragment_bytes,
+    landings,
     manifest,
     parts,
     stored_objects,
@@ -132,7 +133,7 @@ def expected_delivery(table, specs, data, demand, part_of, destinations):
             continue
         where = {}
         if worker_id in destinations:
-            where = {f: (region, base) for f, region, base in destinations[worker_id].fragments}
+            where = landings(destinations[worker_id])
         for f in part_of[worker_id].fragments:
             region, base = where.get(f.placement_fragment_id, (f.placement_fragment_id, 0))
             chunk = fragment_bytes(
