@@ -78,6 +78,20 @@ def test_destinations_must_fit_cover_and_not_overlap():
     assert sorted(int(r["dst_offset"]) for r in table.reads) == [0, 8]
 
 
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        ((("a",), (8, 8)), "destination columns must have equal lengths"),
+        ((("a",), (8,), ("f0", "f1"), ("a",), (0, 0)), "destination columns must have equal"),
+        ((("a", "a"), (8, 8)), "destinations declare a region twice"),
+        ((("a",), (8,), ("f", "f"), ("a", "a"), (0, 4)), "map a placement fragment twice"),
+    ],
+)
+def test_destination_columns_that_disagree_are_refused(columns, message):
+    with pytest.raises(InvariantViolation, match=message):
+        Destinations(*columns)
+
+
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
 def test_destinations_listed_in_any_order_give_one_digest_and_one_table(order):
     """A plan key's destination digest ignores the order an engine lists its regions and
