@@ -279,7 +279,7 @@ class BoxPart:
         )
         for box in dict(zip(geometry, fragments, strict=True)).values():  # one per geometry
             _require_box(box, tensors[box.tensor_id])
-        several = {t for t, n in named.items() if n > 1}
+        several = {t for t, n in named.items() if n > 1} if len(named) < len(fragments) else ()
         boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
         for box in (b for b in fragments if b.tensor_id in several) if several else ():
             boxes.setdefault(box.tensor_id, []).append((box.global_offset, box.local_shape))

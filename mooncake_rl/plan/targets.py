@@ -8,6 +8,7 @@ consumers of a group's piece are the workers holding its slot in every instance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import filterfalse, pairwise, repeat
 from operator import attrgetter, is_
@@ -20,6 +21,7 @@ from mooncake_rl.plan import grid
 from mooncake_rl.plan.demand import (
     COMPAT_REGION,
     STAGING_REGION,
+    Box,
     CompatDemand,
     CompatLayout,
     Destinations,
@@ -174,15 +176,34 @@ _PLACED = attrgetter(
 _TENSOR_ID = attrgetter("tensor_id")
 
 
+def _placed_columns(fragments: Sequence) -> tuple[Sequence, ...]:
+    """A part's fragments as columns in ``_PLACED``'s order. Boxes are tuples already, and
+    transposed in one C-level pass rather than re-made field by field (a 1T MoE's TP8
+    engine has a million)."""
+    if not fragments:
+        return ((),) * 7
+    if set(map(type, fragments)) == {Box}:
+        ids, tensors, offsets, shapes, nbytes, stages, aliases = zip(*fragments, strict=True)
+        return tensors, offsets, shapes, nbytes, stages, ids, aliases
+    return tuple(zip(*map(_PLACED, fragments), strict=True))
+
+
 def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> TargetGroup:
     """The target view of one distinct placement, with fragment keys registered.
 
     Runs once per distinct placement over every fragment, so it sticks to C-level passes.
     """
     descriptors: dict[str, object] = {}
-    rows: list[tuple] = []
+    last: tuple = ()  # the last descriptor tuple merged into ``descriptors``
+    columns: list[list] = [[] for _ in range(7)]  # in _PLACED's order
     slot_of: list[int] = []
     for slot, (_, tensors, part_fragments) in enumerate(signature):
+        for column, values in zip(columns, _placed_columns(part_fragments), strict=True):
+            column.extend(values)
+        slot_of.extend([slot] * len(part_fragments))
+        if tensors and _same_objects(tensors, last):
+            continue  # TP ranks holding every tensor share one set of descriptor objects
+        last = tensors
         mine = dict(zip(map(_TENSOR_ID, tensors), tensors, strict=True))
         shared = list(mine.keys() & descriptors.keys())
         firsts = list(map(descriptors.__getitem__, shared))
@@ -192,8 +213,6 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
                 if first != other:
                     raise InvariantViolation(f"placement tensor descriptor mismatch: {tensor_id}")
         descriptors.update(mine)
-        rows.extend(map(_PLACED, part_fragments))
-        slot_of.extend([slot] * len(part_fragments))
     index = layout.tensor_index
     unknown = sorted(descriptors.keys() - index.keys())
     if unknown:
@@ -201,18 +220,18 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
     if len(descriptors) < len(index):
         absent = next(t.tensor_id for t in layout.tensors if t.tensor_id not in descriptors)
         raise InvariantViolation(f"target manifests are missing tensors: {absent}")
-    tensor_ids, offsets, shapes, nbytes, stages, fragment_ids, aliases = (
-        zip(*rows, strict=True) if rows else ((),) * 7
-    )
+    tensor_ids, offsets, shapes, nbytes, stages, fragment_ids, aliases = columns
     if any(aliases):
         fragment_id = fragment_ids[next(i for i, a in enumerate(aliases) if a)]
         raise InvariantViolation(
             f"placement fragment {fragment_id} declares aliases; "
             "aliased tensors are not supported by the planner"
         )
-    n = len(rows)
+    n = len(slot_of)
     first_key = len(fkeys)
-    new = [f for f in dict.fromkeys(fragment_ids) if f not in fkeys]
+    new = list(dict.fromkeys(fragment_ids))
+    if fkeys:  # a later placement group: only ids no earlier group registered
+        new = list(filterfalse(fkeys.__contains__, new))
     fkeys.update(zip(new, range(first_key, first_key + len(new)), strict=True))
     if len(new) == n:  # every fragment is new (a first placement): keys in row order
         fragment_key = np.arange(first_key, first_key + n, dtype=I64)
@@ -243,6 +262,12 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
     )
 
 
+def _same_objects(these: tuple, those: tuple) -> bool:
+    """Element by element the same objects: a C-level pass (tuple equality tries identity
+    first), where building and comparing a dict per rank cost 0.15 s a rank for a 1T MoE."""
+    return len(these) == len(those) and all(map(is_, these, those))
+
+
 def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> DemandSet:
     """Expand group runs over instances and resolve (worker, fragment) -> (region, base)."""
     # The default region of fragment key f is 1 + f. When every worker has destinations no
@@ -258,10 +283,11 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         fresh = list(filterfalse(region_ids.__contains__, dest.region_names))
         region_ids.update(zip(fresh, range(len(names), len(names) + len(fresh)), strict=True))
         names.extend(fresh)
-        by_dest[id(dest)] = (dest, *_resolved(dest, fkeys, nbytes, region_ids))
+        named = np.fromiter(map(region_ids.__getitem__, dest.region_names), I64)
+        by_dest[id(dest)] = (dest, *_resolved(dest, fkeys, nbytes, named), named)
     resolver = np.full(len(topology.workers), -1, I64)
     dest_list = list(by_dest.values())
-    dest_pos = {id(d): i for i, (d, _, _) in enumerate(dest_list)}
+    dest_pos = {id(d): i for i, (d, _, _, _) in enumerate(dest_list)}
     for worker, dest in destinations.items():
         resolver[topology.worker_index[worker]] = dest_pos[id(dest)]
 
@@ -296,8 +322,8 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         which = resolver[worker]
         mapped = np.flatnonzero(which >= 0)
         at = which[mapped] * len(fkeys) + fkey[mapped]
-        region[mapped] = np.concatenate([r for _, r, _ in dest_list])[at]
-        dst[mapped] += np.concatenate([b for _, _, b in dest_list])[at]
+        region[mapped] = np.concatenate([r for _, r, _, _ in dest_list])[at]
+        dst[mapped] += np.concatenate([b for _, _, b, _ in dest_list])[at]
         unmapped = mapped[region[mapped] < 0]
         if len(unmapped):
             c = unmapped[0]
@@ -312,11 +338,7 @@ def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> Dem
         default = resolver[region_worker] < 0
         region_worker, region_key = region_worker[default], region_key[default]
     declared = {  # each distinct destination's (region ids, sizes)
-        id(dest): (
-            np.fromiter(map(region_ids.__getitem__, dest.region_names), I64),
-            np.array(dest.region_sizes, I64),
-        )
-        for dest, _, _ in dest_list
+        id(dest): (named, np.array(dest.region_sizes, I64)) for dest, _, _, named in dest_list
     }
     extra_w, extra_r, extra_s = [np.zeros(0, I64)], [np.zeros(0, I64)], [np.zeros(0, I64)]
     for worker_id, dest in destinations.items():
@@ -368,11 +390,12 @@ def _named_regions(
 
 
 def _resolved(
-    dest: Destinations, fkeys: dict[str, int], nbytes: np.ndarray, region_ids: dict[str, int]
+    dest: Destinations, fkeys: dict[str, int], nbytes: np.ndarray, region_id: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each fragment key's (region id, base offset) in ``dest`` (-1: it lands none there),
-    refusing a fragment that overruns its region. In array passes: a 1T MoE's TP worker
-    maps some 140k fragments."""
+    refusing a fragment that overruns its region. ``region_id``: the id of each of
+    ``dest.region_names``. In array passes: a 1T MoE's TP worker maps some 140k fragments,
+    so each fragment's region name is looked up once, as its place among the regions."""
     region = np.full(len(fkeys), -1, I64)
     base = np.zeros(len(fkeys), I64)
     ids, where, offsets = dest.fragment_ids, dest.fragment_regions, dest.fragment_bases
@@ -381,8 +404,9 @@ def _resolved(
     n = len(ids)
     key = np.fromiter(map(fkeys.get, ids, repeat(-1)), I64, n)
     offset = np.array(offsets, I64)
-    sizes = dict(zip(dest.region_names, dest.region_sizes, strict=True))
-    size = np.fromiter(map(sizes.__getitem__, where), I64, n)
+    place = dict(zip(dest.region_names, range(len(dest.region_names)), strict=True))
+    at = np.fromiter(map(place.__getitem__, where), I64, n)
+    size = np.array(dest.region_sizes, I64)[at]
     known = key >= 0
     overruns = known & (offset + nbytes[np.where(known, key, 0)] > size)
     if overruns.any():
@@ -390,9 +414,9 @@ def _resolved(
         f = int(key[i])
         raise InvariantViolation(
             f"fragment {ids[i]} ({int(nbytes[f])} bytes at {offsets[i]}) does not fit "
-            f"region {where[i]} ({sizes[where[i]]} bytes)"
+            f"region {where[i]} ({int(size[i])} bytes)"
         )
-    region[key[known]] = np.fromiter(map(region_ids.__getitem__, where), I64, n)[known]
+    region[key[known]] = region_id[at[known]]
     base[key[known]] = offset[known]
     return region, base
 

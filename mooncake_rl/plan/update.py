@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cache, cached_property
+from itertools import chain
 from operator import itemgetter, methodcaller, mul
 from types import MappingProxyType
 from typing import Any
@@ -900,6 +901,11 @@ def _engine_parts(
         made = list(map(tuple, rows))
         return list(map(interned.setdefault, made, made))
 
+    def spelled(rows: list[tuple[int, ...]]) -> map[str]:
+        """Each distinct offset or shape spelled once (as ``str`` would: a box id names
+        them), looked up by identity, which ``distinct`` made one object per value."""
+        return map(text.__getitem__, map(id, rows))
+
     columns = {
         worker_id: (
             list(map(_TENSOR, layout.shards)),
@@ -909,6 +915,7 @@ def _engine_parts(
         for worker_id, layout in layouts.items()
     }
     shapes = [(tensors, local) for tensors, _, local in columns.values()]
+    text = {id(row): str(row) for row in interned.values()}
     descriptors = _target_descriptors(source, shapes, tp_size)
     itemsize = {name: t.itemsize for name, t in source.items()}
     out = {}
@@ -919,7 +926,9 @@ def _engine_parts(
         # more than the rest of it. Column passes: a 1T MoE's TP8 engine has a million boxes.
         shards = layout.shards
         tensors, offsets, shapes = columns[worker_id]
-        ids = list(map(f"tp{rank.tp}/{{}}@{{}}+{{}}".format, tensors, offsets, shapes))
+        ids = list(
+            map(f"tp{rank.tp}/{{}}@{{}}+{{}}".format, tensors, spelled(offsets), spelled(shapes))
+        )
         nbytes = map(mul, map(math.prod, shapes), map(itemsize.__getitem__, tensors))
         boxes = Box.columns(ids, tensors, offsets, shapes, nbytes)
         part = BoxPart(rank, tuple(map(descriptors.__getitem__, dict.fromkeys(tensors))), boxes)
@@ -979,10 +988,11 @@ def _target_descriptors(
     the boxes name their tensors, the order later passes read them in: made in a set's
     order they lie scattered in memory and those passes ran twice as slow."""
     shaped: set[tuple[str, tuple[int, ...]]] = set()
-    holders: Counter[str] = Counter()
+    held: list[dict[str, None]] = []  # each rank's tensors, in box order (docstring)
     for tensors, shapes in ranks:
         shaped.update(zip(tensors, shapes, strict=True))
-        holders.update(dict.fromkeys(tensors, 1))  # in box order (docstring)
+        held.append(dict.fromkeys(tensors))
+    holders = Counter(chain.from_iterable(held))  # counted in C, first-seen order
     split_dims = cache(_split_dims)
     cut: dict[str, tuple[int, ...]] = {}  # the dims some box of the tensor cuts
     for tensor, shape in shaped:
