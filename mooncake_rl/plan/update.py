@@ -808,11 +808,10 @@ def _engine_layout(
     out = {}
     for w in workers:
         worker_id = w["worker_id"]
-        regions = {
-            name: int(spec["bytes"])
-            for name, spec in w["regions"].items()
-            if name not in undescribed[worker_id]
-        }
+        described = w["regions"]
+        if undescribed[worker_id]:
+            described = {k: v for k, v in described.items() if k not in undescribed[worker_id]}
+        regions = dict(zip(described, map(int, map(_BYTES, described.values())), strict=True))
         lands_fallback = bool(undescribed[worker_id])
         if lands_fallback and fallback:
             regions[FALLBACK_REGION] = fallback[-1]["offset"] + fallback[-1]["nbytes"]
@@ -830,7 +829,7 @@ def _engine_layout(
 
 _TENSOR, _REGION = itemgetter("tensor"), itemgetter("region")
 _GLOBAL_OFFSET, _LOCAL_SHAPE = itemgetter("global_offset"), itemgetter("local_shape")
-_REGION_OFFSET = itemgetter("region_offset")
+_REGION_OFFSET, _BYTES = itemgetter("region_offset"), itemgetter("bytes")
 _GLOBAL_SHAPE = methodcaller("get", "global_shape")
 
 
@@ -878,7 +877,10 @@ class _BoxColumns:
         """The stored dtype landing in each region; one region never mixes dtypes."""
         dtypes = list(map(stored.__getitem__, self.tensors))
         by_region = dict(zip(self.regions, dtypes, strict=True))
-        if list(map(by_region.__getitem__, self.regions)) != dtypes:
+        if (
+            len(by_region) < len(dtypes)
+            and list(map(by_region.__getitem__, self.regions)) != dtypes
+        ):
             first: dict[str, str] = {}
             for region, dtype in zip(self.regions, dtypes, strict=True):
                 if first.setdefault(region, dtype) != dtype:
