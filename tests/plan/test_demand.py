@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 from dataclasses import replace
 
@@ -212,6 +213,33 @@ def test_ranks_of_one_instance_must_describe_a_tensor_alike():
     other = DirectDemand.of({"w0": ps[0], "w1": with_b(ps[1], layout_fingerprint="other")})
     with pytest.raises(InvariantViolation, match="placement tensor descriptor mismatch: b"):
         plan_routing(manifest(SPECS), topology, other)
+
+
+def test_a_rank_sharing_the_last_ranks_descriptors_does_not_hide_a_later_mismatch():
+    """Ranks holding the very descriptor objects of the rank before are merged without a
+    second look; a later rank that describes a tensor otherwise is still refused, and the
+    shared objects plan the same table as equal copies."""
+    ps = parts(SPECS, 4)
+    topology = Topology.of([Worker(f"w{r}", "n", "i", r) for r in range(4)])
+    shared = replace(ps[1], tensors=ps[0].tensors)
+    assert all(map(operator.is_, shared.tensors, ps[0].tensors))
+    same = plan_routing(
+        manifest(SPECS),
+        topology,
+        DirectDemand.of({"w0": ps[0], "w1": shared, "w2": ps[2], "w3": ps[3]}),
+    )
+    copies = plan_routing(
+        manifest(SPECS), topology, DirectDemand.of({f"w{r}": ps[r] for r in range(4)})
+    )
+    assert encode_table(same).tobytes() == encode_table(copies).tobytes()
+    tensors = tuple(
+        replace(t, layout_fingerprint="other") if t.tensor_id == "b" else t for t in ps[2].tensors
+    )
+    late = DirectDemand.of(
+        {"w0": ps[0], "w1": shared, "w2": replace(ps[2], tensors=tensors), "w3": ps[3]}
+    )
+    with pytest.raises(InvariantViolation, match="placement tensor descriptor mismatch: b"):
+        plan_routing(manifest(SPECS), topology, late)
 
 
 @settings(max_examples=200, deadline=None)
