@@ -903,11 +903,6 @@ def _engine_parts(
         made = list(map(tuple, rows))
         return list(map(interned.setdefault, made, made))
 
-    def spelled(rows: list[tuple[int, ...]]) -> map[str]:
-        """Each distinct offset or shape spelled once (as ``str`` would: a box id names
-        them), looked up by identity, which ``distinct`` made one object per value."""
-        return map(text.__getitem__, map(id, rows))
-
     columns = {
         worker_id: (
             list(map(_TENSOR, layout.shards)),
@@ -917,7 +912,9 @@ def _engine_parts(
         for worker_id, layout in layouts.items()
     }
     shapes = [(tensors, local) for tensors, _, local in columns.values()]
-    text = {id(row): str(row) for row in interned.values()}
+    # Each distinct offset and shape spelled once, as ``str`` would (box ids name them), and
+    # looked up by identity: ``distinct`` made one object per value.
+    spelled = {id(row): str(row) for row in interned.values()}.__getitem__
     descriptors = _target_descriptors(source, shapes, tp_size)
     itemsize = {name: t.itemsize for name, t in source.items()}
     out = {}
@@ -929,7 +926,12 @@ def _engine_parts(
         shards = layout.shards
         tensors, offsets, shapes = columns[worker_id]
         ids = list(
-            map(f"tp{rank.tp}/{{}}@{{}}+{{}}".format, tensors, spelled(offsets), spelled(shapes))
+            map(
+                f"tp{rank.tp}/{{}}@{{}}+{{}}".format,
+                tensors,
+                map(spelled, map(id, offsets)),
+                map(spelled, map(id, shapes)),
+            )
         )
         nbytes = map(mul, map(math.prod, shapes), map(itemsize.__getitem__, tensors))
         boxes = Box.columns(ids, tensors, offsets, shapes, nbytes)
