@@ -49,6 +49,7 @@ from mooncake_rl.protocol import (
     DrainRequest,
     PrepareRequest,
     SessionRequest,
+    UpdateTarget,
     stage_refusal,
 )
 
@@ -101,7 +102,7 @@ class ServedRecord:
     fence: int = 0
     incarnation: str | None = None
 
-    def superseded_by(self, request: PrepareRequest) -> bool:
+    def superseded_by(self, request: UpdateTarget | PrepareRequest) -> bool:
         if request.incarnation is not None and self.incarnation not in (None, request.incarnation):
             return True
         if request.fence and self.fence:
@@ -381,6 +382,20 @@ class Receiver:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _require_newer(self, target: UpdateTarget | PrepareRequest) -> None:
+        """Refuse a record of another model, or one this engine already serves or passed."""
+        if target.model != self.model:
+            raise ReceiverError(
+                409, "wrong_model", f"engine serves {self.model!r}, not {target.model!r}"
+            )
+        if not self.served.superseded_by(target):
+            raise ReceiverError(
+                409,
+                "stale_generation",
+                f"generation {target.generation} (fence {target.fence}) is not newer than "
+                f"served generation {self.generation} (fence {self.served.fence})",
+            )
+
     # -- routes ---------------------------------------------------------------------------
     @_counted
     async def drain(self, request: DrainRequest) -> dict[str, Any]:
@@ -394,6 +409,8 @@ class Receiver:
             if self._ended(request.session) is not None:
                 await self._own(request.session)  # raises session_ended
             self._require(ReceiverState.SERVING)
+            if request.target is not None:
+                self._require_newer(request.target)
             try:
                 await self._timed("drain", self.backend.drain(request))
             except ReceiverError:
@@ -430,17 +447,7 @@ class Receiver:
         async with self._lock:
             session = await self._own(request.session)
             self._require(ReceiverState.DRAINED, ReceiverState.PREPARED)
-            if request.model != self.model:
-                raise ReceiverError(
-                    409, "wrong_model", f"engine serves {self.model!r}, not {request.model!r}"
-                )
-            if not self.served.superseded_by(request):
-                raise ReceiverError(
-                    409,
-                    "stale_generation",
-                    f"generation {request.generation} (fence {request.fence}) is not newer than "
-                    f"served generation {self.generation} (fence {self.served.fence})",
-                )
+            self._require_newer(request)
             # Re-planned: drop the previous staging. Bytes already received in place are
             # rewritten by the new plan's stages, which cover every parameter again.
             if self.state is ReceiverState.PREPARED:

@@ -263,6 +263,16 @@ def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:
     )
 
 
+def target_of(record: ActiveRecord) -> dict[str, Any]:
+    """The record an update brings, as its drains and prepares name it."""
+    return {
+        "model": record.model,
+        "generation": record.generation,
+        "fence": record.fence,
+        "incarnation": record.incarnation,
+    }
+
+
 def refusal(url: str, placement: Mapping[str, Any], record: ActiveRecord) -> str | None:
     """Why an engine cannot be brought to ``record`` (other model, or ahead of the Store)."""
     if placement.get("model") != record.model:
@@ -722,17 +732,16 @@ class Coordinator:
         def base_body(url: str) -> dict[str, Any]:
             return {
                 "session": session.id,
-                "model": result.model,
-                "generation": record.generation,
+                **target_of(record),
                 "manifest_digest": record.manifest_digest,
-                "fence": record.fence,
-                "incarnation": record.incarnation,
                 "mode": options.mode,
                 "in_place": options.in_place,
             }
 
         try:
-            members = self._drain(session, members, options.drain_mode, needed, result)
+            members = self._drain(
+                session, members, options.drain_mode, needed, result, target_of(record)
+            )
             phase("drain")
             if survey.planned is not None:
                 members, plan, prepared = self._prepare(
@@ -840,14 +849,18 @@ class Coordinator:
         drain_mode: str,
         needed: int,
         result: UpdateResult,
+        target: dict[str, Any],
     ) -> list[str]:
         """Open the session on every target; the first (in URL order) alone, so that a
-        rival coordinator that got there first stops this one before it holds anything."""
+        rival coordinator that got there first stops this one before it holds anything.
+        Each drain names ``target``: an engine a rival brought to it since the survey
+        refuses, still serving (``stale_generation``)."""
         body = {
             "session": session.id,
             "holder": self.holder,
             "ttl_s": self.session_ttl_s,
             "mode": drain_mode,
+            "target": target,
         }
         ordered = sorted(targets)
         drained: list[str] = []

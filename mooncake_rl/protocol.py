@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """The ``/mooncake/*`` contract's version, reported in every engine's status; bumped on any
 change a coordinator of the previous version could misread (2: direct mode receives in
 place, so an aborted update may leave the engine rebuilding; 3: a direct slice names the
@@ -26,8 +26,11 @@ placement digest it was planned for, which a version-2 engine refuses as an unkn
 field; 4: a slice's read or push may be a strided run, ``count, src_stride, dst_stride``
 appended, which a version-3 engine refuses as malformed; 5: a slice lists its strings once
 in ``names``, its arrays carry indices and its regions their stored dtypes, which a
-version-4 engine refuses as malformed). A coordinator refuses engines of another version
-before it drains any (see :mod:`mooncake_rl.router.probe`)."""
+version-4 engine refuses as malformed; 6: a drain names the record the update brings,
+``target``, which a version-5 engine refuses as an unknown field). A coordinator with a
+router refuses engines of another version before any leaves rotation or drains (see
+:mod:`mooncake_rl.router.probe`); without one, a version-5 engine refuses this version's
+drain as unparseable (422) and keeps serving."""
 PLACEMENT_DIGEST = "placement_digest"
 PLANNED_FIELDS = ("tp_rank", "tp_size", "regions", "shards")
 """What a direct-mode plan reads of a worker's placement. Not its node (the topology's) nor
@@ -112,6 +115,10 @@ Generation = Annotated[int, Field(gt=0, lt=MAX_GENERATION)]
 DtypeName = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")]
 Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 Hex16 = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+Fence = Annotated[int, Field(ge=0, lt=10**12, description="the active record's fence (0: none)")]
+Incarnation = Annotated[
+    Hex16 | None, Field(description="the Store incarnation of the active record")
+]
 Host = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:\[\]-]+$")]
 
 
@@ -237,13 +244,27 @@ class SessionRequest(Wire):
     session: SessionId
 
 
+class UpdateTarget(Wire):
+    """The active record an update brings an engine to, as its prepare names it."""
+
+    model: Name
+    generation: Generation
+    fence: Fence = 0
+    incarnation: Incarnation = None
+
+
 class DrainRequest(SessionRequest):
-    """Opens (or renews) an update session: its holder owns the engine until the lease ends."""
+    """Opens (or renews) an update session: its holder owns the engine until the lease ends.
+
+    ``target``: the record the update brings. An engine that serves another model, or this
+    record or a newer one, refuses the drain and keeps serving: a coordinator that surveyed
+    before a rival finished never pauses an engine the rival already brought up to date."""
 
     holder: str = Field(min_length=1, max_length=256, pattern=r"^[\x20-\x7e]+$")
     ttl_s: float = Field(30.0, ge=1.0, le=MAX_TTL_S)
     mode: Literal["abort", "wait"] = "abort"
     timeout_s: float = Field(60.0, gt=0, le=MAX_TTL_S)
+    target: UpdateTarget | None = None
 
 
 class PrepareRequest(SessionRequest):
@@ -253,8 +274,8 @@ class PrepareRequest(SessionRequest):
     mode: Literal["compat", "direct"]
     stages: int = Field(ge=0, le=MAX_STAGES, description="apply stages of this update")
     workers: dict[WorkerId, WorkerRouting] = Field(max_length=4096)
-    fence: int = Field(0, ge=0, lt=10**12, description="the active record's fence (0: none)")
-    incarnation: Hex16 | None = Field(None, description="the Store incarnation of that record")
+    fence: Fence = 0
+    incarnation: Incarnation = None
     receive: ReceiveWire | None = Field(
         None, description="a non-Store transport delivers full tensors (workers: empty)"
     )

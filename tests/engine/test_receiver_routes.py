@@ -123,6 +123,11 @@ def drain_body(session: str = S1, **extra: Any) -> dict[str, Any]:
     return {"session": session, "holder": "coordinator-a", "ttl_s": 30, **extra}
 
 
+def target(generation: int = 2, **extra: Any) -> dict[str, Any]:
+    """The record a drain names (the engine under test serves generation 1 of "m")."""
+    return {"model": "m", "generation": generation, **extra}
+
+
 def prepare_body(generation: int = 2, stages: int = 2, session: str = S1) -> dict[str, Any]:
     return {
         "session": session,
@@ -166,7 +171,8 @@ async def test_full_update_cycle(make_client) -> None:
     async with client:
         status = (await client.get("/mooncake/status")).json()
         assert (status["state"], status["ready"], status["session"]) == ("serving", True, None)
-        drained = (await client.post("/mooncake/drain", json=drain_body(mode="wait"))).json()
+        drain = drain_body(mode="wait", target=target(2))  # newer than the served 1: drains
+        drained = (await client.post("/mooncake/drain", json=drain)).json()
         assert drained["state"] == "drained"
         assert (drained["session"]["id"], drained["session"]["holder"]) == (S1, "coordinator-a")
         prepared = (await client.post("/mooncake/prepare", json=prepare_body())).json()
@@ -206,6 +212,10 @@ async def test_full_update_cycle(make_client) -> None:
         ([*UPDATE, ("apply", apply_body(0))], "commit", commit_body(), 409, "stages_incomplete"),
         # Another session: refused, naming the holder; nothing it sends changes anything.
         ([("drain", drain_body())], "drain", drain_body(S2), 409, "session_held"),
+        # A drain naming a record the engine already serves (a rival got there after this
+        # coordinator's survey), or another model's: refused before the engine pauses.
+        ([], "drain", drain_body(target=target(1)), 409, "stale_generation"),
+        ([], "drain", drain_body(target=target(2, model="other")), 409, "wrong_model"),
         (UPDATE, "prepare", prepare_body(session=S2), 409, "session_held"),
         (UPDATE, "apply", apply_body(0, session=S2), 409, "session_held"),
         (APPLIED, "commit", commit_body(session=S2), 409, "session_held"),
@@ -217,6 +227,9 @@ async def test_full_update_cycle(make_client) -> None:
         ([], "drain", drain_body(session="not-hex"), 422, "invalid_request"),
         ([], "drain", drain_body(ttl_s=10**9), 422, "invalid_request"),
         ([], "drain", {"session": S1}, 422, "invalid_request"),
+        ([], "drain", drain_body(target=target(2, fence=-1)), 422, "invalid_request"),
+        ([], "drain", drain_body(target=target(2, incarnation="../etc")), 422, "invalid_request"),
+        ([], "drain", drain_body(target={"generation": 2}), 422, "invalid_request"),
         (
             [("drain", drain_body())],
             "prepare",

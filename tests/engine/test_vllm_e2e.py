@@ -432,6 +432,34 @@ def prepare_body(session: str, record: Any, **fields: Any) -> dict[str, Any]:
     }
 
 
+def test_a_coordinator_overtaken_after_its_survey_pauses_no_engine(world: World) -> None:
+    """Two updates to one generation: the late coordinator surveys while the engines serve
+    the old one, then a rival brings both up to date before its drain. Its drains name the
+    record, the engines refuse them while serving, and it fails holding nothing: each
+    engine's last session is still the rival's."""
+    generation = world.publish(2)
+    rival: list[UpdateResult] = []
+
+    def overtaken(phase: str) -> None:
+        if phase == "check" and not rival:  # surveyed: the engines serve the old generation
+            with world.coordinator() as first:
+                rival.append(first.update(MODEL, batch_bytes=64 << 10))
+
+    with (
+        world.coordinator(progress=overtaken) as late,
+        pytest.raises(UpdateFailed) as failed,
+    ):
+        late.update(MODEL, batch_bytes=64 << 10)
+    error = failed.value.result.error or ""
+    assert error.startswith("drain: ") and "409 stale_generation" in error, error
+    assert sorted(rival[0].committed) == sorted(e.url for e in world.engines.values())
+    for engine in world.engines.values():
+        status = engine.mooncake("GET", "status").json()
+        assert (status["state"], status["generation"]) == ("serving", generation)
+        assert status["last_session"]["id"] == rival[0].session
+        assert engine.complete(PROMPT) == world.refs[2]
+
+
 def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: World) -> None:
     """TP=1 and TP=2: a failed commit leaves the engine broken; it reloads the Store's active
     generation in place, through the loader's path, and serves it without a restart."""
