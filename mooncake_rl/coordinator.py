@@ -632,6 +632,7 @@ class Coordinator:
         phase = _Phases(result, self._progress)
 
         placements, failed = self._all(engines, "GET", BARE_PLACEMENT)
+        require_compatible(placements)  # a reply carries its engine's status
         _left_out(result, failed)
         result.skipped = [u for u in engines if u in placements and serves(placements[u], record)]
         targets = [u for u in engines if u in placements and u not in result.skipped]

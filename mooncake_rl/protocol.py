@@ -27,10 +27,10 @@ field; 4: a slice's read or push may be a strided run, ``count, src_stride, dst_
 appended, which a version-3 engine refuses as malformed; 5: a slice lists its strings once
 in ``names``, its arrays carry indices and its regions their stored dtypes, which a
 version-4 engine refuses as malformed; 6: a drain names the record the update brings,
-``target``, which a version-5 engine refuses as an unknown field). A coordinator with a
-router refuses engines of another version before any leaves rotation or drains (see
-:mod:`mooncake_rl.router.probe`); without one, a version-5 engine refuses this version's
-drain as unparseable (422) and keeps serving."""
+``target``, which a version-5 engine refuses as an unknown field). A coordinator refuses
+engines of another version before any leaves rotation or drains: its router probe reads
+every engine's status, and each wave's survey the version its placement replies report
+(see :mod:`mooncake_rl.router.probe`)."""
 PLACEMENT_DIGEST = "placement_digest"
 PLANNED_FIELDS = ("tp_rank", "tp_size", "regions", "shards")
 """What a direct-mode plan reads of a worker's placement. Not its node (the topology's) nor

@@ -88,6 +88,7 @@ class FakeEngines:
         self.placements = placements
         self.urls: dict[str, str] = {}  # served URL -> simulated engine
         self.calls: list[tuple[str, str, Any]] = []
+        self.protocol: dict[str, int] = {}  # simulated engine -> another protocol it reports
 
     @classmethod
     def of(
@@ -112,9 +113,16 @@ class FakeEngines:
         self.calls.append((url, route, body))
         workers = self.placements[self.urls[url]]
         described = [without_boxes(w) for w in workers] if query == "boxes=false" else workers
+        protocol = self.protocol.get(self.urls[url], PROTOCOL_VERSION)
         replies: dict[str, Any] = {
-            "status": {"state": "serving", "protocol": PROTOCOL_VERSION},
-            "placement": {"model": self.model, "generation": 0, "fence": 0, "workers": described},
+            "status": {"state": "serving", "protocol": protocol},
+            "placement": {
+                "model": self.model,
+                "generation": 0,
+                "fence": 0,
+                "protocol": protocol,
+                "workers": described,
+            },
             "prepare": {
                 "workers": [
                     {"worker_id": w["worker_id"], "node": w["node"], "endpoint": "e", "regions": {}}

@@ -26,7 +26,8 @@ from mooncake_rl.coordinator import Coordinator, UpdateResult
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.plan.update import UpdatePlan
-from mooncake_rl.protocol import PLACEMENT_DIGEST, reported_placement
+from mooncake_rl.protocol import PLACEMENT_DIGEST, PROTOCOL_VERSION, reported_placement
+from mooncake_rl.router import VersionSkew
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import trainer_settings
@@ -278,6 +279,21 @@ def test_an_engine_lost_at_prepare_gets_the_survivors_a_new_plans_bodies(
     ]
     assert len(pushed_to) == 2
     assert pushed_to[0] & lost_workers and not pushed_to[1] & lost_workers
+
+
+def test_an_engine_of_another_protocol_is_refused_before_any_drain(
+    coordinator_settings: Settings,
+) -> None:
+    """Without a router (whose probe checks every engine first) the survey checks the
+    versions its placement replies report: nothing drains, and the engine is named."""
+    engines = engines_for(coordinator_settings)
+    engines.protocol[sorted(engines.placements)[1]] = PROTOCOL_VERSION + 1
+    with (
+        coordinating(coordinator_settings, engines) as coordinator,
+        pytest.raises(VersionSkew, match=f"speaks protocol {PROTOCOL_VERSION + 1}"),
+    ):
+        coordinator.update(MODEL, mode="direct", batch_bytes=4096)
+    assert engines.paths() == {"placement?boxes=false"}
 
 
 def test_a_placement_the_planner_refuses_drains_no_engine(coordinator_settings: Settings) -> None:

@@ -44,6 +44,7 @@ def _coordinate(
     session_ttl_s: float,
     options: dict[str, Any],
     results: Any,
+    together: Any,
 ) -> None:
     def progress(phase: str) -> None:
         if phase == kill_at:
@@ -55,6 +56,8 @@ def _coordinate(
             store, engines, token=token, session_ttl_s=session_ttl_s, progress=progress
         ) as coordinator,
     ):
+        if together is not None:
+            together.wait(timeout=120)  # set up: the updates themselves start at once
         try:
             results.put(("ok", coordinator.update(model, **options).to_json()))
         except UpdateFailed as failed:
@@ -89,15 +92,27 @@ def start_coordinator(
     kill_at: str | None = None,
     token: str | None = None,
     session_ttl_s: float = 3.0,
+    together: Any = None,
     **options: Any,
 ) -> CoordinatorRun:
     """``settings`` must lend no memory (``segment_bytes=0``): a killed process that lent
-    some would take Store objects with it, a different fault."""
+    some would take Store objects with it, a different fault. ``together``: a ``CTX``
+    barrier the process waits at before its update (each process takes seconds to start)."""
     assert settings.segment_bytes == 0
     results = CTX.Queue()
     process = CTX.Process(
         target=_coordinate,
-        args=(settings, list(engines), model, kill_at, token, session_ttl_s, options, results),
+        args=(
+            settings,
+            list(engines),
+            model,
+            kill_at,
+            token,
+            session_ttl_s,
+            options,
+            results,
+            together,
+        ),
     )
     process.start()
     return CoordinatorRun(process, results)
