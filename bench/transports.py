@@ -477,8 +477,8 @@ class World:
                     "MOONCAKE_RL_GPU_IDS": gpu,
                     "VLLM_CPU_OMP_THREADS_BIND": self.binds[label],
                 },
-                # On CPU this fraction of host memory is reserved per engine (KV cache); the
-                # last --gpu-memory-utilization wins over VllmServer's 0.2.
+                # On CPU vLLM checks this fraction of host memory is free at start (the KV
+                # cache is VllmServer's fixed size); the last --gpu-memory-utilization wins.
                 extra_args=("--gpu-memory-utilization", str(self.memory_fraction)),
             )
             self.stack.callback(server.stop)

@@ -19,6 +19,8 @@ import httpx
 from mooncake_rl.services import ManagedProcess, free_port
 from mooncake_rl.settings import Settings
 
+KV_CACHE_BYTES = 64 << 20  # per worker: 65,536 tokens of the tiny test models
+
 
 def engine_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {
@@ -78,6 +80,10 @@ class VllmServer:
             "float32",
             "--gpu-memory-utilization",
             "0.2",
+            # A few sequences of 256 tokens need a few MiB of KV cache; left to the memory
+            # fraction, each worker allocates and touches some 4 GiB (10-20 s of its start).
+            "--kv-cache-memory-bytes",
+            str(KV_CACHE_BYTES),
             "--max-model-len",
             "256",
             "--max-num-seqs",
