@@ -110,18 +110,33 @@ class VllmServer:
         if not routes:
             self._env.pop("VLLM_PLUGINS", None)
         self._process: ManagedProcess | None = None
+        self._started = 0.0
         self.token = token
 
     def start(self, timeout_s: float = 300.0) -> VllmServer:
+        self.spawn()
+        return self.wait_healthy(timeout_s)
+
+    def spawn(self) -> VllmServer:
+        """Launch without waiting, so several servers start at once (``wait_healthy`` each)."""
         self._process = ManagedProcess(self._args, self.log_path, self._env)
-        started = time.monotonic()
+        self._started = time.monotonic()
         try:
             self._process.spawn()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> VllmServer:
+        if self._process is None:
+            raise RuntimeError("spawn the vLLM server before waiting for it")
+        try:
             self._process.wait_until(self._healthy, "vLLM server", timeout_s)
         except BaseException:
             self.stop()
             raise
-        self.startup_seconds = time.monotonic() - started
+        self.startup_seconds = time.monotonic() - self._started
         return self
 
     def _healthy(self) -> bool:

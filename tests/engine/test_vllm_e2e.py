@@ -68,6 +68,11 @@ class World:
     def start(
         self, label: str, tp: int, token: str | None = None, eager: bool = False
     ) -> VllmServer:
+        return self.spawn(label, tp, token, eager).wait_healthy()
+
+    def spawn(
+        self, label: str, tp: int, token: str | None = None, eager: bool = False
+    ) -> VllmServer:
         """``eager``: no graph compilation (half the start); engine ``a`` keeps the compiled
         path covered."""
         server = VllmServer(
@@ -80,7 +85,7 @@ class World:
             # The declared topology (no CUDA here): one physical GPU id per rank.
             extra_env={"MOONCAKE_RL_GPU_IDS": ",".join(GPUS[label][:tp])},
             extra_args=["--enforce-eager"] if eager else [],
-        ).start()
+        ).spawn()
         self.engines[label] = server
         return server
 
@@ -101,8 +106,11 @@ def world(
     made = World(tmp_path_factory.mktemp("e2e"), master, holders("e2e-store").segment)
     try:
         made.publish(0)
-        made.start("a", 1, token=TOKEN)  # compiled: keeps vLLM's compiled path covered
-        made.start("b", 2, eager=True)
+        # Both start at once: each start is mostly one process importing at a time.
+        made.spawn("a", 1, token=TOKEN)  # compiled: keeps vLLM's compiled path covered
+        made.spawn("b", 2, eager=True)
+        for engine in made.engines.values():
+            engine.wait_healthy()
         yield made
     finally:
         made.close()
