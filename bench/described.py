@@ -50,6 +50,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
 from mooncake_rl.generations.checksums import BLOCK_BYTES, ObjectChecksum, block_spans
 from mooncake_rl.generations.layout import layout_digest
+from mooncake_rl.plan.cpu import host_cpu
 from mooncake_rl.plan.planner import planning_mode
 from mooncake_rl.plan.shapes import DTYPES, MODELS, instance_parts, model_shape
 from mooncake_rl.plan.synthetic import described_engines, simulated_engines
@@ -206,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demands": len(table.demands),
         "region_names": len(table.regions),
         "load_average_1m": round(os.getloadavg()[0], 2),
+        "host": host_cpu().as_json(),
     }
     print(json.dumps(result))
     return 0

@@ -59,6 +59,7 @@ from mooncake_rl.plan import (
     plan_key,
     plan_routing,
 )
+from mooncake_rl.plan.cpu import host_cpu
 from mooncake_rl.plan.demand import declared_digest, part_digest
 from mooncake_rl.plan.shapes import DTYPES, MODELS, Target, cluster, model_shape, weight_manifest
 from mooncake_rl.plan.stored import StoredTables, decode_table, encode_table, entry_key
@@ -330,6 +331,7 @@ def main() -> None:
         "layout_digest_seconds": round(given.digest_seconds, 4),
         "layout_digest_cpu_seconds": round(given.digest_cpu_seconds, 4),
         "load_average_1m": round(os.getloadavg()[0], 2),
+        "host": host_cpu().as_json(),
         "setup_seconds": round(setup, 2),
         "reads": len(table.reads),
         "pushes": len(table.pushes),

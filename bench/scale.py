@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mooncake_rl.plan import PlanParams
+from mooncake_rl.plan.cpu import host_cpu
 from mooncake_rl.plan.shapes import DTYPES, LAYOUTS, MODELS
 
 GB = 1e9
@@ -214,6 +215,7 @@ def run(points: Sequence[Point], max_rss_bytes: float) -> dict[str, Any]:
         "skipped": skipped,
         "max_rss_bytes": max_rss_bytes,
         "host_cpus": os.cpu_count(),
+        "host": host_cpu().as_json(),
         "parent_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
