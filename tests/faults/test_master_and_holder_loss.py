@@ -29,7 +29,7 @@ from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder, fr
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import TEST_LEASE_TTL_MS, trainer_settings
-from tests.test_cli_generations import run_cli
+from tests.test_cli_generations import cli, run_cli
 
 SEGMENT = 64 << 20
 
@@ -201,15 +201,13 @@ def test_lost_holder_store_level(services: Services) -> None:
         assert any(k in str(load.value) for k in gen2_keys), load.value
         assert verify_generation(store, model)["ok"] is False
 
-    activated = run_cli(
-        services.master, a_segment, "activate", "--name", model, "--generation", "1"
-    )
+    activated = cli(services.master, a_segment, "activate", "--name", model, "--generation", "1")
     assert activated.returncode == 0, activated.stderr
     assert json.loads(activated.stdout) == {"model": model, "active": 1, "fence": 3}
-    refused = run_cli(services.master, a_segment, "activate", "--name", model, "--generation", "2")
+    refused = cli(services.master, a_segment, "activate", "--name", model, "--generation", "2")
     assert refused.returncode == 2 and "cannot activate generation 2" in refused.stderr
     for generation, message in (("99", "was never announced"), ("1", "is already active")):
-        bad = run_cli(
+        bad = cli(
             services.master, a_segment, "activate", "--name", model, "--generation", generation
         )
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
