@@ -11,8 +11,8 @@ per process: the environment variable below, set where the coordinator starts.
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,14 +79,9 @@ def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> HostCpu:
     return parse_cpuinfo(text, numpy_uses_avx512())
 
 
-_warned = threading.Event()
-
-
+@functools.cache
 def warn_once_if_sort_is_slow() -> None:
     """Log, once per process, that this CPU makes numpy's sort slow and how to fix it."""
-    if _warned.is_set():
-        return
-    _warned.set()
     cpu = host_cpu()
     if cpu.slow_sort:
         logger.warning(

@@ -286,14 +286,21 @@ def reporting(engines: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[s
     return {url: [reported_placement(w) for w in workers] for url, workers in engines.items()}
 
 
-def bench_plan(*flags: str, module: str = "bench.plan") -> dict[str, Any]:
-    """The one JSON object ``python -m bench.plan`` (or ``module``) prints for ``flags``."""
-    out = subprocess.run(
+def run_bench(
+    *flags: str, module: str = "bench.plan", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.plan`` (or ``module``) with ``flags`` in a fresh process."""
+    return subprocess.run(
         [sys.executable, "-m", module, *flags],
         cwd=Path(__file__).resolve().parents[2],
+        env=env,
         capture_output=True,
         text=True,
         check=True,
         timeout=300,
-    ).stdout
-    return json.loads(out)
+    )
+
+
+def bench_plan(*flags: str, module: str = "bench.plan") -> dict[str, Any]:
+    """The one JSON object ``python -m bench.plan`` (or ``module``) prints for ``flags``."""
+    return json.loads(run_bench(*flags, module=module).stdout)

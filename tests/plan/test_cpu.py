@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from mooncake_rl.plan.cpu import FIX, parse_cpuinfo
+from mooncake_rl.plan.cpu import FIX, host_cpu, parse_cpuinfo, warn_once_if_sort_is_slow
+from tests.plan.helpers import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def cpuinfo(vendor: str, family: int, flags: str = "fpu sse2 avx2 avx512f") -> str:
+def cpuinfo(vendor: str, family: int) -> str:
     core = (
         f"processor\t: {{n}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
-        f"model\t\t: 17\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\n"
+        "model\t\t: 17\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 avx512f\n\n"
     )
     return core.format(n=0) + core.format(n=1).replace(vendor, "OtherVendor")
 
@@ -53,15 +49,7 @@ def plan_small(disable: str | None) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if k != "NPY_DISABLE_CPU_FEATURES"}
     if disable is not None:
         env["NPY_DISABLE_CPU_FEATURES"] = disable
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.plan", "--model", "small", "--target", "2xTP4"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
+    done = run_bench("--model", "small", "--target", "2xTP4", env=env)
     return json.loads(done.stdout), done.stderr
 
 
@@ -73,9 +61,18 @@ def test_a_cold_plan_names_the_fix_once_where_the_sort_is_slow() -> None:
     assert cpu["numpy_avx512"] is has_avx512  # numpy dispatches to what the CPU has
     expected = cpu["vendor"] == "AuthenticAMD" and cpu["family"] == 25 and has_avx512
     assert cpu["numpy_sort_slow"] is expected
-    assert logged.count(FIX) == (1 if expected else 0), logged  # once, for several plans
+    assert logged.count(FIX) == (1 if expected else 0), logged
 
     fixed, logged = plan_small("AVX512F")
     assert fixed["host"]["numpy_avx512"] is False and fixed["host"]["numpy_sort_slow"] is False
     assert FIX not in logged, logged
     assert fixed["pushes"] == default["pushes"] and fixed["reads"] == default["reads"]
+
+
+def test_the_hint_is_logged_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
+    warn_once_if_sort_is_slow.cache_clear()
+    with caplog.at_level("WARNING", logger="mooncake_rl.plan.cpu"):
+        for _ in range(3):
+            warn_once_if_sort_is_slow()
+    hints = [r for r in caplog.records if FIX in r.getMessage()]
+    assert len(hints) == (1 if host_cpu().slow_sort else 0)
