@@ -124,7 +124,27 @@ def update_once(
     return run
 
 
-def run_family(
+@dataclass
+class LaunchedFamily:
+    """One matrix row's generations made, generation 1 published and its engine launched.
+
+    Launching is apart from :func:`finish_family` so that several engines start at once
+    (each start is mostly one process importing); ``close`` stops the engine, and is safe
+    to call again, so a caller that launched several can always clean up.
+    """
+
+    run: FamilyRun
+    name: str
+    dirs: list[Path]
+    references: list[list[int]]
+    engine: VllmServer | None
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def launch_family(
     family: str,
     tied: bool,
     tp: int,
@@ -133,19 +153,16 @@ def run_family(
     store: StoreClient,
     *,
     engine_env: dict[str, str] | None = None,
-    after: Callable[[VllmServer, FamilyRun, list[Path]], None] | None = None,
     compiled: bool = False,
     reference: Callable[[Path], list[int]] | None = None,
-) -> FamilyRun:
-    """One matrix row; every server it starts is stopped before it returns.
+) -> LaunchedFamily:
+    """Make and publish the row's generations and launch its engine, without waiting.
 
-    ``after(engine, run, model_dirs)`` runs on the updated engine before it stops (tests
-    add steps there without starting another engine). Engines run eagerly
-    (``--enforce-eager``) unless ``compiled``: it halves a CPU server's start and changes no
-    greedy output here; ``tests/engine/test_vllm_e2e.py`` keeps the compiled path covered.
-    ``reference(model_dir)``: the expected greedy output of a generation's weights; default
-    plain vLLM's (a server per generation; the tests use transformers', which equals it for
-    the tiny families and starts no server).
+    Engines run eagerly (``--enforce-eager``) unless ``compiled``: it halves a CPU server's
+    start and changes no greedy output here; ``tests/engine/test_vllm_e2e.py`` keeps the
+    compiled path covered. ``reference(model_dir)``: the expected greedy output of a
+    generation's weights; default plain vLLM's (a server per generation; the tests use
+    transformers', which equals it for the tiny families and starts no server).
     """
     run = FamilyRun(family, tied, tp)
     name = f"{family}-{'tied' if tied else 'untied'}-tp{tp}"
@@ -161,7 +178,7 @@ def run_family(
         ]
     except RuntimeError as error:
         run.error = str(error)
-        return run
+        return LaunchedFamily(run, name, dirs, [], None)
     publish_checkpoint(store, name, dirs[0], "float32")
     engine = VllmServer(
         dirs[0],
@@ -174,26 +191,70 @@ def run_family(
         extra_args=args,
     )
     try:
-        engine.start()
+        engine.spawn()
     except Exception as error:
-        engine.stop()
-        cause = f"start from the Store failed: {last_error(engine.log_path)} ({error})"
-        run.compat.error = run.direct.error = cause
+        _start_failed(run, engine, error)
+        return LaunchedFamily(run, name, dirs, references, None)
+    return LaunchedFamily(run, name, dirs, references, engine)
+
+
+def _start_failed(run: FamilyRun, engine: VllmServer, error: Exception) -> None:
+    run.compat.error = run.direct.error = (
+        f"start from the Store failed: {last_error(engine.log_path)} ({error})"
+    )
+
+
+def finish_family(
+    launched: LaunchedFamily,
+    store: StoreClient,
+    *,
+    after: Callable[[VllmServer, FamilyRun, list[Path]], None] | None = None,
+) -> FamilyRun:
+    """Wait for the row's engine, update it in compat then direct mode, and stop it.
+
+    ``after(engine, run, model_dirs)`` runs on the updated engine before it stops (tests
+    add steps there without starting another engine).
+    """
+    run, engine = launched.run, launched.engine
+    if engine is None:
         return run
     try:
+        try:
+            engine.wait_healthy()
+        except Exception as error:
+            _start_failed(run, engine, error)
+            return run
         for mode, model_dir, reference in (
-            ("compat", dirs[1], references[0]),
-            ("direct", dirs[2], references[1]),
+            ("compat", launched.dirs[1], launched.references[0]),
+            ("direct", launched.dirs[2], launched.references[1]),
         ):
-            result = update_once(store, engine, name, model_dir, mode)
+            result = update_once(store, engine, launched.name, model_dir, mode)
             result.reference = reference
             result.ok = result.error is None and result.outputs == reference
             setattr(run, mode, result)
         if after is not None:
-            after(engine, run, dirs)
+            after(engine, run, launched.dirs)
     finally:
-        engine.stop()
+        launched.close()
     return run
+
+
+def run_family(
+    family: str,
+    tied: bool,
+    tp: int,
+    root: Path,
+    settings: Settings,
+    store: StoreClient,
+    *,
+    compiled: bool = False,
+    reference: Callable[[Path], list[int]] | None = None,
+) -> FamilyRun:
+    """One matrix row, start to end; every server it starts is stopped before it returns."""
+    launched = launch_family(
+        family, tied, tp, root, settings, store, compiled=compiled, reference=reference
+    )
+    return finish_family(launched, store)
 
 
 def table(runs: list[dict[str, Any]]) -> str:

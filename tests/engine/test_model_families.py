@@ -1,9 +1,10 @@
 """Families beyond the tiny Llama, through real vLLM engines (the smoke of ``make models``).
 
-A tied-embedding Qwen2 (qkv bias and a tied ``lm_head``) and a Qwen3-MoE (fused experts):
-each starts from the Store, is updated in compat then direct mode, and after each update
-serves exactly transformers' greedy output for that generation's local directory (equal to
-plain vLLM's for these families; ``make models`` compares against plain vLLM servers).
+A tied-embedding Qwen2 (qkv bias and a tied ``lm_head``) and a Qwen3-MoE (fused experts),
+their engines launched at once: each starts from the Store, is updated in compat then direct
+mode, and after each update serves exactly transformers' greedy output for that generation's
+local directory (equal to plain vLLM's for these families; ``make models`` compares against
+plain vLLM servers).
 On the same engines: a direct update that leaves the qkv biases to the per-parameter
 fallback, and a bad landing caused on purpose (vLLM's own stale CPU expert prepack, put
 back) that the post-landing check must refuse to serve.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
-from bench.models import FamilyRun, run_family, update_once
+from bench.models import FamilyRun, LaunchedFamily, finish_family, launch_family, update_once
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations.commands import publish_checkpoint
@@ -44,6 +45,36 @@ def store(master: EmbeddedMaster, holders):
         yield settings, client
 
 
+@pytest.fixture(scope="module")
+def stale_marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """While this file exists, the MoE engine puts vLLM's stale CPU expert prepack back."""
+    return tmp_path_factory.mktemp("fault") / "stale-experts"
+
+
+@pytest.fixture(scope="module")
+def launched(
+    store, stale_marker: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, LaunchedFamily]]:
+    """Both families' engines, launched at once (each start is mostly one process
+    importing); each test waits for its own."""
+    settings, client = store
+    root = tmp_path_factory.mktemp("families")
+    pythonpath = os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": pythonpath, "MOONCAKE_RL_TEST_STALE_EXPERTS": str(stale_marker)}
+    families: dict[str, LaunchedFamily] = {}
+    try:
+        families["qwen2"] = launch_family(
+            "qwen2", True, 1, root, settings, client, reference=hf_greedy
+        )
+        families["qwen3_moe"] = launch_family(
+            "qwen3_moe", False, 1, root, settings, client, engine_env=env, reference=hf_greedy
+        )
+        yield families
+    finally:
+        for family in families.values():
+            family.close()
+
+
 def assert_both_modes_exact(run: FamilyRun) -> None:
     assert run.error is None
     for mode in (run.compat, run.direct):
@@ -56,8 +87,8 @@ def assert_both_modes_exact(run: FamilyRun) -> None:
     assert run.compat.store_read_bytes > 0
 
 
-def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, tmp_path: Path) -> None:
-    settings, client = store
+def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, launched) -> None:
+    _, client = store
     fallback: dict[str, object] = {}
 
     def direct_with_fallback(engine: VllmServer, run: FamilyRun, dirs: list[Path]) -> None:
@@ -71,21 +102,12 @@ def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, tmp_p
             placement=engine.mooncake("GET", "placement").json()["workers"][0],
         )
 
-    run = run_family(
-        "qwen2",
-        True,
-        1,
-        tmp_path,
-        settings,
-        client,
-        after=direct_with_fallback,
-        reference=hf_greedy,
-    )
+    run = finish_family(launched["qwen2"], client, after=direct_with_fallback)
     assert_both_modes_exact(run)
 
     update, worker = fallback["update"], fallback["placement"]
     assert update.error is None and update.outputs == fallback["reference"]
-    stored = load_file(tmp_path / "qwen2-tied-tp1" / "g2" / "model.safetensors")
+    stored = load_file(launched["qwen2"].dirs[1] / "model.safetensors")
     biases = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
     assert update.fallback_bytes == sum(t.nbytes for n, t in stored.items() if n.endswith(biases))
     fused = [f"model.layers.{i}.self_attn.qkv_proj.bias" for i in (0, 1)]
@@ -102,16 +124,13 @@ def test_tied_qwen2_updates_exactly_and_the_fallback_lands_the_rest(store, tmp_p
 
 
 def test_qwen3_moe_updates_exactly_and_a_stale_landing_is_never_served(
-    store, tmp_path: Path
+    store, launched, stale_marker: Path
 ) -> None:
-    settings, client = store
-    marker = tmp_path / "stale-experts"
-    pythonpath = os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))
-    env = {"PYTHONPATH": pythonpath, "MOONCAKE_RL_TEST_STALE_EXPERTS": str(marker)}
+    _, client = store
     seen: dict[str, object] = {}
 
     def stale_experts(engine: VllmServer, run: FamilyRun, dirs: list[Path]) -> None:
-        marker.touch()
+        stale_marker.touch()
         publish_checkpoint(client, "qwen3_moe-untied-tp1", dirs[1], "float32")
         with (
             Coordinator(client, [engine.url], token=engine.token) as coordinator,
@@ -123,21 +142,11 @@ def test_qwen3_moe_updates_exactly_and_a_stale_landing_is_never_served(
         # landing check refuses it too, and the engine stays out of service.
         seen["refused"] = wait_for(engine, lambda s: "rebuild failed" in (s["last_error"] or ""))
         seen["ready"] = httpx.get(f"{engine.url}/mooncake/ready").status_code
-        marker.unlink()
+        stale_marker.unlink()
         seen["rebuilt"] = wait_for(engine, lambda s: s["state"] == "serving")
         seen["outputs"] = engine.complete(PROMPT)
 
-    run = run_family(
-        "qwen3_moe",
-        False,
-        1,
-        tmp_path,
-        settings,
-        client,
-        engine_env=env,
-        after=stale_experts,
-        reference=hf_greedy,
-    )
+    run = finish_family(launched["qwen3_moe"], client, after=stale_experts)
     assert_both_modes_exact(run)
 
     assert "did not land intact" in str(seen["failed"]) and "mlp.experts" in str(seen["failed"])
