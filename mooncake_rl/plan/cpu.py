@@ -80,6 +80,12 @@ def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> HostCpu:
 
 
 @functools.cache
+def vectorized_sort_is_slow() -> bool:
+    """Once per process: numpy's dispatch is fixed at import, and the CPU does not change."""
+    return host_cpu().slow_sort
+
+
+@functools.cache
 def warn_once_if_sort_is_slow() -> None:
     """Log, once per process, that this CPU makes numpy's sort slow and how to fix it."""
     cpu = host_cpu()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.plan.cpu import vectorized_sort_is_slow
 
 I64 = np.int64
 
@@ -75,24 +76,33 @@ def packed_key(*columns: np.ndarray) -> np.ndarray | None:
     return key
 
 
-def stable_order(key: np.ndarray) -> np.ndarray:
+def stable_order(key: np.ndarray, *, merge: bool | None = None) -> np.ndarray:
     """``np.argsort(key, kind="stable")`` of an integer array, 2-20x faster.
 
-    numpy's stable sort of int64 is a timsort; its plain sort of int64 is vectorized. Rows
-    are sorted as packed ``(key, index)`` values, all distinct, so the plain sort gives
-    exactly the stable order. When ``key - min`` leaves no room for the index in 63 bits,
-    an unstable argsort first ranks the keys densely (ranks are at most ``len(key)``) and the
-    packed sort of ``(rank, index)`` then orders equal keys by index.
+    Keys already in order (a plan's columns often are) cost one comparison pass. Otherwise
+    rows are sorted as packed ``(key, index)`` values, all distinct, so any sort gives
+    exactly the stable order. ``merge`` picks the sort: numpy's timsort, which merges the
+    ordered runs it finds (a plan's keys are mostly ordered runs), or its vectorized
+    quicksort. ``None`` picks per CPU: the quicksort, except where it is the slow one
+    (:mod:`mooncake_rl.plan.cpu`; there the timsort is 1.3-3x faster on a plan's keys). When
+    ``key - min`` leaves no room for the index in 63 bits, the timsort sorts the keys
+    indirectly; the quicksort first ranks them densely (ranks are at most ``len(key)``).
     """
     n = len(key)
     if not n:
         return np.zeros(0, I64)
+    if not (key[1:] < key[:-1]).any():
+        return np.arange(n, dtype=I64)
+    if merge is None:
+        merge = vectorized_sort_is_slow()
     low, high = int(key.min()), int(key.max())
     bits = max(n - 1, 1).bit_length()
     mask = I64((1 << bits) - 1)
     if bits > 31:  # ranks and indices would not fit together
         return np.argsort(key, kind="stable")
     if (high - low) >> (63 - bits):
+        if merge:
+            return np.argsort(key, kind="stable")
         order = np.argsort(key)
         packed = np.cumsum(group_starts(key[order]), dtype=I64)
         packed <<= bits
@@ -102,7 +112,7 @@ def stable_order(key: np.ndarray) -> np.ndarray:
         packed -= low
         packed <<= bits
         packed |= np.arange(n, dtype=I64)
-    packed.sort()
+    packed.sort(kind="stable" if merge else None)
     packed &= mask
     return packed
 
@@ -141,12 +151,19 @@ def dense_pair_keys(major: np.ndarray, minor: np.ndarray) -> tuple[np.ndarray, n
     return inverse, first
 
 
-def search(sorted_values: np.ndarray, queries: np.ndarray, side: str = "left") -> np.ndarray:
+def search(
+    sorted_values: np.ndarray,
+    queries: np.ndarray,
+    side: str = "left",
+    order: np.ndarray | None = None,
+) -> np.ndarray:
     """``np.searchsorted`` with the queries visited in sorted order: millions of scattered
-    queries into millions of values otherwise miss the cache on every probe (10x slower)."""
-    if len(queries) < 1 << 14:
+    queries into millions of values otherwise miss the cache on every probe (10x slower).
+    ``order``: one that sorts ``queries``, when the caller has it already."""
+    if order is None and len(queries) < 1 << 14:
         return np.searchsorted(sorted_values, queries, side=side)
-    order = stable_order(queries)
+    if order is None:
+        order = stable_order(queries)
     out = np.empty(len(queries), I64)
     out[order] = np.searchsorted(sorted_values, queries[order], side=side)
     return out
@@ -170,14 +187,24 @@ def _pair_keys(
 
 
 def at_or_before(
-    ref_major: np.ndarray, ref_minor: np.ndarray, q_major: np.ndarray, q_minor: np.ndarray
+    ref_major: np.ndarray,
+    ref_minor: np.ndarray,
+    q_major: np.ndarray,
+    q_minor: np.ndarray,
+    *,
+    ref_order: np.ndarray | None = None,
+    query_order: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """For each query pair: the reference with the greatest pair <= it (-1 if none), and
-    whether the pairs are equal. References with equal pairs: the last one wins."""
+    whether the pairs are equal. References with equal pairs: the last one wins.
+
+    ``ref_order`` (the stable order of the reference pairs, ``lex_order(ref_major,
+    ref_minor)``) and ``query_order`` (any order sorting the query pairs) save their sorts
+    where the caller has them already."""
     n = len(ref_major)
     ref, query = _pair_keys(*map(as_i64, (ref_major, ref_minor, q_major, q_minor)))
-    order = stable_order(ref)
-    pos = search(ref[order], query, side="right") - 1
+    order = stable_order(ref) if ref_order is None else ref_order
+    pos = search(ref[order], query, side="right", order=query_order) - 1
     found = np.where(pos >= 0, order[np.maximum(pos, 0)], -1)
     exact = (found >= 0) & (ref[np.maximum(found, 0)] == query) if n else found >= 0
     return found, exact

@@ -39,6 +39,15 @@ def validate_routing_table(table: RoutingTable) -> None:
 
 
 @dataclass(frozen=True, eq=False)
+class _Sorted:
+    """Records' (worker, region) keys and the stable order sorting them by (key, dst_offset):
+    sorted once, shared by the bounds, overlap, provenance and placement checks."""
+
+    space: np.ndarray
+    order: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
 class _Placement:
     """Writes outside staging (``outside``, or all of them when ``everything``) matched to
     the demand each starts in (``match``, -1: none), with both sides' (worker, region) keys."""
@@ -129,15 +138,22 @@ class _V:
         self.well_formed()
         self.object_bounds()
         with ThreadPoolExecutor(1, thread_name_prefix="validate") as side:
+            sorting = side.submit(self._sorted, self.land)
+            self.sorted_demands = self._sorted(self.demands)
+            self.sorted_land = sorting.result()
             placed = side.submit(self._provenance_then_placement)
-            self.region_bounds(self.demands, self._demand)
-            self.region_bounds(self.land, self._landing)
-            self.disjoint(self.demands, self._demand, "demands")
-            self.disjoint(self.land, self._landing, "writes")
+            self.region_bounds(self.demands, self.sorted_demands, self._demand)
+            self.region_bounds(self.land, self.sorted_land, self._landing)
+            self.disjoint(self.demands, self.sorted_demands, self._demand, "demands")
+            self.disjoint(self.land, self.sorted_land, self._landing, "writes")
             self.single_pull_disjoint()
             union = self.t.unique_demand_bytes
             self.content_and_coverage(placed.result())
         self.single_pull_total(union)
+
+    def _sorted(self, c) -> _Sorted:
+        space = self._space(c)
+        return _Sorted(space, grid.lex_order(space, c["dst_offset"]))
 
     def _provenance_then_placement(self) -> _Placement:
         self.provenance()
@@ -185,11 +201,12 @@ class _V:
                 f"{int(size[i])} bytes)"
             )
 
-    def region_bounds(self, c, describe) -> None:
+    def region_bounds(self, c, keyed: _Sorted, describe) -> None:
         """Records land in declared regions, inside them (push sources are checked by
         provenance: each must equal a write)."""
-        space = self._space(c)
-        pos = np.minimum(grid.search(self.declared, space), max(len(self.declared) - 1, 0))
+        space = keyed.space
+        pos = grid.search(self.declared, space, order=keyed.order)
+        pos = np.minimum(pos, max(len(self.declared) - 1, 0))
         known = self.declared[pos] == space if len(self.declared) else np.zeros(len(space), bool)
         if not known.all():
             i = np.flatnonzero(~known)[0]
@@ -207,14 +224,13 @@ class _V:
                 f"({int(end[i])} > {int(size[i])} bytes)"
             )
 
-    def disjoint(self, c, describe, what: str) -> None:
+    def disjoint(self, c, keyed: _Sorted, describe, what: str) -> None:
         if len(c["length"]) < 2:
             return
-        space = self._space(c)
+        space, order = keyed.space, keyed.order
         offset, length, count, stride = c["dst_offset"], c["length"], c["count"], c["dst_stride"]
-        if ((count == 1) | (stride == length)).all():  # all contiguous: one sort suffices
+        if ((count == 1) | (stride == length)).all():  # all contiguous: sorted by start
             end = offset + length * count
-            order = grid.lex_order(space, offset)
             s, o, e = space[order], offset[order], end[order]
             hit = np.flatnonzero((s[1:] == s[:-1]) & (o[1:] < e[:-1]))
             pair = None if not len(hit) else (order[hit[0]], order[hit[0] + 1])
@@ -244,10 +260,11 @@ class _V:
         """Match every push source to the write that put those bytes at the sender."""
         n_r, p, land = len(self.t.reads), self.pushes, self.land
         source, exact = grid.at_or_before(
-            self._space(land),
+            self.sorted_land.space,
             land["dst_offset"],
             self._space(p, "worker", "src_region"),
             p["src_offset"],
+            ref_order=self.sorted_land.order,
         )
         s = np.maximum(source, 0)
         same = (
@@ -288,14 +305,22 @@ class _V:
     def placement(self) -> _Placement:
         """The demand each write outside staging starts in (the last one at or before it)."""
         d, land = self.demands, self.land
-        outside = np.flatnonzero(land["dst_region"] != 0)
-        everything = len(outside) == len(land["dst_region"])
-        d_space = self._space(d)
-        w_space = self._space(land)
-        if not everything:
-            w_space = w_space[outside]
-        w_off = land["dst_offset"] if everything else land["dst_offset"][outside]
-        match, _ = grid.at_or_before(d_space, d["dst_offset"], w_space, w_off)
+        is_outside = land["dst_region"] != 0
+        outside = np.flatnonzero(is_outside)
+        everything = len(outside) == len(is_outside)
+        d_space = self.sorted_demands.space
+        w_space, w_off, w_order = self.sorted_land.space, land["dst_offset"], self.sorted_land.order
+        if not everything:  # the sorted order kept for the writes outside, renumbered
+            w_space, w_off = w_space[outside], w_off[outside]
+            w_order = (np.cumsum(is_outside) - 1)[w_order[is_outside[w_order]]]
+        match, _ = grid.at_or_before(
+            d_space,
+            d["dst_offset"],
+            w_space,
+            w_off,
+            ref_order=self.sorted_demands.order,
+            query_order=w_order,
+        )
         return _Placement(outside, everything, d_space, w_space, match)
 
     def content_and_coverage(self, placed: _Placement) -> None:

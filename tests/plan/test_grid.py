@@ -119,12 +119,17 @@ def test_packed_keys_fall_back_to_lexsort_when_they_would_overflow():
     st.lists(st.integers(0, 6), max_size=60),
     st.sampled_from([1, 1 << 20, 1 << 45, 1 << 59]),
     st.integers(-(1 << 62), 1 << 62),
+    st.booleans(),
 )
-def test_stable_order_and_unique_match_numpy(picks, spread, shift):
-    """Packed and rank-then-packed sorts (keys too wide to pack with the index) give
-    numpy's stable order and unique, ties included."""
-    key = np.array([p * spread for p in picks], np.int64) + np.int64(shift // 2)
-    assert list(grid.stable_order(key)) == list(np.argsort(key, kind="stable"))
+def test_stable_order_and_unique_match_numpy(picks, spread, shift, ordered):
+    """Both sorts, packed and for keys too wide to pack with the index (indirect, or
+    ranked then packed), give numpy's stable order and unique, ties and keys already in
+    order included."""
+    key = np.array(sorted(picks) if ordered else picks, np.int64) * np.int64(spread)
+    key += np.int64(shift // 2)
+    expected_order = list(np.argsort(key, kind="stable"))
+    for merge in (None, True, False):
+        assert list(grid.stable_order(key, merge=merge)) == expected_order
     values, first, inverse = grid.unique_inverse(key)
     expected = np.unique(key, return_index=True, return_inverse=True)
     for got, want in zip((values, first, inverse), expected, strict=True):

@@ -145,6 +145,15 @@ def test_reader_outside_the_demand_stages_through_staging():
     assert table.totals.node_nic_in.tolist() == [5 * 256] * 4 + [2 * 256]
     assert table.totals.node_nic_out.tolist() == [3 * 256] * 4 + [4 * 256]
 
+    # Two pushes to one peer with their destinations swapped: no overlap, wrong content.
+    # The staged read shifts every later write's index: the message names the right one.
+    pushes = table.pushes.copy()
+    a, b = (int(i) for i in np.flatnonzero(pushes["peer"] == pushes["peer"][0])[:2])
+    pushes["dst_region"][[a, b]] = pushes["dst_region"][[b, a]]
+    with pytest.raises(InvariantViolation, match="writes bytes no demand maps") as wrong:
+        validate_routing_table(replace(table, pushes=pushes))
+    assert f"push #{a} " in str(wrong.value) or f"push #{b} " in str(wrong.value)
+
 
 @pytest.mark.parametrize("block", [1 << 20, 3, 1])
 def test_sub_row_strided_write_with_wrong_source_bytes(block: int, monkeypatch) -> None:
