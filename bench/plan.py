@@ -10,9 +10,10 @@ re-checking the recorded digest, validation); ``plan_seconds_cached`` is the nex
 generation's call (new manifest, same layout: a cache hit) plus binding its keys.
 ``plan_seconds_cached_unrecorded`` is the same hit when the record carries no layout digest
 (records written before it was recorded): the planner then hashes the manifest itself.
-Building the shapes and manifests is reported separately as ``setup_seconds``. The machine
-is shared, so CPU seconds of this process and the 1-minute load average are reported next
-to wall seconds.
+Building the shapes and manifests is reported separately as ``setup_seconds``;
+``table_digest`` is the xxh3 of the cold table's Store encoding (equal digests: equal
+tables). The machine is shared, so CPU seconds of this process and the 1-minute load
+average are reported next to wall seconds.
 
 With ``--store``, the cold table is also kept in a Store (an embedded ``mooncake_master``
 and one segment holder of ``--store-segment`` bytes, ``store_save_seconds``) and in a
@@ -335,6 +336,7 @@ def main() -> None:
         "setup_seconds": round(setup, 2),
         "reads": len(table.reads),
         "pushes": len(table.pushes),
+        "table_digest": table_digest(table),  # xxh3 of the table's Store encoding
         "store_read_bytes": totals.store_read_bytes,
         "unique_demand_bytes": totals.unique_demand_bytes,
         "store_read_bytes / unique_demand_bytes": totals.store_read_bytes

@@ -1,24 +1,21 @@
-"""Whether numpy's sort is the slow one on this CPU.
+"""Whether numpy's vectorized sort is the slow one on this CPU.
 
 A plan sorts millions of packed int64 keys (``grid.stable_order``). numpy sorts 32- and
 64-bit keys with x86-simd-sort, whose AVX-512 path partitions with compress-stores to
 memory; AMD Zen 4 (family 19h with AVX-512) runs that form in microcode, so there numpy's
-sort is several times slower than its AVX2 path (numpy/x86-simd-sort#6; the JDK turns its
-AVX-512 sort off on Zen 4 for the same reason). numpy picks its kernels once, at import,
-and a library cannot pick them for its caller's process, so the planner names the fix once
-per process: the environment variable below, set where the coordinator starts.
+quicksort is several times slower than its AVX2 path (numpy/x86-simd-sort#6; the JDK turns
+its AVX-512 sort off on Zen 4 for the same reason). numpy picks its kernels once, at
+import, for the whole process, so the planner does not change them: where this says the
+quicksort is slow, ``grid.stable_order`` sorts with numpy's timsort instead, which merges
+the ordered runs a plan's keys are mostly made of.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
-FIX = "NPY_DISABLE_CPU_FEATURES=AVX512F"
 ZEN4_FAMILY = 0x19  # AMD family 19h: Zen 3 (no AVX-512) and Zen 4; Zen 5 is 1Ah
 
 
@@ -83,17 +80,3 @@ def host_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> HostCpu:
 def vectorized_sort_is_slow() -> bool:
     """Once per process: numpy's dispatch is fixed at import, and the CPU does not change."""
     return host_cpu().slow_sort
-
-
-@functools.cache
-def warn_once_if_sort_is_slow() -> None:
-    """Log, once per process, that this CPU makes numpy's sort slow and how to fix it."""
-    cpu = host_cpu()
-    if cpu.slow_sort:
-        logger.warning(
-            "numpy sorts with AVX-512 on this AMD Zen 4 CPU (%s), where that path runs in "
-            "microcode: cold plans take up to about 20%% longer. Set %s in the environment "
-            "that starts the coordinator (read when numpy is imported) to use its AVX2 sort.",
-            cpu.model,
-            FIX,
-        )

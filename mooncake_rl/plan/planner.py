@@ -15,7 +15,6 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.layout import SegmentMap, is_digest
 from mooncake_rl.plan.assign import assign_readers
 from mooncake_rl.plan.cache import PlanCache, PlanKey
-from mooncake_rl.plan.cpu import warn_once_if_sort_is_slow
 from mooncake_rl.plan.demand import CompatDemand, DirectDemand
 from mooncake_rl.plan.merge import merge_demands
 from mooncake_rl.plan.params import PlanParams
@@ -77,7 +76,6 @@ def plan_routing(
         cached = cache.get(key)
         if cached is not None:
             return cached
-    warn_once_if_sort_is_slow()
     with _PLANNING.held():  # the digest too: its tuples rescan a large caller's heap
         if layout_digest is not None and source_digest(manifest) != layout_digest:
             raise InvariantViolation(
