@@ -247,11 +247,12 @@ def engine_row(settings: Settings, device: str) -> dict[str, Any]:
         return {"skipped": f"vLLM is not installed for this Python ({error})"}
     if not current_platform.is_cuda():
         return {"skipped": f"the installed vLLM is a {current_platform.device_type} build"}
-    from bench.models import run_family
+    from bench.models import finish_family, launch_family
     from mooncake_rl.tiny_model import hf_greedy
 
     with tempfile.TemporaryDirectory() as root, StoreClient(settings) as store:
-        run = run_family("qwen2", True, 1, Path(root), settings, store, reference=hf_greedy)
+        launched = launch_family("qwen2", True, 1, Path(root), settings, store, reference=hf_greedy)
+        run = finish_family(launched, store)
     modes = {
         name: {
             "error": mode.error,

@@ -239,24 +239,6 @@ def finish_family(
     return run
 
 
-def run_family(
-    family: str,
-    tied: bool,
-    tp: int,
-    root: Path,
-    settings: Settings,
-    store: StoreClient,
-    *,
-    compiled: bool = False,
-    reference: Callable[[Path], list[int]] | None = None,
-) -> FamilyRun:
-    """One matrix row, start to end; every server it starts is stopped before it returns."""
-    launched = launch_family(
-        family, tied, tp, root, settings, store, compiled=compiled, reference=reference
-    )
-    return finish_family(launched, store)
-
-
 def table(runs: list[dict[str, Any]]) -> str:
     """The docs table from JSON rows: family, direct OK, compat OK, bytes by landing kind
     (direct: into parameters / through load_weights; compat: full tensors), seconds."""
@@ -329,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             with StoreClient(settings) as store:
                 for family, tied, tp in cases:
-                    run = run_family(
+                    launched = launch_family(
                         family, tied, tp, args.root, settings, store, compiled=args.compiled
                     )
+                    run = finish_family(launched, store)
                     row = asdict(run)
                     for mode in ("compat", "direct"):
                         row[mode].pop("result")
