@@ -3,7 +3,8 @@
 ``mooncake-rl bench simulate`` (``python -m bench simulate``) builds a model shape
 (``mooncake_rl.plan.shapes``, bf16 or fp8 rollout weights) and a cluster (TP or wide-EP
 engine instances), runs the planner (``plan_routing``, the routing
-plan ``plan_update`` wraps) for this design in direct and compat mode, and turns the routing
+plan ``plan_update`` wraps) for this design in direct and compat mode (compat also with a
+pull per node, ``compat_per_node``), and turns the routing
 table into bytes per trainer node, per rollout GPU NIC and per NVLink; naive Store reads
 come from the same table's demand records, NCCL broadcast from a ring model. A pure
 estimator turns bytes into seconds under a stated bandwidth and pipelining model; every
@@ -23,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,9 @@ from mooncake_rl.plan.targets import demand_set
 from mooncake_rl.plan.topology import Topology
 
 POOLING = ("per_node", "per_gpu")
-MODES = ("direct", "compat")
+# compat_per_node: compat with a pull per node (``PlanParams.pull``), each node reading the
+# model itself and fanning it out over NVLink as its reads land.
+MODES = ("direct", "compat", "compat_per_node")
 I64 = np.int64
 
 
@@ -561,6 +564,13 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
         "every resource. Stage 2 (relays copying to their node's other consumers over "
         "NVLink) starts after the coordinator's barrier, as implemented",
         "batch_bytes": scenario.batch_bytes,
+        "compat_per_node": "compat mode with PlanParams(pull='node'): each rollout node "
+        "reads every byte its GPUs need from the Store itself (the Store serves the model "
+        "once per node, from the trainers' NICs), spread over its GPUs, and each read is "
+        "pushed to the node's other GPUs over NVLink in stage 1, as soon as its batch "
+        "lands: no cross-node pushes, no stage 2. Each node starts its walk through the "
+        "objects at its own place, so the trainers are asked evenly over time; the estimate "
+        "counts each trainer node's bytes, not when they are asked",
         "naive_store": "no pushes: every rollout GPU reads the bytes it needs (direct "
         "placement: its shards, from the planner's demand records) from the Store itself; "
         "naive_store_full: every GPU reads every whole tensor",
@@ -612,7 +622,8 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
         say(f"plan {mode} mode (real planner)")
         started = time.perf_counter()
         demand = direct_demand if mode == "direct" else CompatDemand()
-        table = plan_routing(manifest, topology, demand, params=params)
+        pulled = replace(params, pull="node") if mode == "compat_per_node" else params
+        table = plan_routing(manifest, topology, demand, params=pulled)
         plan_seconds = time.perf_counter() - started
         trainer_of_object = np.array([by_name[name] for name in table.objects], I64)
         say(f"account {mode} bytes")
@@ -651,7 +662,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
             )
             gpu_node = np.asarray(table.worker_node, I64)
         else:
-            approaches["compat"] = summarize(
+            approaches[mode] = summarize(
                 ours_traffic(table, trainer_of_object, c.trainer_nodes),
                 c,
                 weights_per_gpu,
@@ -668,8 +679,8 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
         {"planned_by": "ring model (see assumptions.nccl_broadcast)"},
         bound,
     )
-    order = [a for a in ("direct", "compat", "naive_store", "naive_store_full", "nccl_broadcast")
-             if a in approaches]  # fmt: skip
+    order = [a for a in ("direct", "compat", "compat_per_node", "naive_store",
+                         "naive_store_full", "nccl_broadcast") if a in approaches]  # fmt: skip
     approaches = {a: approaches[a] for a in order}
     params_count = model.parameters
     return {
@@ -745,7 +756,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nvlink-efficiency", type=float, default=d.nvlink_efficiency)
     p.add_argument("--gpu-memory-gb", type=float, default=d.gpu_memory_gb)
     p.add_argument("--nic-pooling", choices=POOLING, default=d.nic_pooling)
-    p.add_argument("--modes", default=",".join(MODES), help="direct,compat or direct")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="a comma list of " + ", ".join(MODES) + " (direct is needed)",
+    )
     p.add_argument("--batch-bytes", type=int, default=Scenario().batch_bytes)
     p.add_argument(
         "--balance-slack",

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
+from mooncake_rl.plan.params import PULLS
 from mooncake_rl.progress import progress
 from mooncake_rl.router import KINDS, Rotation, Router, RouterSpec, open_router
 from mooncake_rl.services import (
@@ -200,6 +201,7 @@ def cmd_update(args: argparse.Namespace) -> int:
                     router=router,
                     max_unavailable=args.max_unavailable,
                     in_place=not args.staged,
+                    pull=args.pull,
                 )
             )
         except UpdateFailed as failed:
@@ -408,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="bytes each worker reads per pipeline batch, e.g. 64MiB (MOONCAKE_RL_BATCH_BYTES, "
         "default 64MiB); every engine's staging watermark must hold two batches",
+    )
+    update.add_argument(
+        "--pull",
+        choices=list(PULLS),
+        default="single",
+        help="read each published byte from the Store once for the fleet (single), or once "
+        "per rollout node (node), which fans compat mode's full tensors out inside each "
+        "node as they land; the trainers' NICs then serve the model once per node",
     )
     update.add_argument(
         "--staged",

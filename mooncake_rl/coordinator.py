@@ -58,6 +58,7 @@ from mooncake_rl.generations.registry import (
     payload_problems,
     require_active,
 )
+from mooncake_rl.plan.params import PULLS
 from mooncake_rl.plan.planner import planning_mode
 from mooncake_rl.plan.update import (
     RoutingCache,
@@ -202,6 +203,7 @@ class _Options:
     train_pool: Sequence[str] | None
     sender: SenderLauncher | None
     in_place: bool = True
+    pull: str = "single"
 
 
 class _Phases:
@@ -496,6 +498,7 @@ class Coordinator:
         router: Router | None = None,
         max_unavailable: int | None = None,
         in_place: bool = True,
+        pull: str = "single",
     ) -> UpdateResult:
         """``direct_fallback``: regex of parameter names direct mode lands through each
         engine's ``load_weights`` (full tensors) instead of its shard discovery.
@@ -519,7 +522,18 @@ class Coordinator:
         processing (no staging memory, no landing copy). An update that then fails after
         prepare leaves those engines rebuilding from the Store (``result.rebuild``) instead
         of serving their old generation; ``False`` stages every byte.
+
+        ``pull``: ``single`` reads each published byte from the Store once for the whole
+        fleet; ``node`` once per rollout node, so that a node fans its own reads out over
+        NVLink as they land instead of after the barrier (compat mode's full tensors: about
+        1.8x -> 1.0x its NIC bound in ``bench simulate``). The Store then serves the model
+        once per node: use it where the trainers' NICs have that headroom.
         """
+        if pull not in PULLS:
+            raise ConfigurationError(
+                f"pull must be one of {', '.join(PULLS)}, got {pull!r}: single reads each "
+                "byte once for the fleet, node once per rollout node"
+            )
         needed = len(self.engines) if min_engines is None else min_engines
         if not 1 <= needed <= len(self.engines):
             raise MooncakeRLError(
@@ -532,6 +546,11 @@ class Coordinator:
                 f"--mode {mode} is a Store-path mode; the {chosen.value} transport delivers "
                 "full tensors (compat): drop --mode or use --transport store"
             )
+        if chosen is not TransportMode.STORE and pull != "single":
+            raise ConfigurationError(
+                f"--pull {pull} chooses how the Store is read; the {chosen.value} transport "
+                "does not read it: drop --pull or use --transport store"
+            )
         train_pool = parse_gpu_ids(
             train_gpus if train_gpus is not None else self.store.settings.train_gpus,
             "the train pool's GPU ids (--train-gpus / MOONCAKE_RL_TRAIN_GPUS)",
@@ -543,7 +562,7 @@ class Coordinator:
         record = require_active(self.store, model, "cannot update engines")
         batch = self.store.settings.batch_bytes if batch_bytes is None else batch_bytes
         options = _Options(
-            mode, drain_mode, batch, direct_fallback, chosen, train_pool, sender, in_place
+            mode, drain_mode, batch, direct_fallback, chosen, train_pool, sender, in_place, pull
         )
         tag = uuid.uuid4().hex
         total = UpdateResult(model, record.generation, mode, list(self.engines))
@@ -657,6 +676,7 @@ class Coordinator:
                 record.layout_digest,
                 options.direct_fallback,
                 segments,
+                pull=options.pull,
             )
             # A 1T MoE engine's boxes: 50 MB of JSON, some 200k dicts. Parsed with the
             # collector running, they set off passes over this process's whole heap (1.8 s
@@ -709,6 +729,7 @@ class Coordinator:
                 options.direct_fallback,
                 segments,
                 describe,
+                pull=options.pull,
             )
 
         survey.plan_for, survey.planned = plan_for, plan_for(targets)

@@ -52,22 +52,24 @@ def workers_for(master: EmbeddedMaster, engines: dict, **overrides: object) -> d
 
 
 @pytest.mark.parametrize(
-    ("mode", "memory"),
+    ("mode", "memory", "pull"),
     [
-        ("compat", WorkerMemory()),
-        ("direct", WorkerMemory(parameters=True, in_place=True)),
-        ("direct", WorkerMemory(parameters=True)),
+        ("compat", WorkerMemory(), "single"),
+        ("compat", WorkerMemory(), "node"),
+        ("direct", WorkerMemory(parameters=True, in_place=True), "single"),
+        ("direct", WorkerMemory(parameters=True), "single"),
     ],
-    ids=["compat", "direct-in-place", "direct-staged"],
+    ids=["compat", "compat-pull-per-node", "direct-in-place", "direct-staged"],
 )
 def test_planned_update_is_byte_exact_and_single_pull(
-    master: EmbeddedMaster, holders, mode: str, memory: WorkerMemory
+    master: EmbeddedMaster, holders, mode: str, memory: WorkerMemory, pull: str
 ) -> None:
     """Compat stages full tensors; direct lands each worker's shards, either straight into
-    its live parameters (in place) or in its arena, then one batched copy into them."""
-    manifest = published(master, holders, f"planned-{mode}-{memory.in_place}", seed=11)
+    its live parameters (in place) or in its arena, then one batched copy into them. With a
+    pull per node each node reads the model once and copies it inside the node only."""
+    manifest = published(master, holders, f"planned-{mode}-{memory.in_place}-{pull}", seed=11)
     engines = simulated_engines(specs_of(manifest), CLUSTERS[mode], mode)
-    plan = plan_update(manifest, engines, mode, 4096, RoutingCache())
+    plan = plan_update(manifest, engines, mode, 4096, RoutingCache(), pull=pull)
     with WorkerCluster(workers_for(master, engines), plan.routing.regions, memory) as cluster:
         run = run_planned_update(cluster, plan)
         dumps = {
@@ -96,9 +98,14 @@ def test_planned_update_is_byte_exact_and_single_pull(
             assert figures["tensors"] == len(regions)
     reads = sum(w["read"] for w in run["workers"].values())
     pushed = sum(w["pushed"] for w in run["workers"].values())
-    assert reads == plan.unique_demand_bytes == plan.store_read_bytes
-    assert reads == sum(t.nbytes for t in tensors.values())
+    pulls = len(plan.routing.table.nodes) if pull == "node" else 1
+    assert reads == pulls * plan.unique_demand_bytes == plan.store_read_bytes
+    assert reads == pulls * sum(t.nbytes for t in tensors.values())
     assert pushed == plan.pushed_bytes
+    if pull == "node":  # each node's GPUs copy among themselves: nothing crosses a NIC
+        table = plan.routing.table
+        assert table.totals.cross_node_push_bytes == 0
+        assert (table.pushes["stage"] == 1).all()
     assert max(w["peak_staging"] for w in run["workers"].values()) <= 16384
 
 

@@ -36,6 +36,7 @@ ASSUMPTION_KEYS = {
     "physical_bound",
     "pipeline",
     "batch_bytes",
+    "compat_per_node",
     "naive_store",
     "nccl_broadcast",
     "broadcast_chunk_bytes",
@@ -82,7 +83,14 @@ def test_simulated_bytes_come_exactly_from_the_planner(toy: dict) -> None:
     replicas, gpus = 2, 16
     assert toy["scenario"]["model_bytes"] == m
     a = toy["approaches"]
-    assert list(a) == ["direct", "compat", "naive_store", "naive_store_full", "nccl_broadcast"]
+    assert list(a) == [
+        "direct",
+        "compat",
+        "compat_per_node",
+        "naive_store",
+        "naive_store_full",
+        "nccl_broadcast",
+    ]
 
     direct = a["direct"]
     assert direct["store_read_bytes"] == direct["unique_demand_bytes"] == m  # single pull
@@ -96,6 +104,18 @@ def test_simulated_bytes_come_exactly_from_the_planner(toy: dict) -> None:
     assert compat["store_read_bytes"] == compat["unique_demand_bytes"] == m
     assert compat["delivered_bytes"] == gpus * m
     assert compat["cross_node_pushed_bytes"] == (2 - 1) * m  # nodes - 1 sends per tensor
+
+    per_node = a["compat_per_node"]  # each node reads the model, fans it out in stage 1
+    assert per_node["store_read_bytes"] == 2 * m
+    assert per_node["unique_demand_bytes"] == m
+    assert per_node["delivered_bytes"] == gpus * m
+    assert per_node["cross_node_pushed_bytes"] == 0
+    assert per_node["pushed_bytes"] == (gpus - 2) * m  # 7 NVLink copies on each node
+    assert per_node["stage2_seconds"] == 0 < compat["stage2_seconds"]
+    assert per_node["update_seconds"] < compat["update_seconds"]
+    # 2 trainer nodes serve the model twice: their NICs, not the rollout NIC-in, end it
+    assert per_node["bottleneck"] == "trainer_node_nic_out"
+    assert per_node["bound_ratio"] <= 1.05 < 1.4 < compat["bound_ratio"]
 
     naive = a["naive_store"]  # every GPU reads its own shards: replicas x the placement
     assert naive["store_read_bytes"] == replicas * placement

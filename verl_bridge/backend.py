@@ -265,6 +265,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                     self.config.model,
                     mode=self.config.mode,
                     drain_mode=self.config.drain_mode,
+                    pull=self.config.pull,
                     min_engines=self.config.min_engines,
                     transport=self.config.transport,
                     # Trainer ranks on CUDA report their GPUs; CPU runs declare them in the config.

@@ -20,6 +20,7 @@ from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import publish_format
 from mooncake_rl.generations.keys import check_model_name
 from mooncake_rl.metrics import MetricsExport
+from mooncake_rl.plan.params import PULLS
 from mooncake_rl.protocol import DrainRequest
 from mooncake_rl.router import RouterSpec
 from mooncake_rl.settings import Settings
@@ -80,6 +81,9 @@ class BridgeConfig:
     drain_mode: str = "abort"
     """How an engine's in-flight requests end when an update drains it: ``abort`` or
     ``wait`` (engines VeRL's manager already aborted have none left)."""
+    pull: str = "single"
+    """``single`` reads each published byte from the Store once for the fleet; ``node`` once
+    per rollout node (``mooncake-rl update --pull``), for trainers with NIC headroom."""
     transport: str | None = None
     """store, broadcast, cpu_serialize or auto (default: ``MOONCAKE_RL_TRANSPORT``, store)."""
     train_gpus: tuple[str, ...] = ()
@@ -140,6 +144,8 @@ class BridgeConfig:
             raise ConfigurationError(
                 f"drain_mode must be one of {DRAIN_MODES}, got {config.drain_mode!r}"
             )
+        if config.pull not in PULLS:
+            raise ConfigurationError(f"pull must be one of {PULLS}, got {config.pull!r}")
         if config.batch_bytes is not None and (
             type(config.batch_bytes) is not int or config.batch_bytes < 1
         ):

@@ -1,5 +1,6 @@
 """Consume-side planning: pure, deterministic functions from (generation manifest, demands,
-topology) to a routing table that reads every demanded byte from the Store exactly once.
+topology) to a routing table that reads every demanded byte from the Store exactly once
+(or, with ``PlanParams(pull="node")``, once per rollout node that consumes it).
 
 Public API (what the apply pipeline uses):
 ``plan_routing`` -> ``RoutingTable`` (cached in a ``PlanCache``), ``bind`` -> keys for one

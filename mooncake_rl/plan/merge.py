@@ -85,3 +85,28 @@ def merge_demands(demands: DemandSet) -> Ranges:
         dst_offset=demands.dst_offset[consumer] + rel[owner],
         dst_pitch=dst_pitch[owner],
     )
+
+
+def split_by_node(ranges: Ranges, worker_node: np.ndarray) -> Ranges:
+    """Each range once per node that consumes it, with that node's consumers only: the
+    ranges a pull per node reads (``PlanParams.pull``). A range's copies name the same
+    source bytes, so ranges are disjoint per node, not fleet-wide; a copy's single consumer
+    node is where the reader assignment puts its read."""
+    owner = np.repeat(np.arange(len(ranges), dtype=np.int64), np.diff(ranges.ptr))
+    node = np.asarray(worker_node, np.int64)[ranges.worker]
+    order = grid.lex_order(owner, node)  # stable: consumers stay in worker order
+    starts = np.flatnonzero(grid.group_starts(owner[order], node[order]))
+    parent = owner[order][starts]
+    return Ranges(
+        obj=ranges.obj[parent],
+        r0=ranges.r0[parent],
+        r1=ranges.r1[parent],
+        c0=ranges.c0[parent],
+        c1=ranges.c1[parent],
+        pitch=ranges.pitch[parent],
+        ptr=np.append(starts, len(order)).astype(np.int64),
+        worker=ranges.worker[order],
+        region=ranges.region[order],
+        dst_offset=ranges.dst_offset[order],
+        dst_pitch=ranges.dst_pitch[order],
+    )

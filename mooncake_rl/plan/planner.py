@@ -16,7 +16,7 @@ from mooncake_rl.generations.layout import SegmentMap, is_digest
 from mooncake_rl.plan.assign import assign_readers
 from mooncake_rl.plan.cache import PlanCache, PlanKey
 from mooncake_rl.plan.demand import CompatDemand, DirectDemand
-from mooncake_rl.plan.merge import merge_demands
+from mooncake_rl.plan.merge import merge_demands, split_by_node
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.route import route
 from mooncake_rl.plan.source import source_digest, source_layout
@@ -171,6 +171,8 @@ def build_routing_table(
     layout = source_layout(manifest, key.source_digest)
     demands = demand_set(manifest, layout, topology, demand)
     ranges = merge_demands(demands)
+    if params.pull == "node":
+        ranges = split_by_node(ranges, np.array(topology.worker_node, np.int64))
     chunks = assign_readers(
         ranges, topology, params, object_homes(layout.objects, topology, segments)
     )

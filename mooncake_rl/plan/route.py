@@ -15,6 +15,9 @@ midpoint. **Relay bound** (proof): the chunks a candidate relays have midpoints 
 of width ``T / k``, so they lie within ``b_max / 2`` of it on each side: each candidate
 relays between ``T / k - b_max`` and ``T / k + b_max`` bytes of the stream (``b_max``: its
 largest chunk), i.e. receives that much in stage 1 and sends ``k - 1`` times it in stage 2.
+
+With a pull per node (``PlanParams.pull``) every chunk's consumers sit on its reader's node,
+so all its pushes are stage 1 pushes from the read: no relay, no stage 2.
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     )
 
     # Read order and batches (per worker: by object, then offset).
-    read_order = grid.lex_order(reader, ranges.obj[r], src)
+    read_order = grid.lex_order(
+        reader, _read_walk(ranges.obj[r], node_of[reader], len(topology.nodes), params), src
+    )
     read_batch = np.zeros(len(r), I64)
     read_batch[read_order] = _pack(reader[read_order], (length * count)[read_order], params)
     rank = np.empty(len(r), I64)
@@ -144,6 +149,17 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     ):
         pushes[name] = value
     return Routes(reads=reads, pushes=pushes, staging_bytes=staging_bytes)
+
+
+def _read_walk(obj: np.ndarray, node: np.ndarray, n_nodes: int, params: PlanParams) -> np.ndarray:
+    """The object order a reader walks. With a pull per node every node reads the same
+    objects, and its GPUs would take them in the same order as every other node's: each
+    object's holder would serve all nodes at once while the others idle. So node ``n`` of
+    ``N`` starts ``n / N`` of the way through the objects and wraps around."""
+    if params.pull != "node" or not len(obj):
+        return obj
+    n_obj = int(obj.max()) + 1
+    return (obj - node * n_obj // n_nodes) % n_obj
 
 
 def _relays(

@@ -262,6 +262,8 @@ class RoutingCache:
         layout_digest: str | None = None,
         direct_fallback: str | None = None,
         segments: SegmentMap | None = None,
+        *,
+        pull: str = "single",
     ) -> list[str]:
         """The engines whose boxes a plan of ``engines`` would read, of those described
         without them (``GET /mooncake/placement?boxes=false``): none when this cache holds
@@ -272,7 +274,12 @@ class RoutingCache:
         if mode != "direct" or not bare:
             return []
         known = _DirectKey.of(
-            manifest, engines, batch_bytes, layout_digest, direct_fallback, segments
+            manifest,
+            engines,
+            PlanParams(batch_bytes=batch_bytes, pull=pull),
+            layout_digest,
+            direct_fallback,
+            segments,
         )
         held = self.tables.holds(known.key) and (
             known.key in self.plans
@@ -290,6 +297,8 @@ class RoutingCache:
         direct_fallback: str | None = None,
         segments: SegmentMap | None = None,
         describe: Describe | None = None,
+        *,
+        pull: str = "single",
     ) -> RoutingPlan:
         return plan_routing(
             manifest,
@@ -301,6 +310,7 @@ class RoutingCache:
             direct_fallback,
             segments,
             describe,
+            pull=pull,
         )
 
 
@@ -432,6 +442,8 @@ def plan_routing(
     direct_fallback: str | None = None,
     segments: SegmentMap | None = None,
     describe: Describe | None = None,
+    *,
+    pull: str = "single",
 ) -> RoutingPlan:
     """``engines``: each engine's worker descriptions, with or without their boxes.
     ``direct_fallback``: a regex of parameter (region) names direct mode lands through
@@ -439,12 +451,13 @@ def plan_routing(
     a discovery that is wrong for a model). ``segments``: the generation's locality hints
     (each worker description's ``segment`` says which segment is on its node).
     ``describe``: reads the boxes of engines described without them, when a plan needs
-    them (:meth:`RoutingCache.boxes_wanted`)."""
+    them (:meth:`RoutingCache.boxes_wanted`). ``pull``: read each byte once for the fleet
+    or once per node (:class:`~mooncake_rl.plan.params.PlanParams`)."""
     if mode not in ("compat", "direct"):
         raise InvariantViolation(f"unknown mode {mode!r}")
     cache = cache if cache is not None else RoutingCache()
     topology = topology_of(engines)
-    params = PlanParams(batch_bytes=batch_bytes)
+    params = PlanParams(batch_bytes=batch_bytes, pull=pull)
     declared: dict[str, Mapping[str, int]] = {
         w["worker_id"]: _NO_REGIONS for ws in engines.values() for w in ws
     }
@@ -456,9 +469,7 @@ def plan_routing(
             manifest, topology, CompatDemand().digest, params, layout_digest, segments=segments
         )
     else:
-        known = _DirectKey.of(
-            manifest, engines, batch_bytes, layout_digest, direct_fallback, segments
-        )
+        known = _DirectKey.of(manifest, engines, params, layout_digest, direct_fallback, segments)
         key = known.key
     table = cache.tables.get(key)
     kept = cache.plans.get(key)
@@ -521,7 +532,7 @@ class _DirectKey:
         cls,
         manifest: WeightManifest,
         engines: Mapping[str, Sequence[Mapping[str, Any]]],
-        batch_bytes: int,
+        params: PlanParams,
         layout_digest: str | None,
         direct_fallback: str | None,
         segments: SegmentMap | None,
@@ -531,7 +542,7 @@ class _DirectKey:
             manifest,
             topology_of(engines),
             reported_digest(reports, direct_fallback),
-            PlanParams(batch_bytes=batch_bytes),
+            params,
             layout_digest,
             segments=segments,
         )
@@ -1069,15 +1080,26 @@ def plan_update(
     direct_fallback: str | None = None,
     segments: SegmentMap | None = None,
     describe: Describe | None = None,
+    *,
+    pull: str = "single",
 ) -> UpdatePlan:
     """Plan (or reuse) the update of ``engines`` to ``manifest``'s generation.
 
     ``layout_digest``: the generation record's ``ActiveRecord.layout_digest``, so that a
     cache hit does not re-hash the manifest (see :func:`mooncake_rl.plan.plan_routing`).
     ``describe``: reads boxes the plan needs of engines described without them.
+    ``pull``: ``single`` or ``node`` (:class:`~mooncake_rl.plan.params.PlanParams`).
     """
     routing = cache.get_or_plan(
-        manifest, engines, mode, batch_bytes, layout_digest, direct_fallback, segments, describe
+        manifest,
+        engines,
+        mode,
+        batch_bytes,
+        layout_digest,
+        direct_fallback,
+        segments,
+        describe,
+        pull=pull,
     )
     by_engine = {url: tuple(w["worker_id"] for w in ws) for url, ws in engines.items()}
     return UpdatePlan(routing, manifest.group_id, by_engine)

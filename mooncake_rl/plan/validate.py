@@ -5,7 +5,9 @@ table's own coverage contract (``demands``):
 
 1. records are well formed and name known workers, objects and declared regions, in bounds;
 2. every read lies within its object; reads of one object are pairwise disjoint and their
-   total equals the size of the union of demanded source bytes (the single-pull invariant);
+   total equals the size of the union of demanded source bytes (the single-pull invariant;
+   with a pull per node, ``PlanParams.pull``, per node: a node's reads of one object are
+   disjoint and total the union of what the node's workers demand);
 3. no two writes (reads landing, pushes landing) overlap in any region of any worker, and
    demands do not overlap either;
 4. every push moves exactly the bytes some earlier write landed at the sender (a read in the
@@ -27,7 +29,7 @@ import numpy as np
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.plan import grid
-from mooncake_rl.plan.table import RoutingTable
+from mooncake_rl.plan.table import RoutingTable, demanded_union_bytes
 
 I64 = np.int64
 CONTENT_BLOCK = 1 << 20  # writes compared at once (bounds the content check's temporaries)
@@ -147,7 +149,7 @@ class _V:
             self.disjoint(self.demands, self.sorted_demands, self._demand, "demands")
             self.disjoint(self.land, self.sorted_land, self._landing, "writes")
             self.single_pull_disjoint()
-            union = self.t.unique_demand_bytes
+            union = self._pull_unions()
             self.content_and_coverage(placed.result())
         self.single_pull_total(union)
 
@@ -242,13 +244,34 @@ class _V:
             a, b = (int(x) for x in pair)
             raise InvariantViolation(f"{what} overlap: {describe(a)} and {describe(b)}")
 
+    def _pull_domain(self, workers: np.ndarray) -> np.ndarray | None:
+        """Node of each worker when the table pulls once per node, else None (one domain)."""
+        if self.t.params.pull != "node":
+            return None
+        return np.asarray(self.t.worker_node, I64)[workers]
+
+    def _pull_unions(self) -> np.ndarray:
+        """Bytes each pull domain must read: the union of its demanded source bytes (one
+        domain, the table's own union, unless the table pulls once per node)."""
+        node = self._pull_domain(self.demands["worker"])
+        if node is None:
+            return np.array([self.t.unique_demand_bytes], I64)
+        unions = np.zeros(len(self.t.nodes), I64)
+        order = grid.stable_order(node)
+        bounds = np.searchsorted(node[order], np.arange(len(unions) + 1))
+        for n in np.flatnonzero(np.diff(bounds)).tolist():
+            unions[n] = demanded_union_bytes(self.t.demands[order[bounds[n] : bounds[n + 1]]])
+        return unions
+
     def single_pull_disjoint(self) -> None:
         r = self.reads
         if len(r["length"]) < 2:
             return
-        rects, _ = grid.to_rects(
-            r["object"], r["src_offset"], r["length"], r["count"], r["src_stride"]
-        )
+        space = r["object"].astype(I64)
+        node = self._pull_domain(r["worker"])
+        if node is not None:  # one pull per node: reads of different nodes may repeat
+            space = node * len(self.t.objects) + space
+        rects, _ = grid.to_rects(space, r["src_offset"], r["length"], r["count"], r["src_stride"])
         hit = grid.first_overlap(grid.to_lanes(rects))
         if hit is not None:
             a, b = (int(rects.member[x]) for x in hit)
@@ -390,11 +413,16 @@ class _V:
         ok &= in_row | row_aligned
         return l_len * l_cnt
 
-    def single_pull_total(self, union: int) -> None:
-        """``union``: the table's ``unique_demand_bytes`` (the union of its demanded bytes)."""
-        total = int((self.reads["length"] * self.reads["count"]).sum())
-        if total != union:
+    def single_pull_total(self, union: np.ndarray) -> None:
+        """``union``: what each pull domain must read (:meth:`_pull_unions`)."""
+        nbytes = self.reads["length"].astype(I64) * self.reads["count"]
+        node = self._pull_domain(self.reads["worker"])
+        total = np.array([nbytes.sum()]) if node is None else np.bincount(node, nbytes, len(union))
+        short = np.flatnonzero(total.astype(I64) != union)
+        if len(short):
+            n = int(short[0])
+            where = "" if node is None else f" on node {self.t.nodes[n]}"
             raise InvariantViolation(
-                f"single-pull violated: reads move {total} bytes but the union of demanded "
-                f"source bytes is {union}"
+                f"single-pull violated: reads{where} move {int(total[n])} bytes but the union "
+                f"of demanded source bytes{where} is {int(union[n])}"
             )

@@ -25,6 +25,7 @@ from engine_ext.vllm.server import VllmServer
 from mooncake_rl.apply.wire import WorkerSlice, encode_slice
 from mooncake_rl.cli import main
 from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
+from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.metrics import UpdateMetrics
@@ -782,3 +783,29 @@ def test_a_rolling_update_through_vllm_router_under_load_fails_no_request(
     for engine in world.engines.values():
         assert engine.mooncake("GET", "status").json()["generation"] == generation
         assert engine.complete(PROMPT) == world.refs[2]
+
+
+def test_a_compat_update_pulled_per_node_reads_once_per_node_and_crosses_no_nic(
+    world: World,
+) -> None:
+    """``--pull node`` on real engines: node-a (engine a) and node-b (engine b's two ranks)
+    each read the model from the Store themselves; node b's ranks copy each other's reads
+    in stage 1, nothing crosses between the nodes, and both engines serve the new weights,
+    every parameter checked."""
+    generation = world.publish(1)
+    with world.coordinator() as coordinator:
+        result = coordinator.update(MODEL, mode="compat", batch_bytes=64 << 10, pull="node")
+    assert result.store_read_bytes == result.planned_read_bytes == 2 * result.unique_demand_bytes
+    assert result.cross_node_pushed_bytes == 0
+    assert result.pushed_bytes == result.unique_demand_bytes  # node b: one copy each way
+    for engine in world.engines.values():
+        assert engine.mooncake("GET", "status").json()["generation"] == generation
+        assert engine.complete(PROMPT) == world.refs[1]
+    assert_every_parameter_checked(world, result)
+    refused = pytest.raises(ConfigurationError, match="pull must be one of single, node")
+    with world.coordinator() as coordinator, refused:
+        coordinator.update(MODEL, pull="per-gpu")
+    not_the_store = pytest.raises(ConfigurationError, match="--pull node chooses how the Store")
+    with world.coordinator() as coordinator, not_the_store:
+        coordinator.update(MODEL, pull="node", transport="cpu_serialize")
+    assert world.engines["a"].mooncake("GET", "status").json()["generation"] == generation

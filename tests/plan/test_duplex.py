@@ -85,6 +85,38 @@ def test_compat_relays_spread_over_every_gpu_of_a_node():
     )
 
 
+def test_compat_pulled_per_node_fans_out_as_reads_land_and_nodes_walk_apart():
+    """The same cluster with a pull per node: each node reads all 16 tensors, spread over
+    its four GPUs, and every copy is a stage 1 push from a read (nothing waits for the
+    barrier, nothing crosses a NIC but reads). Node 1 starts its walk half-way through
+    the objects, so the two nodes do not ask one object's holder at once."""
+    specs = [Spec(f"t{i:02d}", (64,), "float32") for i in range(16)]
+    workers = [Worker(f"w{n}{g}", f"n{n}", f"i{n}{g}") for n in range(2) for g in range(4)]
+    params = PlanParams(min_chunk_bytes=256, balance_slack=1.0, batch_bytes=256, pull="node")
+    table = plan_routing(manifest(specs), Topology.of(workers), CompatDemand(), params=params)
+    reads, pushes = table.reads, table.pushes
+    assert np.bincount(reads["worker"], minlength=8).tolist() == [4] * 8
+    assert (pushes["stage"] == 1).all() and (pushes["worker"] // 4 == pushes["peer"] // 4).all()
+    assert np.bincount(pushes["worker"], minlength=8).tolist() == [12] * 8
+    first = {}  # each node's objects in the order of its read batches
+    for r in np.sort(reads, order=["batch", "worker"]):
+        first.setdefault(int(r["worker"]) // 4, []).append(table.objects[int(r["object"])])
+    assert first[0][:4] != first[1][:4]
+    assert sorted(first[0]) == sorted(first[1]) == sorted(table.objects)
+    assert min(map(table.objects.index, first[1][:4])) >= 8  # node 1 of 2 starts half-way
+    data = contents(specs)
+    buffers, written, _ = execute(table, data)
+    check_delivery(
+        table,
+        buffers,
+        written,
+        {
+            (w, "compat"): [(table.compat.offset(s.name), data[s.name]) for s in specs]
+            for w in range(8)
+        },
+    )
+
+
 def located_cluster(segment: str | None):
     workers = [Worker("a", "n0", "i0"), Worker("b", "n1", "i1", segment=segment)]
     return Topology.of(workers)

@@ -283,3 +283,33 @@ def test_compat_mode_properties(scenario):
     )
     reads = table.totals.store_read_bytes
     assert table.totals.cross_node_push_bytes == reads * (len(topology.nodes) - 1)
+
+
+@SETTINGS
+@given(st.sampled_from(["compat", "direct"]).flatmap(scenarios))
+def test_a_pull_per_node_reads_each_node_its_own_union_and_fans_out_in_stage_1(scenario):
+    """``PlanParams.pull == "node"``: each node reads exactly the union of what its workers
+    demand (its reads disjoint), nothing crosses a NIC but reads, nothing waits for the
+    barrier, and the table still delivers every demanded byte once (executed on bytes)."""
+    specs, topology, demand, part_of, destinations, params, packed, segments = scenario
+    params = PlanParams(**{**params.__dict__, "pull": "node"})
+    m = manifest(specs, packed=packed)
+    table = plan_routing(m, topology, demand, params=params, segments=segments)
+    data = contents(specs, seed=len(specs))
+    buffers, written, _ = execute(table, stored_objects(m, specs, data))
+    expected = expected_delivery(table, specs, data, demand, part_of, destinations)
+    check_delivery(table, buffers, written, expected)
+
+    n_nodes = len(table.nodes)
+    read_node = table.worker_node[table.reads["worker"]]
+    size = table.reads["length"].astype(np.int64) * table.reads["count"]
+    d_node = table.worker_node[table.demands["worker"]]
+    in0 = [demanded_union_bytes(table.demands[d_node == n]) for n in range(n_nodes)]
+    assert np.bincount(read_node, size, n_nodes).astype(np.int64).tolist() == in0
+    pushes = table.pushes
+    assert (pushes["stage"] == 1).all()
+    assert (table.worker_node[pushes["worker"]] == table.worker_node[pushes["peer"]]).all()
+    assert table.totals.cross_node_push_bytes == 0
+    assert table.totals.store_read_bytes == sum(in0)
+    # Readers consume what they read: a node's copy is read by one of its consumers.
+    assert (table.reads["dst_region"] != 0).all()

@@ -191,3 +191,37 @@ def test_the_first_broken_check_is_raised_though_later_ones_run_beside_it(table)
     rejects(corrupt(table, "pushes", 0, src_offset=source), "sends bytes no earlier write landed")
     both = corrupt(table, "pushes", 0, src_offset=source, dst_offset=1 << 40)
     rejects(both, "runs past the end of region")
+
+
+@pytest.fixture(scope="module")
+def pulled_per_node():
+    """The fixture's engines with a pull per node: each node reads the whole model."""
+    ps = parts(SPECS, 2)
+    workers = [Worker(f"i{i}r{r}", f"n{i}", f"i{i}", r) for i in range(2) for r in range(2)]
+    demand = DirectDemand.of({w.worker_id: ps[w.tp_rank] for w in workers})
+    return plan_routing(
+        manifest(SPECS), Topology.of(workers), demand, params=PlanParams(pull="node")
+    )
+
+
+def test_a_pull_per_node_is_checked_per_node(table, pulled_per_node):
+    t = pulled_per_node
+    validate_routing_table(t)
+    nodes = t.worker_node[t.reads["worker"]]
+    assert sorted(set(nodes.tolist())) == [0, 1]
+    # The same table claiming one pull for the fleet reads every byte twice.
+    rejects(replace(t, params=PlanParams()), "single-pull violated: read #.* read the same bytes")
+    # A node reading a byte twice is refused, even though the other node reads it too.
+    i = int(np.flatnonzero(nodes == 0)[0])
+    r = t.reads[i : i + 1].copy()
+    r["dst_region"] = 0
+    staged = np.zeros(1, t.region_sizes.dtype)
+    staged[0] = (r["worker"][0], 0, 1 << 20)
+    doubled = replace(
+        t,
+        reads=np.sort(np.concatenate([t.reads, r]), order=["worker", "batch"], kind="stable"),
+        region_sizes=np.concatenate([t.region_sizes, staged]),
+    )
+    rejects(doubled, "single-pull violated: .* read the same bytes")
+    # A node that leaves its share to the other node's read is refused: its total is short.
+    rejects(replace(table, params=PlanParams(pull="node")), "single-pull violated: reads on node")

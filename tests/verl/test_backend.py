@@ -77,6 +77,7 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "retire_grace_s": -1}, "retire_grace_s must be a number of seconds >= 0"),
         ({"model": "m", "transport": "nccl"}, "unknown transport 'nccl'; valid: store"),
         ({"model": "m", "drain_mode": "drop"}, r"drain_mode must be one of \('abort', 'wait'\)"),
+        ({"model": "m", "pull": "gpu"}, r"pull must be one of \('single', 'node'\)"),
         ({"model": "m", "min_engines": 0}, "min_engines must be an integer >= 1"),
         ({"model": "m", "session_ttl_s": 0.5}, "session_ttl_s must lie in 1..3600 seconds"),
         ({"model": "m", "router": "router:30000"}, "must start with http"),
@@ -119,7 +120,13 @@ def test_transport_drain_mode_and_retention_reach_the_sync(
 
     monkeypatch.setattr(bridge, "TrainerSync", Publisher)
     monkeypatch.setattr(bridge, "Coordinator", Coordinator)
-    keys = {"transport": "auto", "drain_mode": "wait", "keep": None, "retire_grace_s": 0}
+    keys = {
+        "transport": "auto",
+        "drain_mode": "wait",
+        "pull": "node",
+        "keep": None,
+        "retire_grace_s": 0,
+    }
     engine = CheckpointEngineRegistry.new(
         "mooncake_store",
         bucket_size=1,
