@@ -6,7 +6,9 @@ this project's figures, the raw TE loopback GB/s measured in the same run, the p
 efficiency, and the same update done naively (every worker reads all it needs itself).
 Updates check what they read against the generation's checksum table, as engines do;
 ``checksums`` compares the same update with and without that check (``--repeats`` runs each,
-alternating) and gives the check's share of update time.
+alternating) and gives the check's share of update time. In compat mode ``pulls`` runs the
+update planned with a single pull and with a pull per node (``PlanParams.pull``),
+alternating, ``--repeats`` times each.
 
 The pieces (publishing, planning, the naive baseline, measuring, raw TE) are shared with
 ``python -m bench`` (``bench.compare``), which runs every approach side by side.
@@ -76,11 +78,16 @@ def publish_synthetic(settings: Settings, name: str, total_bytes: int, tensors: 
 
 
 def planned(
-    manifest: WeightManifest, workers: int, nodes: int, mode: str, batch_bytes: int
+    manifest: WeightManifest,
+    workers: int,
+    nodes: int,
+    mode: str,
+    batch_bytes: int,
+    pull: str = "single",
 ) -> tuple[UpdatePlan, dict[str, str]]:
     """The update plan for simulated engines, and each worker's node label."""
     engines = simulated_engines(specs_of(manifest), cluster_shape(workers, nodes, mode), mode)
-    plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache())
+    plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache(), pull=pull)
     return plan, {w["worker_id"]: w["node"] for ws in engines.values() for w in ws}
 
 
@@ -220,6 +227,35 @@ def checksum_overhead(
     }
 
 
+def pull_comparison(
+    cluster: WorkerCluster,
+    plans: Mapping[str, UpdatePlan],
+    nodes: Mapping[str, str],
+    published: Published,
+    delivered: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """The same update planned with each pull (``PlanParams.pull``), alternating, reads
+    unchecked; median seconds and each pull's bytes, against the single pull."""
+    runs: dict[str, list[dict[str, Any]]] = {pull: [] for pull in plans}
+    for _ in range(repeats):
+        for pull, plan in plans.items():
+            runs[pull].append(measure(cluster, plan, nodes, published.model_bytes, delivered))
+    medians = {pull: statistics.median(r["seconds"] for r in rs) for pull, rs in runs.items()}
+    return {
+        pull: {
+            "seconds": [r["seconds"] for r in rs],
+            "median_seconds": medians[pull],
+            "vs_single": round(medians[pull] / medians["single"], 3),
+            **{
+                key: rs[-1][key]
+                for key in ("store_read_bytes", "pushed_bytes", "max_node_nic_bytes")
+            },
+        }
+        for pull, rs in runs.items()
+    }
+
+
 def raw_te_gbps(cluster: WorkerCluster, region_sizes: Mapping[str, Mapping[str, int]]) -> float:
     """One worker writes its largest region into another worker's, in 64 MiB batches."""
     first, second = sorted(region_sizes)[:2]
@@ -255,6 +291,12 @@ def main() -> None:
         published = publish_synthetic(settings, "bench-apply", size, args.tensors)
         total = published.model_bytes
         plan, nodes = planned(published.manifest, args.workers, args.nodes, args.mode, batch_bytes)
+        pulls = {"single": plan}
+        if args.mode == "compat":  # a pull per node lands in the same regions
+            pulls["node"] = planned(
+                published.manifest, args.workers, args.nodes, args.mode, batch_bytes, "node"
+            )[0]
+            assert pulls["node"].routing.regions == plan.routing.regions
         delivered = sum(plan.routing.received_bytes().values())
         with WorkerCluster(
             worker_settings(settings, nodes, batch_bytes), plan.routing.regions
@@ -263,6 +305,11 @@ def main() -> None:
             ours = measure(cluster, plan, nodes, total, delivered, published.checksums)
             overhead = checksum_overhead(cluster, plan, nodes, published, delivered, args.repeats)
             baseline = measure(cluster, naive(plan, batch_bytes), nodes, total, delivered)
+            by_pull = (
+                pull_comparison(cluster, pulls, nodes, published, delivered, args.repeats)
+                if len(pulls) > 1
+                else None
+            )
     print(
         json.dumps(
             {
@@ -277,6 +324,7 @@ def main() -> None:
                 "pipeline_efficiency": round(ours["delivered_gbps"] / raw, 3),
                 "naive": baseline,
                 "checksums": overhead,
+                "pulls": by_pull,
                 "store_read_ratio_naive_over_ours": round(
                     baseline["store_read_bytes"] / ours["store_read_bytes"], 3
                 ),

@@ -227,6 +227,25 @@ def test_simulate_cli_writes_json_and_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_bench_apply_compares_the_two_pulls_on_real_services() -> None:
+    """``bench.apply --mode compat`` runs the update planned with each pull on the same
+    workers (real Store reads and TE writes): a pull per node reads the model once per node
+    and pushes only inside each node."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.apply", "--size", "8MiB", "--tensors", "8",
+         "--workers", "4", "--nodes", "2", "--mode", "compat", "--repeats", "1"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    m = result["model_bytes"]
+    single, per_node = result["pulls"]["single"], result["pulls"]["node"]
+    assert (single["store_read_bytes"], single["pushed_bytes"]) == (m, 3 * m)
+    assert (per_node["store_read_bytes"], per_node["pushed_bytes"]) == (2 * m, 2 * m)
+    assert per_node["max_node_nic_bytes"] == m <= single["max_node_nic_bytes"]  # mean: m
+    assert single["vs_single"] == 1.0 and per_node["vs_single"] > 0
+
+
 def test_bench_runs_every_approach_on_real_services(tmp_path: Path) -> None:
     out = tmp_path / "compare.png"
     done = subprocess.run(
