@@ -8,7 +8,9 @@ shape and ``engines`` identical engines of ``--tp`` GPUs (``mooncake_rl.plan.sha
 empty cache with the layout digest the active record carries (``plan_seconds_cold``), then
 the next generation's call, a cache hit, plus ``bind`` (``plan_seconds_cached``). Memory:
 ``plan_peak_rss_bytes`` is the process's peak resident set minus its resident set before
-planning (shapes, manifests and placements built). The table's size is its records
+planning (shapes, manifests and placements built); both count pages swapped out
+(``VmSwap``) as well as resident ones, so a host with a swap file can measure fleets larger
+than its memory (``peak_swap_bytes`` says how much was swapped). The table's size is its records
 (``reads``, ``pushes``, ``demands``: one per demanded byte range and consumer; ``records``
 their sum, every byte range the plan names) and the bytes of its arrays. ``growth``
 compares each point with the previous one. A point whose memory, extrapolated from the
@@ -20,6 +22,7 @@ machine is shared).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -27,6 +30,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -64,11 +68,45 @@ class Point:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _rss(field: str) -> int:
-    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process, in bytes."""
-    with open("/proc/self/status") as status:
-        line = next(x for x in status if x.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
+def _status(*fields: str, pid: int | str = "self") -> dict[str, int]:
+    """``fields`` of a process's ``/proc/<pid>/status`` (kB lines), in bytes (0 if absent)."""
+    found = dict.fromkeys(fields, 0)
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            if name in found:
+                found[name] = int(value.split()[0]) * 1024
+    return found
+
+
+def _memory(pid: int | str = "self") -> int:
+    """Resident plus swapped-out bytes of a process."""
+    return sum(_status("VmRSS", "VmSwap", pid=pid).values())
+
+
+class _PeakMemory:
+    """The peak of resident plus swapped bytes while planning. ``VmHWM`` counts no swapped
+    page, so a thread samples both every 20 ms; the peak is never below ``VmHWM``."""
+
+    def __init__(self) -> None:
+        self.peak, self.swap = _memory(), 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.02):
+            now = _status("VmRSS", "VmSwap")
+            self.peak = max(self.peak, now["VmRSS"] + now["VmSwap"])
+            self.swap = max(self.swap, now["VmSwap"])
+
+    def __enter__(self) -> _PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status("VmHWM")["VmHWM"])
 
 
 def measure(point: Point) -> dict[str, Any]:
@@ -83,13 +121,14 @@ def measure(point: Point) -> dict[str, Any]:
     recorded, next_recorded = layout_digest(manifest), layout_digest(following)
     topology, demand = cluster(model, point.engines, point.tp, point.workers_per_node, point.layout)
     setup = time.perf_counter() - t0
-    before = _rss("VmRSS")
+    before = _memory()
     cache = PlanCache()
     params = PlanParams(balance_slack=point.balance_slack)
     t0, c0 = time.perf_counter(), time.process_time()
-    table = plan_routing(
-        manifest, topology, demand, params=params, cache=cache, layout_digest=recorded
-    )
+    with _PeakMemory() as memory:
+        table = plan_routing(
+            manifest, topology, demand, params=params, cache=cache, layout_digest=recorded
+        )
     cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0 = time.perf_counter()
     again = plan_routing(
@@ -100,7 +139,7 @@ def measure(point: Point) -> dict[str, Any]:
     assert again is table and cache.hits == 1
     arrays = (table.reads, table.pushes, table.demands, table.region_sizes)
     nic = table.totals.node_nic_bytes
-    peak = _rss("VmHWM")
+    peak = memory.peak
     return {
         **asdict(point),
         "workers": len(topology.workers),
@@ -114,6 +153,7 @@ def measure(point: Point) -> dict[str, Any]:
         "rss_before_plan_bytes": before,
         "peak_rss_bytes": peak,
         "plan_peak_rss_bytes": peak - before,
+        "peak_swap_bytes": memory.swap,
         "reads": len(table.reads),
         "pushes": len(table.pushes),
         "demands": len(table.demands),
@@ -160,7 +200,8 @@ def predicted_peak(done: Sequence[dict[str, Any]], engines: int) -> float:
 
 
 def watched(point: Point, max_rss_bytes: float) -> dict[str, Any]:
-    """Run one point in a fresh process; kill it if its resident set passes the cap."""
+    """Run one point in a fresh process; kill it if its memory (resident plus swapped)
+    passes the cap."""
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.scale", "--point", json.dumps(asdict(point))],
         stdout=subprocess.PIPE,
@@ -169,19 +210,15 @@ def watched(point: Point, max_rss_bytes: float) -> dict[str, Any]:
     )
     started, peak = time.perf_counter(), 0
     while child.poll() is None:
-        try:
-            with open(f"/proc/{child.pid}/status") as status:
-                line = next(x for x in status if x.startswith("VmRSS:"))
-            peak = max(peak, int(line.split()[1]) * 1024)
-        except (FileNotFoundError, StopIteration):
-            pass  # ended between poll() and the read
+        with contextlib.suppress(FileNotFoundError):  # ended between poll() and the read
+            peak = max(peak, _memory(child.pid))
         if peak > max_rss_bytes:
             child.kill()
             child.communicate()
             return {
                 **asdict(point),
-                "why": f"stopped after {time.perf_counter() - started:.0f} s: its resident set "
-                f"passed --max-rss-gb {max_rss_bytes / GB:g}",
+                "why": f"stopped after {time.perf_counter() - started:.0f} s: its memory "
+                f"(resident plus swapped) passed --max-rss-gb {max_rss_bytes / GB:g}",
             }
         time.sleep(0.2)
     out, err = child.communicate()
@@ -228,7 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--layout", choices=LAYOUTS, default="tp")
     p.add_argument("--workers-per-node", type=int, default=8)
-    p.add_argument("--max-rss-gb", type=float, default=10.0)
+    p.add_argument(
+        "--max-rss-gb",
+        type=float,
+        default=10.0,
+        help="skip or stop a point whose memory (resident plus swapped) would pass this",
+    )
     p.add_argument(
         "--balance-slack",
         type=float,

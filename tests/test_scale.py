@@ -131,6 +131,9 @@ def test_scale_point_plans_cold_then_hits_the_cache() -> None:
         assert point["store_read_bytes"] == point["model_bytes"]  # single pull at any scale
         assert point["plan_seconds_cached"] < point["plan_seconds_cold"]
         assert point["workers"] == 4 * point["engines"] and point["table_bytes"] > 0
+        # Peak memory counts swapped pages too, and is never below the kernel's own peak.
+        assert point["peak_rss_bytes"] >= point["rss_before_plan_bytes"]
+        assert point["peak_swap_bytes"] >= 0
     assert large["delivered_bytes"] == 4 * small["delivered_bytes"]
     assert large["demands"] == 4 * small["demands"]  # every replica names its own ranges
     assert growth(small, large)["engines_x"] == 4.0
