@@ -140,6 +140,9 @@ class UpdateResult:
     # The transport mode, and per engine its transport, the bytes its ranks received and
     # the seconds its delivery took.
     transport: str = TransportMode.STORE.value
+    # How the Store was read: once for the fleet ("single") or once per rollout node
+    # ("node": store_read_bytes is then unique_demand_bytes times the consuming nodes).
+    pull: str = "single"
     legs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # With a router: per engine taken out, "readmitted", "retired" (removed meanwhile, so
     # not re-added) or "failed: <why>" (still out of rotation).
@@ -566,7 +569,7 @@ class Coordinator:
         )
         tag = uuid.uuid4().hex
         total = UpdateResult(model, record.generation, mode, list(self.engines))
-        total.transport = chosen.value
+        total.transport, total.pull = chosen.value, pull
         spare = len(self.engines) - needed
         for group in groups:
             needed_now = max(1, len(group) - spare)
@@ -647,7 +650,7 @@ class Coordinator:
         checksums = registry.load_checksums(record.generation, record.checksums_digest)
         segments = registry.segment_hints(record)  # locality: reads stay on a segment's node
         result = UpdateResult(model, record.generation, mode, list(engines))
-        result.transport = chosen.value
+        result.transport, result.pull = chosen.value, options.pull
         phase = _Phases(result, self._progress)
 
         placements, failed = self._all(engines, "GET", BARE_PLACEMENT)

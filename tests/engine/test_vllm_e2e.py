@@ -795,6 +795,7 @@ def test_a_compat_update_pulled_per_node_reads_once_per_node_and_crosses_no_nic(
     generation = world.publish(1)
     with world.coordinator() as coordinator:
         result = coordinator.update(MODEL, mode="compat", batch_bytes=64 << 10, pull="node")
+    assert (result.pull, result.to_json()["pull"]) == ("node", "node")
     assert result.store_read_bytes == result.planned_read_bytes == 2 * result.unique_demand_bytes
     assert result.cross_node_pushed_bytes == 0
     assert result.pushed_bytes == result.unique_demand_bytes  # node b: one copy each way
