@@ -202,6 +202,12 @@ def test_cli_bad_input_is_refused_with_a_clear_error(
     )
     assert bad_regex.returncode == 2
     assert "--direct-fallback: not a regular expression" in bad_regex.stderr
+    bad_pull = cli(
+        master, holder.segment, "update", "--name", "x", "--engine", "http://127.0.0.1:9",
+        "--pull", "gpu",
+    )  # fmt: skip
+    assert bad_pull.returncode == 2
+    assert "argument --pull: invalid choice: 'gpu'" in bad_pull.stderr
     no_keep = cli(
         master, holder.segment, "publish", str(tmp_path / "ok"), "--name", "x", "--keep", "0"
     )

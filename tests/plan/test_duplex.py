@@ -53,6 +53,16 @@ def test_instances_spanning_two_nodes_are_read_by_their_consumers():
     assert table.totals.store_read_bytes == table.totals.unique_demand_bytes
 
 
+def every_gpu_holds_every_tensor(table, specs) -> None:
+    """Run the compat table on bytes: each worker's compat region holds every tensor."""
+    data = contents(specs)
+    buffers, written, _ = execute(table, data)
+    expected = [(table.compat.offset(s.name), data[s.name]) for s in specs]
+    check_delivery(
+        table, buffers, written, {(w, "compat"): expected for w in range(len(table.workers))}
+    )
+
+
 def test_compat_relays_spread_over_every_gpu_of_a_node():
     """Compat, 2 nodes x 4 GPUs, 16 equal tensors: the remote node's relays are its four
     GPUs in turn (each relays 4 tensors and fans each out 3 times after the barrier), where
@@ -72,17 +82,7 @@ def test_compat_relays_spread_over_every_gpu_of_a_node():
         assert per_node[node].max() - per_node[node].min() <= 1
         assert (fanned.reshape(2, 4)[node] == 3 * per_node[node]).all()
     assert relayed.sum() == 16 and fanned.sum() == 48
-    data = contents(specs)
-    buffers, written, _ = execute(table, data)
-    check_delivery(
-        table,
-        buffers,
-        written,
-        {
-            (w, "compat"): [(table.compat.offset(s.name), data[s.name]) for s in specs]
-            for w in range(8)
-        },
-    )
+    every_gpu_holds_every_tensor(table, specs)
 
 
 def test_compat_pulled_per_node_fans_out_as_reads_land_and_nodes_walk_apart():
@@ -104,17 +104,7 @@ def test_compat_pulled_per_node_fans_out_as_reads_land_and_nodes_walk_apart():
     assert first[0][:4] != first[1][:4]
     assert sorted(first[0]) == sorted(first[1]) == sorted(table.objects)
     assert min(map(table.objects.index, first[1][:4])) >= 8  # node 1 of 2 starts half-way
-    data = contents(specs)
-    buffers, written, _ = execute(table, data)
-    check_delivery(
-        table,
-        buffers,
-        written,
-        {
-            (w, "compat"): [(table.compat.offset(s.name), data[s.name]) for s in specs]
-            for w in range(8)
-        },
-    )
+    every_gpu_holds_every_tensor(table, specs)
 
 
 def located_cluster(segment: str | None):

@@ -204,6 +204,11 @@ def pulled_per_node():
     )
 
 
+def test_an_unknown_pull_is_refused_by_name():
+    with pytest.raises(InvariantViolation, match=r"pull must be one of single, node .* 'gpu'"):
+        PlanParams(pull="gpu")
+
+
 def test_a_pull_per_node_is_checked_per_node(table, pulled_per_node):
     t = pulled_per_node
     validate_routing_table(t)
