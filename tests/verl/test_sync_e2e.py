@@ -131,6 +131,9 @@ def world(
             f"+{KV}.token={TOKEN}",
             f"+{KV}.timeout_s=120",
             f"+{KV}.drain_mode=wait",
+            # One engine on one node: a pull per node reads what a single pull would, and
+            # the key travels VeRL's own config into the real coordinator.
+            f"+{KV}.pull=node",
             f"+{KV}.metrics_textfile={root / 'verl.prom'}",
         ],
     )
@@ -223,6 +226,7 @@ def test_verl_manager_syncs_the_engine_and_verl_resumes_it(
     ]
     update = last_update(world.replica)  # the engine rollout rank 0 found through Ray
     assert update.generation == 2 and update.engines == [world.engine.url]
+    assert update.pull == "node"  # engine_kwargs reached the coordinator
     assert update.store_read_bytes == sum(t.numel() * 4 for t in tensors.values())
     # Rollout rank 0 rewrote its node-exporter textfile with that update's figures.
     exported = samples_of(world.textfile.read_text())
