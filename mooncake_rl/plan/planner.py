@@ -111,7 +111,8 @@ class _PlanningMode:
     - glibc's malloc keeps what the plan frees for its next arrays instead of unmapping it
       (:mod:`mooncake_rl.plan.heap`): the kernel no longer zeroes and maps the same memory
       again for every array (fp8 Kimi-K2 on 16 x TP8: 1.7-2.0 s of system time without,
-      0.7-0.9 s with). The last hold gives the free pages back.
+      0.7-0.9 s with). The last hold gives the free pages back when the holds grew the
+      process by more than glibc keeps free at rest.
 
     All three are process-wide, so plans in several threads share one hold: the first to enter
     saves the previous settings, the last to leave restores them.
@@ -122,7 +123,7 @@ class _PlanningMode:
         self._holders = 0
         self._gc_was_enabled = False
         self._huge_pages_were: bool | None = None
-        self._heap_kept = False
+        self._heap_at_start: int | None = None  # resident bytes, when glibc's is held
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -132,7 +133,7 @@ class _PlanningMode:
                 self._gc_was_enabled = gc.isenabled()
                 gc.disable()
                 self._huge_pages_were = switch(False) if switch is not None else None
-                self._heap_kept = heap.keep_freed_memory()
+                self._heap_at_start = heap.keep_freed_memory()
             self._holders += 1
         try:
             yield
@@ -145,8 +146,8 @@ class _PlanningMode:
                         gc.enable()
                     if switch is not None and self._huge_pages_were is not None:
                         switch(self._huge_pages_were)
-                    if self._heap_kept:
-                        heap.give_back_freed_memory()
+                    if self._heap_at_start is not None:
+                        heap.give_back_freed_memory(self._heap_at_start)
 
 
 def _age_survivors() -> None:
