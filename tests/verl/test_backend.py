@@ -78,6 +78,14 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "transport": "nccl"}, "unknown transport 'nccl'; valid: store"),
         ({"model": "m", "drain_mode": "drop"}, r"drain_mode must be one of \('abort', 'wait'\)"),
         ({"model": "m", "pull": "gpu"}, r"pull must be one of \('single', 'node'\)"),
+        (
+            {"model": "m", "pull": "node", "transport": "broadcast"},
+            "pull node chooses how the Store is read; the broadcast transport does not read it",
+        ),
+        (
+            {"model": "m", "mode": "direct", "transport": "cpu_serialize"},
+            "mode direct is a Store-path mode; the cpu_serialize transport delivers full",
+        ),
         ({"model": "m", "min_engines": 0}, "min_engines must be an integer >= 1"),
         ({"model": "m", "session_ttl_s": 0.5}, "session_ttl_s must lie in 1..3600 seconds"),
         ({"model": "m", "router": "router:30000"}, "must start with http"),
@@ -121,7 +129,7 @@ def test_transport_drain_mode_and_retention_reach_the_sync(
     monkeypatch.setattr(bridge, "TrainerSync", Publisher)
     monkeypatch.setattr(bridge, "Coordinator", Coordinator)
     keys = {
-        "transport": "auto",
+        "transport": "store",  # the only transport a pull per node goes with
         "drain_mode": "wait",
         "pull": "node",
         "keep": None,

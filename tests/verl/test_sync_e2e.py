@@ -333,8 +333,11 @@ def test_trainer_rank_0_is_the_broadcast_sender_when_the_bridge_selects_broadcas
     no CUDA UUID): the trainer publishes as always; in ``finalize``, which VeRL's manager
     runs on both sides at once, trainer rank 0 sends the announced generation to the
     engine's group."""
-    rollout = world.rollout(
-        transport="broadcast", train_gpus="gpu-train-0", engine_urls=[world.engine.url]
+    rollout = world.rollout(  # the job's pull=node is a Store-path option: back to single
+        transport="broadcast",
+        pull="single",
+        train_gpus="gpu-train-0",
+        engine_urls=[world.engine.url],
     )
     checkpoint = omega_conf_to_dataclass(rollout.checkpoint_engine)
     replica = EngineReplica(1, rollout, world.engine.url, TOKEN)  # its own server actor name
