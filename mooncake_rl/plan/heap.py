@@ -11,12 +11,11 @@ While any plan runs, requests up to glibc's largest mmap threshold come from the
 freed memory stays there for the next array. When the last plan ends the thresholds are
 left where glibc's own dynamic rule puts them once a process has freed one such array
 (every 1T plan frees several); glibc has no call that turns its dynamic rule back on,
-hence that resting point. If the hold grew the process by more than glibc then keeps free
-anyway (its trim threshold), ``malloc_trim`` hands the free pages back, so the process
-does not keep a plan's peak. Short holds skip it: a trim walks every free chunk (0.5-3 ms
-even with nothing to return), and the coordinator holds the mode once per engine body.
-Where malloc is not glibc's, or the operator tuned it (``MALLOC_*_`` variables,
-``GLIBC_TUNABLES``), nothing is changed.
+hence that resting point. Then ``malloc_trim`` hands the free pages back, so the process
+does not keep a plan's peak. A trim walks every free chunk (0.5-3 ms even with nothing to
+return): it ends a plan, which the coordinator makes once per layout, and nothing that
+runs once per engine. Where malloc is not glibc's, or the operator tuned it (``MALLOC_*_``
+variables, ``GLIBC_TUNABLES``), nothing is changed.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import resource
 from functools import cache
-from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -53,33 +50,20 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now; 0 where ``/proc`` cannot say (then no hold
-    trims: glibc's own trim at rest still applies)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * resource.getpagesize()
-
-
-def keep_freed_memory() -> int | None:
-    """Serve arrays from the heap and keep what is freed. Returns the resident bytes at
-    the start (for :func:`give_back_freed_memory`), or None where nothing changed."""
+def keep_freed_memory() -> bool:
+    """Serve arrays from the heap and keep what is freed; False where nothing changed."""
     libc = _glibc()
     if libc is None:
-        return None
+        return False
     libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
     libc.mallopt(M_TRIM_THRESHOLD, KEEP_UP_TO)
-    return resident_bytes()
+    return True
 
 
-def give_back_freed_memory(resident_at_start: int) -> None:
-    """glibc's resting thresholds, then every free page of the heap back to the kernel if
-    the process grew by more than glibc keeps free at rest."""
+def give_back_freed_memory() -> None:
+    """glibc's resting thresholds, then every free page of the heap back to the kernel."""
     libc = _glibc()
     if libc is None:
         return
     libc.mallopt(M_TRIM_THRESHOLD, RESTING_TRIM_THRESHOLD)
-    if resident_bytes() - resident_at_start > RESTING_TRIM_THRESHOLD:
-        libc.malloc_trim(0)
+    libc.malloc_trim(0)

@@ -77,7 +77,8 @@ def plan_routing(
         cached = cache.get(key)
         if cached is not None:
             return cached
-    with _PLANNING.held():  # the digest too: its tuples rescan a large caller's heap
+    # The digest too: its tuples rescan a large caller's heap.
+    with _PLANNING.held(keep_heap=True):
         if layout_digest is not None and source_digest(manifest) != layout_digest:
             raise InvariantViolation(
                 f"the recorded layout digest of {manifest.group_id} does not match its manifest"
@@ -108,11 +109,12 @@ class _PlanningMode:
       16 x TP8: 3.3-3.9 s of system time with them, 1.2-1.8 s without). This is numpy's own
       switch (what ``NUMPY_MADVISE_HUGEPAGE=0`` sets at import); a numpy without it is left
       alone.
-    - glibc's malloc keeps what the plan frees for its next arrays instead of unmapping it
-      (:mod:`mooncake_rl.plan.heap`): the kernel no longer zeroes and maps the same memory
-      again for every array (fp8 Kimi-K2 on 16 x TP8: 1.7-2.0 s of system time without,
-      0.7-0.9 s with). The last hold gives the free pages back when the holds grew the
-      process by more than glibc keeps free at rest.
+    - While a table is planned (``keep_heap``), glibc's malloc keeps what the plan frees for
+      its next arrays instead of unmapping it (:mod:`mooncake_rl.plan.heap`): the kernel no
+      longer zeroes and maps the same memory again for every array (fp8 Kimi-K2 on
+      16 x TP8: 1.7-2.0 s of system time without, 0.7-0.9 s with). The last such hold gives
+      the free pages back. Other holds (the coordinator holds the mode once per engine
+      body) leave malloc alone: giving back walks every free chunk, 0.5-3 ms a time.
 
     All three are process-wide, so plans in several threads share one hold: the first to enter
     saves the previous settings, the last to leave restores them.
@@ -121,24 +123,32 @@ class _PlanningMode:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders = 0
+        self._heap_holders = 0
         self._gc_was_enabled = False
         self._huge_pages_were: bool | None = None
-        self._heap_at_start: int | None = None  # resident bytes, when glibc's is held
+        self._heap_kept = False
 
     @contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self, *, keep_heap: bool = False) -> Iterator[None]:
         switch = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
         with self._lock:
             if self._holders == 0:
                 self._gc_was_enabled = gc.isenabled()
                 gc.disable()
                 self._huge_pages_were = switch(False) if switch is not None else None
-                self._heap_at_start = heap.keep_freed_memory()
             self._holders += 1
+            if keep_heap:
+                if self._heap_holders == 0:
+                    self._heap_kept = heap.keep_freed_memory()
+                self._heap_holders += 1
         try:
             yield
         finally:
             with self._lock:
+                if keep_heap:
+                    self._heap_holders -= 1
+                    if self._heap_holders == 0 and self._heap_kept:
+                        heap.give_back_freed_memory()
                 self._holders -= 1
                 if self._holders == 0:
                     if self._gc_was_enabled:
@@ -146,8 +156,6 @@ class _PlanningMode:
                         gc.enable()
                     if switch is not None and self._huge_pages_were is not None:
                         switch(self._huge_pages_were)
-                    if self._heap_at_start is not None:
-                        heap.give_back_freed_memory(self._heap_at_start)
 
 
 def _age_survivors() -> None:
