@@ -73,7 +73,12 @@ from mooncake_rl.router.probe import require_compatible, waves
 from mooncake_rl.router.rotation import Rotation
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.legs import LegFailed, LegFigures, TransportLegs
-from mooncake_rl.transport.modes import TransportMode, parse_gpu_ids, resolve_mode
+from mooncake_rl.transport.modes import (
+    TransportMode,
+    parse_gpu_ids,
+    require_store_path,
+    resolve_mode,
+)
 from mooncake_rl.transport.sender import ChildLauncher, SenderLauncher
 from mooncake_rl.transport.topology import (
     Classification,
@@ -544,16 +549,7 @@ class Coordinator:
             )
         groups = waves(self.engines, max_unavailable)
         chosen = resolve_mode(transport)
-        if chosen is not TransportMode.STORE and mode != "compat":
-            raise ConfigurationError(
-                f"--mode {mode} is a Store-path mode; the {chosen.value} transport delivers "
-                "full tensors (compat): drop --mode or use --transport store"
-            )
-        if chosen is not TransportMode.STORE and pull != "single":
-            raise ConfigurationError(
-                f"--pull {pull} chooses how the Store is read; the {chosen.value} transport "
-                "does not read it: drop --pull or use --transport store"
-            )
+        require_store_path(chosen, mode, pull)
         train_pool = parse_gpu_ids(
             train_gpus if train_gpus is not None else self.store.settings.train_gpus,
             "the train pool's GPU ids (--train-gpus / MOONCAKE_RL_TRAIN_GPUS)",

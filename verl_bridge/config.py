@@ -24,7 +24,12 @@ from mooncake_rl.plan.params import PULLS
 from mooncake_rl.protocol import DrainRequest
 from mooncake_rl.router import RouterSpec
 from mooncake_rl.settings import Settings
-from mooncake_rl.transport.modes import TransportMode, parse_gpu_ids, resolve_mode
+from mooncake_rl.transport.modes import (
+    TransportMode,
+    parse_gpu_ids,
+    require_store_path,
+    resolve_mode,
+)
 
 MODES = ("compat", "direct")
 DRAIN_MODES: tuple[str, ...] = get_args(DrainRequest.model_fields["mode"].annotation)
@@ -146,7 +151,8 @@ class BridgeConfig:
             )
         if config.pull not in PULLS:
             raise ConfigurationError(f"pull must be one of {PULLS}, got {config.pull!r}")
-        _require_store_path(config)
+        if config.transport is not None:  # unset: the coordinator checks the environment's
+            require_store_path(TransportMode(config.transport), config.mode, config.pull, "{}")
         if config.batch_bytes is not None and (
             type(config.batch_bytes) is not int or config.batch_bytes < 1
         ):
@@ -207,22 +213,3 @@ class BridgeConfig:
             )
         except ValidationError as error:
             raise ConfigurationError(f"invalid Store settings: {error}") from error
-
-
-def _require_store_path(config: BridgeConfig) -> None:
-    """``mode: direct`` and ``pull: node`` say how the Store is read: refused at
-    construction with another transport, not at the first sync inside a Ray worker. An
-    unset transport is the environment's (``MOONCAKE_RL_TRANSPORT``), which the
-    coordinator checks the same way."""
-    if config.transport in (None, TransportMode.STORE.value):
-        return
-    if config.mode != "compat":
-        raise ConfigurationError(
-            f"mode {config.mode} is a Store-path mode; the {config.transport} transport "
-            "delivers full tensors (compat): drop mode or set transport: store"
-        )
-    if config.pull != "single":
-        raise ConfigurationError(
-            f"pull {config.pull} chooses how the Store is read; the {config.transport} "
-            "transport does not read it: drop pull or set transport: store"
-        )

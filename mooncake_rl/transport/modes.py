@@ -48,6 +48,26 @@ def resolve_mode(value: str | None) -> TransportMode:
         raise ConfigurationError(f"unknown transport {value!r}; valid: {_VALID}") from None
 
 
+def require_store_path(chosen: TransportMode, mode: str, pull: str, option: str = "--{}") -> None:
+    """Refuse the Store-path options (``mode`` direct, ``pull`` node) with another transport:
+    broadcast and CPU serialization deliver full tensors and read no Store. ``option``
+    spells a setting's name where the caller sets it (a CLI flag, a VeRL key)."""
+    if chosen is TransportMode.STORE:
+        return
+    if mode != "compat":
+        raise ConfigurationError(
+            f"{option.format('mode')} {mode} is a Store-path mode; the {chosen.value} transport "
+            f"delivers full tensors (compat): drop {option.format('mode')} or use "
+            f"{option.format('transport')} store"
+        )
+    if pull != "single":
+        raise ConfigurationError(
+            f"{option.format('pull')} {pull} chooses how the Store is read; the {chosen.value} "
+            f"transport does not read it: drop {option.format('pull')} or use "
+            f"{option.format('transport')} store"
+        )
+
+
 def parse_gpu_ids(text: str | Sequence[str], what: str) -> tuple[str, ...]:
     """Physical GPU ids (CUDA UUIDs, or labels such as ``host0:3``), in the order given.
 
