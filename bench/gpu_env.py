@@ -30,6 +30,7 @@ RUNTIME = (
     "typing-inspection==0.4.5",
     "typing-extensions==4.16.0",
     "xxhash==4.1.0",
+    "orjson==3.13.0",
 )
 
 
