@@ -13,7 +13,7 @@ SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: test envs demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load fp8 gpu-deps gpu-check clean
+.PHONY: test envs demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load fp8 gpu-wheels gpu-deps gpu-check clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
@@ -80,6 +80,13 @@ GPU_PY ?= python3
 GPU_SITE ?= /tmp/mooncake-rl-gpu
 gpu-deps:
 	$(GPU_PY) -m bench.gpu_env --target $(GPU_SITE) --wheels .whl
+
+# On a machine with an index, for a GPU machine without one: its wheels into .whl/, the
+# Mooncake wheel slimmed to what the update path loads (GPU_CUDA, GPU_PYTHON: the GPU's).
+GPU_CUDA ?= 13.0
+GPU_PYTHON ?= 3.12
+gpu-wheels:
+	$(PYTHON) -m bench.gpu_env --download .whl --cuda $(GPU_CUDA) --python $(GPU_PYTHON)
 
 # The direct-mode update path on the GPU: MoE-shaped (50,000 tensors, 4 GiB) and dense
 # generations into live CUDA parameters, in place and staged, checked bit-exact; one JSON.

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import re
+import stat
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from bench.gpu_check import GpuCheckConfig, run
-from bench.gpu_env import MOONCAKE, mooncake_wheel, pip_command
+from bench.gpu_env import (
+    MOONCAKE,
+    RUNTIME,
+    download_command,
+    mooncake_wheel,
+    pip_command,
+    slim_wheel,
+)
 
 
 def test_the_check_lands_every_parameter_bit_exact_in_place() -> None:
@@ -57,3 +68,55 @@ def test_carried_wheels_install_offline(tmp_path: Path) -> None:
     assert "--no-index" in command and "--no-deps" in command
     assert MOONCAKE["13"] in command
     assert "mooncake-transfer-engine-non-cuda" not in " ".join(command)
+
+
+def test_the_cuda_wheels_are_the_version_the_cpu_wheel_is_pinned_to() -> None:
+    """mooncake.reshard's API moves between releases (0.3.14 dropped StoredFragment): a CUDA
+    wheel of another version fails at the first import on the GPU machine."""
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    (pinned,) = [d for d in project["dependencies"] if d.startswith("mooncake-transfer-engine")]
+    version = pinned.split("==")[1]
+    assert {spec.split("==")[1] for spec in MOONCAKE.values()} == {version}
+
+
+def test_downloads_name_the_gpu_machines_python_and_every_installed_wheel(tmp_path: Path) -> None:
+    command = download_command(tmp_path, "13.0", "3.12")
+    assert command[command.index("--python-version") + 1] == "3.12"
+    assert command[command.index("--dest") + 1] == str(tmp_path)
+    assert command[-len(RUNTIME) - 1 :] == [MOONCAKE["13"], *RUNTIME]
+    assert "--no-deps" in command and "--only-binary=:all:" in command
+
+
+def test_slimming_drops_only_the_unused_parts_and_keeps_executables(tmp_path: Path) -> None:
+    wheel = tmp_path / "mooncake_transfer_engine_cuda13-0.3.13.post1-cp312-cp312-x.whl"
+    kept = {
+        "mooncake/store.so": b"store",
+        "mooncake/mooncake_master": b"master",
+        "mooncake/ep.py": b"import mooncake._ep",
+        "mooncake/libmooncake_pgx/keep": b"not a prefix of the pg library's name",
+    }
+    dropped = {
+        "mooncake/libmooncake_pg.so": b"pg" * 100,
+        "mooncake/pg_2_13_0.cpython-312-x86_64-linux-gnu.so": b"pg",
+        "mooncake/_ep.cpython-312-x86_64-linux-gnu.so": b"ep",
+        "mooncake/libmooncake_ep_device.so": b"ep",
+        "mooncake/transfer_engine_bench": b"bench",
+    }
+    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in {**kept, **dropped}.items())
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in {**kept, **dropped}.items():
+            entry = zipfile.ZipInfo(name)
+            entry.external_attr = (stat.S_IFREG | 0o755) << 16
+            archive.writestr(entry, data)
+        archive.writestr("m-0.3.13.post1.dist-info/RECORD", record)
+    size = wheel.stat().st_size
+    assert slim_wheel(wheel) == size - wheel.stat().st_size > 0
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.testzip() is None
+        names = set(archive.namelist())
+        assert names == {*kept, "m-0.3.13.post1.dist-info/RECORD"}
+        assert {name: archive.read(name) for name in kept} == kept
+        master = archive.getinfo("mooncake/mooncake_master")
+        assert (master.external_attr >> 16) & 0o111 == 0o111
+        lines = archive.read("m-0.3.13.post1.dist-info/RECORD").decode().splitlines()
+    assert [re.sub(",.*", "", line) for line in lines] == list(kept)
