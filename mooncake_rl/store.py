@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,9 +193,19 @@ class StoreClient:
             self.unregister(ptr)
 
     def put_bytes(self, key: str, data: bytes, *, preferred_segments: Sequence[str] = ()) -> None:
-        """A small record (``RECORD_REPLICAS`` copies); a put to an existing key is ignored."""
+        """A record (``RECORD_REPLICAS`` copies); a put to an existing key is ignored.
+
+        ``put`` stages the value through the client's local buffer and refuses one that does
+        not fit (a 50,000-tensor manifest is 20 MB); such a record is put from a registered
+        copy instead.
+        """
         config = self._config(RECORD_REPLICAS, preferred_segments, True)
-        _check(self._store.put(key, data, config), "put", f"key={key}")
+        if len(data) <= self.settings.buffer_bytes // 2:
+            code = self._store.put(key, data, config)
+        else:
+            with self._registered_copy(data) as ptr:
+                code = self._store.put_from(key, ptr, len(data), config)
+        _check(code, "put", f"key={key}")
         COUNTERS.add(put=len(data))
 
     def upsert_bytes(self, key: str, data: bytes) -> None:
@@ -216,13 +227,11 @@ class StoreClient:
 
     def create_exclusive(self, key: str, data: bytes) -> None:
         """Create ``key`` only if absent (a fence): raises ObjectAlreadyExists otherwise."""
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        ptr, size = buffer.data_ptr(), len(data)
+        size = len(data)
         config = self._config(RECORD_REPLICAS, (), True)
         started = self._store.batch_put_session_start([key], [size], config)[0]
         _check(started, "put_session_start", key)
-        self.register(ptr, size)
-        try:
+        with self._registered_copy(data) as ptr:
             written = self._store.batch_put_from_multi_buffer_ranges(
                 [key], [[ptr]], [[size]], [[0]]
             )
@@ -230,9 +239,17 @@ class StoreClient:
                 self._store.batch_put_session_revoke([key])
                 raise mooncake_error(written[0] if written[0] < 0 else -800, "put_session", key)
             _check(self._store.batch_put_session_end([key])[0], "put_session_end", key)
-        finally:
-            self.unregister(ptr)
         COUNTERS.add(put=size)
+
+    @contextmanager
+    def _registered_copy(self, data: bytes) -> Iterator[int]:
+        """A registered copy of ``data`` for puts that read it in place; its address."""
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.register(buffer.data_ptr(), len(data))
+        try:
+            yield buffer.data_ptr()
+        finally:
+            self.unregister(buffer.data_ptr())
 
     # -- reads --------------------------------------------------------------------------
     def size(self, key: str) -> int:
