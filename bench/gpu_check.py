@@ -45,6 +45,7 @@ from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.synthetic import shard_bytes, simulated_engines
 from mooncake_rl.plan.update import RoutingCache, plan_update
+from mooncake_rl.progress import progress
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import RangeRead, StoreClient
 
@@ -188,9 +189,15 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
         "dense": (config.dense_bytes, config.dense_tensors),
     }
     rows: dict[str, dict[str, Any]] = {}
-    with store_services(int(total * 1.25) + (256 << 20)) as (_, _, settings):
+    # One line per step on stderr: a run cut short on a lent machine still says where.
+    steps_total = len(generations) * (1 + len(config.modes)) + 3
+    with (
+        progress("gpu-check", steps_total) as steps,
+        store_services(int(total * 1.25) + (256 << 20)) as (_, _, settings),
+    ):
         object_sizes: dict[str, int] = {}
         for name, (nbytes, tensors) in generations.items():
+            steps.step(f"publish {name}: {tensors} tensors, {nbytes >> 20} MiB")
             model = synthetic_model(nbytes, tensors)
             clock = time.perf_counter()
             with StoreClient(settings) as store:
@@ -202,13 +209,18 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
             if name == "dense":
                 object_sizes = {k: c.nbytes for k, c in table.objects.items()}
             for mode in config.modes:
+                steps.step(f"update {name} {mode}")
                 row = update_row(settings, config, f"gpu-check-{name}", model, mode == "in_place")
                 row["publish_seconds"] = round(publish_seconds, 3)
                 rows[f"{name}_{mode}"] = row
+                print(json.dumps({f"{name}_{mode}": row}), file=sys.stderr, flush=True)
             del model
+        steps.step("the Store's get_into into device memory")
         store_gbps = get_into_gbps(settings, config.device, object_sizes)
+        steps.step("a real vLLM engine")
         engine = engine_row(settings, config.device)
-    copy_gbps = device_copy_gbps(config.device, min(config.dense_bytes, 1 << 30))
+        steps.step("device-to-device copy")
+        copy_gbps = device_copy_gbps(config.device, min(config.dense_bytes, 1 << 30))
     worst = max(rows[f"moe_{mode}"]["us_per_tensor"] for mode in config.modes)
     best_gbps = max(row["gbps"] for row in rows.values())
     return {
