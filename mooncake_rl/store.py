@@ -12,7 +12,7 @@ import re
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -193,18 +193,13 @@ class StoreClient:
             self.unregister(ptr)
 
     def put_bytes(self, key: str, data: bytes, *, preferred_segments: Sequence[str] = ()) -> None:
-        """A record (``RECORD_REPLICAS`` copies); a put to an existing key is ignored.
-
-        ``put`` stages the value through the client's local buffer and refuses one that does
-        not fit (a 50,000-tensor manifest is 20 MB); such a record is put from a registered
-        copy instead.
-        """
+        """A record (``RECORD_REPLICAS`` copies); a put to an existing key is ignored."""
         config = self._config(RECORD_REPLICAS, preferred_segments, True)
-        if len(data) <= self.settings.buffer_bytes // 2:
-            code = self._store.put(key, data, config)
-        else:
-            with self._registered_copy(data) as ptr:
-                code = self._store.put_from(key, ptr, len(data), config)
+        code = self._write_record(
+            data,
+            lambda: self._store.put(key, data, config),
+            lambda ptr: self._store.put_from(key, ptr, len(data), config),
+        )
         _check(code, "put", f"key={key}")
         COUNTERS.add(put=len(data))
 
@@ -218,7 +213,11 @@ class StoreClient:
         """
         config = self._config(RECORD_REPLICAS, (), True)
         for attempt in range(UPSERT_ATTEMPTS):
-            code = self._store.upsert(key, data, config)
+            code = self._write_record(
+                data,
+                lambda: self._store.upsert(key, data, config),
+                lambda ptr: self._store.upsert_from(key, ptr, len(data), config),
+            )
             if code != ILLEGAL_CLIENT:
                 break
             time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
@@ -240,6 +239,17 @@ class StoreClient:
                 raise mooncake_error(written[0] if written[0] < 0 else -800, "put_session", key)
             _check(self._store.batch_put_session_end([key])[0], "put_session_end", key)
         COUNTERS.add(put=size)
+
+    def _write_record(
+        self, data: bytes, staged: Callable[[], int], from_buffer: Callable[[int], int]
+    ) -> int:
+        """``staged`` copies the value through the client's local buffer, which refuses one
+        that does not fit (a 50,000-tensor manifest is 20 MB); a larger record is written by
+        ``from_buffer`` from a registered copy."""
+        if len(data) <= self.settings.buffer_bytes // 2:
+            return staged()
+        with self._registered_copy(data) as ptr:
+            return from_buffer(ptr)
 
     @contextmanager
     def _registered_copy(self, data: bytes) -> Iterator[int]:

@@ -200,15 +200,19 @@ def test_error_codes_become_typed_exceptions(settings: Settings) -> None:
             client.size("errors/leased")
 
 
-def test_a_record_larger_than_the_clients_buffer_is_put_whole(master: EmbeddedMaster) -> None:
-    """``put`` stages through the client's local buffer and refuses a larger value (a
-    50,000-tensor manifest is 20 MB, over the benchmarks' 16 MiB buffer)."""
+def test_a_record_larger_than_the_clients_buffer_is_written_whole(master: EmbeddedMaster) -> None:
+    """``put`` and ``upsert`` stage through the client's local buffer and refuse a larger
+    value (a 50,000-tensor manifest is 20 MB, over the benchmarks' 16 MiB buffer)."""
     settings = settings_for(master, "small-buffer", buffer_bytes=1 << 20)
     record = bytes(range(256)) * (3 << 12)  # 3 MiB
     with StoreClient(settings) as client:
         client.put_bytes("records/large", record)
         client.put_bytes("records/large", b"a second put of a key is ignored" * (1 << 16))
         client.put_bytes("records/small", b"small")
+        client.upsert_bytes("records/upserted", record)
+        assert client.get_bytes("records/upserted") == record
+        client.upsert_bytes("records/upserted", record[::-1])
+        assert client.get_bytes("records/upserted") == record[::-1]
         assert client.get_bytes("records/large") == record
         assert client.get_bytes("records/small") == b"small"
 
