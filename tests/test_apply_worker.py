@@ -78,6 +78,71 @@ def test_covering_spans_cover_every_region_and_register_no_gap(
     assert covered == sum(r.size for r in regions)
 
 
+SEGMENT_STRIDE = 1 << 12  # segment k starts at (k + 1) * SEGMENT_STRIDE on its device
+
+
+@hypothesis_settings(max_examples=150, deadline=None)
+@given(
+    layout=st.lists(
+        st.tuples(
+            st.sampled_from(["cuda:0", "cuda:1"]),
+            st.integers(0, 5),  # the segment (or the gap after it) the region lies in
+            st.booleans(),  # inside the segment, else in the gap after it
+            st.integers(0, 900),  # offset
+            st.integers(1, 300),  # size
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_cuda_regions_are_covered_by_their_allocator_segments(
+    layout: list[tuple[str, int, bool, int, int]],
+) -> None:
+    """Parameters in the caching allocator's segments register as those segments, each
+    once; regions outside every segment (memory the allocator did not hand out) merge only
+    where they touch. Checked against a direct construction, for regions on two devices
+    and segments interleaved with gaps (the bisection's neighbours)."""
+    segments = [
+        Region(f"segment{d}{k}", (k + 1) * SEGMENT_STRIDE, 1200, f"cuda:{d}")
+        for d in (0, 1)
+        for k in range(6)
+    ]
+    regions = []
+    for index, (device, k, inside, offset, size) in enumerate(layout):
+        start = (k + 1) * SEGMENT_STRIDE + (0 if inside else 1200)
+        size = min(size, 1200 - offset) if inside else size
+        regions.append(Region(f"p{index}", start + offset, size, device))
+    spans = covering_spans(regions, segments)
+
+    def holder(region: Region) -> Region | None:
+        return next(
+            (
+                s
+                for s in segments
+                if s.device == region.device
+                and s.base <= region.base
+                and region.base + region.size <= s.base + s.size
+            ),
+            None,
+        )
+
+    held = {s for r in regions if (s := holder(r)) is not None}
+    merged: list[list] = []
+    for region in sorted(
+        (r for r in regions if holder(r) is None), key=lambda r: (r.device, r.base)
+    ):
+        end = region.base + region.size
+        if merged and merged[-1][0] == region.device and region.base <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], end)
+        else:
+            merged.append([region.device, region.base, end])
+    assert sorted((s.device, s.base, s.size) for s in spans) == sorted(
+        [(s.device, s.base, s.size) for s in held]
+        + [(device, base, end - base) for device, base, end in merged]
+    )
+    assert len(spans) == len({(s.device, s.base) for s in spans})
+
+
 def test_arena_change_keeps_the_endpoint_and_refuses_the_released_arena(
     settings: Settings,
 ) -> None:

@@ -7,6 +7,7 @@ they are registered in both domains at prepare and reused across generations.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,35 +59,43 @@ def allocate_arena(
     }
 
 
-def covering_spans(regions: Sequence[Region]) -> list[Region]:
+def covering_spans(
+    regions: Sequence[Region], segments: Sequence[Region] | None = None
+) -> list[Region]:
     """The fewest registrable spans that cover ``regions`` (a staging arena and the live
     parameters received in place beside it).
 
     On CUDA a span is the caching allocator's segment holding the parameter: one
     ``cudaMalloc`` block, valid while any tensor lives in it, so thousands of parameters
     cost a handful of registrations. Elsewhere, regions that touch are merged; gaps are
-    never registered (they may be memory nobody owns).
+    never registered (they may be memory nobody owns). ``segments``: the allocator's
+    segments (read from torch when ``None`` and a region is on CUDA); they never overlap,
+    so the one holding a region is the last to start at or before it (a bisection: a 1T
+    MoE rank has tens of thousands of parameters in thousands of segments).
     """
-    segments = _cuda_segments() if any(r.device.startswith("cuda") for r in regions) else []
+    if segments is None:
+        on_cuda = any(r.device.startswith("cuda") for r in regions)
+        segments = _cuda_segments() if on_cuda else []
+    ordered = sorted(segments, key=lambda s: (s.device, s.base))
+    starts = [(s.device, s.base) for s in ordered]
     spans: list[Region] = []
+    taken: set[tuple[str, int]] = set()
     for region in sorted(regions, key=lambda r: (r.device, r.base)):
-        segment = next(
-            (
-                s
-                for s in segments
-                if s.device == region.device
-                and s.base <= region.base
-                and region.base + region.size <= s.base + s.size
-            ),
-            None,
-        )
-        if segment is not None:
-            if segment not in spans:
+        at = bisect.bisect_right(starts, (region.device, region.base)) - 1
+        segment = ordered[at] if at >= 0 else None
+        if (
+            segment is not None
+            and segment.device == region.device
+            and region.base + region.size <= segment.base + segment.size
+        ):
+            if starts[at] not in taken:
+                taken.add(starts[at])
                 spans.append(segment)
             continue
         last = spans[-1] if spans else None
         if (
             last is not None
+            and (last.device, last.base) not in taken
             and last.device == region.device
             and region.base <= last.base + last.size
         ):
