@@ -249,6 +249,24 @@ def test_store_out_of_space_aborts_and_names_the_tensor(settings: Settings) -> N
             store.put_tensor("direct-huge", huge)
 
 
+def test_small_tensors_the_store_cannot_hold_abort_and_name_a_tensor(settings: Settings) -> None:
+    """Small tensors are put in batches: a batch the Store cannot place fails the
+    generation, names a tensor of it and its error, and leaves nothing behind."""
+    model = "no-space-small"
+    names = [f"t{i:04d}" for i in range(4 * settings.segment_bytes // (256 << 10))]
+    tensors = [(n, torch.full((64 << 10,), float(i))) for i, n in enumerate(names)]  # 256 KiB
+    with StoreClient(settings) as store:
+        publish_local(store, model, [("small", torch.ones(10))], dtype="float32")
+        with pytest.raises(PublishFailed) as failed:
+            publish_local(store, model, tensors, dtype="float32")
+        assert re.search(
+            r"tensor 't\d{4}': NO_AVAILABLE_HANDLE \(-200\) in batch_put_from", str(failed.value)
+        )
+        assert active_generation(store, model).generation == 1
+        keys = [payload_key(group_id(model, 2), n) for n in names]
+        assert store.exists(keys) == [False] * len(keys)
+
+
 @pytest.mark.parametrize(
     "tensors,message",
     [
