@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from bench.broadcast import binomial_tree_sends, broadcast_accounting
+from bench.common import synthetic_model
 from bench.simulate import Cluster, Scenario, Traffic, broadcast_traffic, estimate, simulate
 from mooncake_rl.plan.shapes import MODELS, instance_parts
 
@@ -244,6 +245,22 @@ def test_bench_apply_compares_the_two_pulls_on_real_services() -> None:
     assert (per_node["store_read_bytes"], per_node["pushed_bytes"]) == (2 * m, 2 * m)
     assert per_node["max_node_nic_bytes"] == m <= single["max_node_nic_bytes"]  # mean: m
     assert single["vs_single"] == 1.0 and per_node["vs_single"] > 0
+
+
+def test_bench_publish_claims_and_announces_from_two_ranks() -> None:
+    """``bench.publish`` publishes like a trainer (rank 0 claims, every rank puts its share,
+    rank 0 announces): every byte once, each in its own node's segment."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.publish", "--size", "8MiB", "--tensors", "300",
+         "--ranks", "2", "--nodes", "2"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    model = synthetic_model(8 << 20, 300)
+    assert result["published_bytes"] == sum(t.numel() * 2 for _, t in model)  # bf16
+    assert sum(result["bytes_per_node"].values()) == result["published_bytes"]
+    assert result["nonlocal_put_bytes"] == 0
 
 
 def test_bench_runs_every_approach_on_real_services(tmp_path: Path) -> None:
