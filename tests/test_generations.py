@@ -249,13 +249,14 @@ def test_store_out_of_space_aborts_and_names_the_tensor(settings: Settings) -> N
             store.put_tensor("direct-huge", huge)
 
 
-def test_small_tensors_the_store_cannot_hold_abort_and_name_a_tensor(settings: Settings) -> None:
+def test_small_tensors_the_store_cannot_hold_abort_and_name_a_tensor() -> None:
     """Small tensors are put in batches: a batch the Store cannot place fails the
-    generation, names a tensor of it and its error, and leaves nothing behind."""
+    generation, names a tensor of it and its error, and leaves nothing behind. A master of
+    its own: the session's gains holders as tests run, so its room is not known here."""
     model = "no-space-small"
-    names = [f"t{i:04d}" for i in range(4 * settings.segment_bytes // (256 << 10))]
-    tensors = [(n, torch.full((64 << 10,), float(i))) for i, n in enumerate(names)]  # 256 KiB
-    with StoreClient(settings) as store:
+    with EmbeddedMaster() as master, StoreClient(settings_for(master)) as store:
+        names = [f"t{i:04d}" for i in range(4 * store.settings.segment_bytes // (256 << 10))]
+        tensors = [(n, torch.full((64 << 10,), float(i))) for i, n in enumerate(names)]
         publish_local(store, model, [("small", torch.ones(10))], dtype="float32")
         with pytest.raises(PublishFailed) as failed:
             publish_local(store, model, tensors, dtype="float32")
