@@ -115,8 +115,9 @@ def slim_wheel(wheel: Path) -> int:
 
 
 def download(directory: Path, cuda: str, python: str) -> int:
+    command = download_command(directory, cuda, python)  # refuses an unknown CUDA first
     directory.mkdir(parents=True, exist_ok=True)
-    status = subprocess.run(download_command(directory, cuda, python), check=False).returncode
+    status = subprocess.run(command, check=False).returncode
     if status == 0:
         name = mooncake_wheel(cuda).split("==")[0].replace("-", "_")
         for wheel in directory.glob(f"{name}-*.whl"):

@@ -15,6 +15,7 @@ from bench.gpu_env import (
     MOONCAKE,
     RUNTIME,
     download_command,
+    main,
     mooncake_wheel,
     pip_command,
     slim_wheel,
@@ -120,3 +121,15 @@ def test_slimming_drops_only_the_unused_parts_and_keeps_executables(tmp_path: Pa
         assert (master.external_attr >> 16) & 0o111 == 0o111
         lines = archive.read("m-0.3.13.post1.dist-info/RECORD").decode().splitlines()
     assert [re.sub(",.*", "", line) for line in lines] == list(kept)
+
+
+def test_gpu_env_refuses_an_unknown_cuda_or_no_action_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit, match=r"no Mooncake wheel for CUDA 11\.8"):
+        main(["--download", str(tmp_path / "wheels"), "--cuda", "11.8"])
+    assert not (tmp_path / "wheels").exists()
+    with pytest.raises(SystemExit) as refused:
+        main([])
+    assert refused.value.code == 2
+    assert "--target (install) or --download (fetch wheels) is required" in capsys.readouterr().err
