@@ -16,6 +16,16 @@ does not keep a plan's peak. A trim walks every free chunk (0.5-3 ms even with n
 return): it ends a plan, which the coordinator makes once per layout, and nothing that
 runs once per engine. Where malloc is not glibc's, or the operator tuned it (``MALLOC_*_``
 variables, ``GLIBC_TUNABLES``), nothing is changed.
+
+Arrays above that threshold come from the heap too while a plan runs (``M_MMAP_MAX`` 0),
+so that the pages the plan frees, and the pages :func:`warm` faults in, serve them as well.
+
+Kept pages still have to be faulted in once: a 1T MoE's plan touches 1.6 GB of fresh
+pages, 0.6-0.9 s of system time on the planning thread. :func:`warm` grows the heap by
+about the plan's working set and faults it in on another thread, one ``madvise`` call
+(``MADV_POPULATE_WRITE``), while the plan's first, pure-Python steps run on this one: fp8
+Kimi-K2 on 16 x TP8 plans in 3.9-4.0 s instead of 4.3-4.4 s (same process, alternated).
+Populating changes no byte: a page the plan writes first is simply already there.
 """
 
 from __future__ import annotations
@@ -23,13 +33,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
 from functools import cache
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+DEFAULT_MMAP_MAX = 65536  # glibc's default count of mmapped chunks
 RESTING_TRIM_THRESHOLD = 2 * MMAP_THRESHOLD_MAX  # where glibc's rule puts it beside that
 KEEP_UP_TO = 2**31 - 1  # the largest trim threshold mallopt takes (an int): 2 GiB
-TUNING_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+TUNING_VARIABLES = (
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_TOP_PAD_",
+)
+MADV_POPULATE_WRITE = 23  # Linux 5.14; an older kernel refuses it and nothing is warmed
+WARM_AT_LEAST = 64 << 20  # below this, faulting pages as the plan goes costs less
+WARM_AT_MOST = 3 << 29  # 1.5 GiB: a free heap top past KEEP_UP_TO would be trimmed at once
 
 
 @cache
@@ -45,6 +65,9 @@ def _glibc() -> ctypes.CDLL | None:
         libc.gnu_get_libc_version  # noqa: B018 - only glibc exports it
         libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
         libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+        libc.malloc.argtypes, libc.malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
+        libc.free.argtypes = (ctypes.c_void_p,)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     except (OSError, AttributeError, TypeError):
         return None
     return libc
@@ -57,7 +80,36 @@ def keep_freed_memory() -> bool:
         return False
     libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
     libc.mallopt(M_TRIM_THRESHOLD, KEEP_UP_TO)
+    libc.mallopt(M_MMAP_MAX, 0)
     return True
+
+
+def warm(nbytes: int) -> threading.Thread | None:
+    """Grow the heap by ``nbytes`` (at most :data:`WARM_AT_MOST`) and fault it in on a new
+    thread, which is returned; join it before :func:`give_back_freed_memory`. Only while
+    :func:`keep_freed_memory` holds (so the freed block stays in the heap), and only on the
+    main thread: its heap is the one the block grows, other threads allocate from arenas of
+    their own. None where nothing was warmed."""
+    libc = _glibc()
+    if (
+        libc is None
+        or nbytes < WARM_AT_LEAST
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return None
+    nbytes = min(nbytes, WARM_AT_MOST)
+    block = libc.malloc(nbytes)
+    if not block:
+        return None
+    libc.free(block)  # the pages stay mapped: the heap keeps what is freed
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-block // page) * page  # whole pages inside the block
+    length = (block + nbytes) // page * page - start
+    populate = threading.Thread(
+        target=libc.madvise, args=(start, length, MADV_POPULATE_WRITE), name="warm-heap"
+    )
+    populate.start()  # ctypes releases the GIL for the call
+    return populate
 
 
 def give_back_freed_memory() -> None:
@@ -65,5 +117,6 @@ def give_back_freed_memory() -> None:
     libc = _glibc()
     if libc is None:
         return
+    libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
     libc.mallopt(M_TRIM_THRESHOLD, RESTING_TRIM_THRESHOLD)
     libc.malloc_trim(0)

@@ -188,3 +188,44 @@ def test_holds_that_plan_nothing_leave_malloc_alone() -> None:
 
 def test_malloc_the_operator_tuned_is_left_alone() -> None:
     assert _probe("plan", MALLOC_TRIM_THRESHOLD_="131072")[0] >= 4000
+
+
+WARM_PROBE = """
+import resource, sys, threading
+import numpy as np
+from mooncake_rl.plan import heap
+
+def my_faults_touching(nbytes):
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    block = np.ones(nbytes, np.uint8)  # every page touched, on this thread
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+np._core.multiarray._set_madvise_hugepage(False)  # count 4 KiB pages
+assert heap.keep_freed_memory()
+elsewhere = []
+side = threading.Thread(target=lambda: elsewhere.append(heap.warm(256 << 20)))
+side.start()
+side.join()
+warming = heap.warm(256 << 20) if sys.argv[1] == "warm" else None
+if warming is not None:
+    warming.join()
+print(elsewhere[0] is None, heap.warm(heap.WARM_AT_LEAST - 1) is None, my_faults_touching(192 << 20))
+"""
+
+
+def test_a_warmed_heap_serves_a_large_array_without_page_faults() -> None:
+    """The pages :func:`heap.warm` faults in on its own thread are the ones the planning
+    thread's next arrays use, also those above glibc's mmap threshold (192 MiB here): the
+    planning thread then takes a few faults where it took one per page. Off the main thread
+    (another arena) and below the smallest useful size nothing is warmed."""
+    runs = {}
+    for run in ("cold", "warm"):
+        ran = subprocess.run(
+            [sys.executable, "-c", WARM_PROBE, run], capture_output=True, text=True, check=True
+        )
+        off_main, too_small, faults = ran.stdout.split()
+        assert off_main == too_small == "True"
+        runs[run] = int(faults)
+    pages = (192 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert runs["cold"] >= 0.9 * pages
+    assert runs["warm"] < 0.02 * pages
