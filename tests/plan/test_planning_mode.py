@@ -209,7 +209,8 @@ side.join()
 warming = heap.warm(256 << 20) if sys.argv[1] == "warm" else None
 if warming is not None:
     warming.join()
-print(elsewhere[0] is None, heap.warm(heap.WARM_AT_LEAST - 1) is None, my_faults_touching(192 << 20))
+too_small = heap.warm(heap.WARM_AT_LEAST - 1)
+print(elsewhere[0] is None, too_small is None, my_faults_touching(192 << 20))
 """
 
 
