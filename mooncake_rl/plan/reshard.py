@@ -127,7 +127,7 @@ def _classes(layout: SourceLayout, group: TargetGroup) -> dict[tuple, list[int]]
         raise InvariantViolation(f"tensor descriptor mismatch: source {s} vs target {t}")
     # Each part of the key numbered first: a dict hashes a tuple key whole on every lookup,
     # and compares it whole on every hit, so four flat passes over 140k tensors beat one
-    # pass over their nested keys (0.26 s against 0.39 s for a 1T MoE's TP8 group).
+    # pass over their nested keys (this step: 0.33 s against 0.39 s for a 1T MoE's TP8 group).
     number: dict[tuple, int] = {}
     parts = (
         map(_DESCRIPTOR, layout.tensors),
