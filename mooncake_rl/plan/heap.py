@@ -109,7 +109,10 @@ def warm(nbytes: int) -> threading.Thread | None:
     start = -(-block // page) * page  # whole pages inside the block
     length = (block + nbytes) // page * page - start
     populate = threading.Thread(target=_populate, args=(libc, start, length), name="warm-heap")
-    populate.start()
+    try:
+        populate.start()
+    except RuntimeError:  # no thread to spare: the plan faults its pages in as it goes
+        return None
     return populate
 
 

@@ -7,13 +7,14 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import weakref
 
 import numpy as np
 import pytest
 
 from mooncake_rl.generations.catalog import TensorSpec, build_manifest
-from mooncake_rl.plan import update
+from mooncake_rl.plan import heap, update
 from mooncake_rl.plan.planner import _PlanningMode
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.protocol import reported_placement
@@ -230,3 +231,20 @@ def test_a_warmed_heap_serves_a_large_array_without_page_faults() -> None:
     pages = (192 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert runs["cold"] >= 0.9 * pages
     assert runs["warm"] < 0.02 * pages
+
+
+def test_a_plan_whose_warming_thread_cannot_start_still_plans_and_restores(monkeypatch) -> None:
+    """Warming is an optimisation: a process out of threads plans without it, and the
+    mode it entered (the collector paused) is still left as it was found."""
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    assert gc.isenabled()
+    mode = _PlanningMode()
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", refuse)
+        with mode.held(keep_heap=True, warm_bytes=heap.WARM_AT_LEAST):
+            assert not gc.isenabled()
+            assert mode._warming is None
+    assert gc.isenabled()
