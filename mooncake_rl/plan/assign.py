@@ -125,6 +125,7 @@ def assign_readers(
         workers_on[node].append(w)
     g_bounds = np.append(g_start, len(order))
     g_workers = ranges.worker[order]
+    g_single = np.where(np.diff(g_bounds) == 1, g_workers[g_start], -1)
     reader = _greedy(
         _Loop(
             owner=owner.tolist(),
@@ -134,7 +135,8 @@ def assign_readers(
             g_node=g_node.tolist(),
             g_bounds=g_bounds.tolist(),
             g_workers=g_workers.tolist(),
-            g_single=np.where(np.diff(g_bounds) == 1, g_workers[g_start], -1).tolist(),
+            g_single=g_single.tolist(),
+            range_class=consumer_classes(g_single, range_groups, range_home).tolist(),
             workers_on=workers_on,
             in0=[int(x) for x in in0.tolist()],
             n_workers=len(topology.workers),
@@ -157,6 +159,42 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
+def consumer_classes(
+    g_single: np.ndarray, range_groups: np.ndarray, range_home: np.ndarray
+) -> np.ndarray:
+    """Number the ranges whose candidates are alike: the same consuming workers, one per
+    consumer node, and no home node (-1: scanned one candidate at a time instead).
+
+    A 1T MoE on 16 TP8 engines has 145k ranges but 8 classes (one per TP rank), so the
+    greedy keeps one queue per class instead of visiting all 16 candidates of every chunk.
+    Rows are hashed to one int each and then checked against their class's first row, so a
+    hash collision costs an exact (slower) pass, never a wrong class.
+    """
+    n_c = np.diff(range_groups)  # every range has a consumer, so at least one group
+    classes = np.full(len(n_c), -1, I64)
+    if not len(n_c):
+        return classes
+    shared = np.add.reduceat((g_single < 0).astype(I64), range_groups[:-1])
+    alike = (range_home < 0) & (shared == 0)
+    numbered = 0
+    for k in np.flatnonzero(np.bincount(n_c[alike])).tolist():
+        ranges = np.flatnonzero(alike & (n_c == k))
+        rows = g_single[range_groups[ranges][:, None] + np.arange(k, dtype=I64)]
+        _, first, inverse = np.unique(rows @ _mix(k), return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        if not (rows == rows[first][inverse]).all():
+            _, inverse = np.unique(rows, axis=0, return_inverse=True)
+            inverse = inverse.reshape(-1)
+        classes[ranges] = numbered + inverse
+        numbered += int(inverse.max()) + 1
+    return classes
+
+
+def _mix(k: int) -> np.ndarray:
+    """Odd multipliers that hash a row of ``k`` worker indices (wrapping int64 products)."""
+    return np.random.default_rng(k).integers(1, 1 << 62, k, dtype=I64) | 1
+
+
 @dataclass(frozen=True)
 class _Loop:
     """What the greedy loop reads, as plain lists (it runs once per chunk)."""
@@ -169,6 +207,7 @@ class _Loop:
     g_bounds: list[int]  # consuming workers of group g: g_workers[g_bounds[g]:g_bounds[g+1]]
     g_workers: list[int]
     g_single: list[int]  # the group's worker when it has one, else -1
+    range_class: list[int]  # consumer_classes: ranges whose candidates share one queue
     workers_on: list[list[int]]
     in0: list[int]
     n_workers: int
@@ -178,26 +217,37 @@ class _Loop:
 def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
     """The LPT loop (see the module docstring for the rule and its bound).
 
-    It runs once per chunk over every consumer node (2M node visits for a 1T MoE on 16
-    nodes), so the candidate key ``(GPU key, not home, node out, node)`` is compared field
-    by field instead of built as a tuple, and a node's one consuming worker (a TP shard)
-    skips the ``min``."""
+    A chunk's candidates are its consumer nodes, ordered by the key ``(GPU key, not home,
+    node out, node)``; the first that keeps the bound reads. Two ways to find it, with the
+    same answer:
+
+    - A range of a consumer class (:func:`consumer_classes`: no home, one worker per node)
+      takes candidates from its class's queue, a heap of ``(GPU key, node out, node,
+      worker)``. Keys only grow, so an entry whose values are out of date is refreshed when
+      it reaches the top, and the top is then the least (a 1T MoE on 16 TP8 engines: 145k
+      chunks in 0.2 s, against 0.46 s for visiting all 16 candidates of every chunk).
+    - Any other range visits each consumer node, compares the key field by field rather
+      than as a built tuple, and skips the ``min`` where a node has one consuming worker.
+    """
     n_nodes = len(loop.in0)
     inbound = list(loop.in0)
     out = [0] * n_nodes
     wkey = [0] * loop.n_workers  # (outbound bytes << READ_BITS) + bytes read
     by_key = wkey.__getitem__
     heap = [(0, node) for node in range(n_nodes)]
+    queues: dict[int, list[tuple[int, int, int, int]]] = {}
     reader = [0] * len(loop.owner)
     g_node, g_bounds, g_workers = loop.g_node, loop.g_bounds, loop.g_workers
     g_single = loop.g_single  # -1: the least-loaded of the group's workers reads
-    owner, c_bytes, range_groups, range_home = (
+    owner, c_bytes, range_groups, range_home, range_class = (
         loop.owner,
         loop.c_bytes,
         loop.range_groups,
         loop.range_home,
+        loop.range_class,
     )
     max_cost = loop.max_cost
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for j in lpt:
         r = owner[j]
         b = c_bytes[j]
@@ -205,30 +255,54 @@ def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
         gs, ge = range_groups[r], range_groups[r + 1]
         o = b * (ge - gs - 1)
         while heap[0][0] != out[heap[0][1]]:
-            heapq.heappop(heap)
+            heappop(heap)
         low, low_node = heap[0]
         limit = low + max_cost
         w = node = best_key = -1
-        for g in range(gs, ge):
-            candidate_node = g_node[g]
-            if o:
-                sent = out[candidate_node] + o
-                if sent > limit and sent > inbound[candidate_node]:
+        queue = queues.get(range_class[r]) if range_class[r] >= 0 else None
+        if queue is None and range_class[r] >= 0:
+            queue = queues[range_class[r]] = [
+                (wkey[g_single[g]], out[g_node[g]], g_node[g], g_single[g]) for g in range(gs, ge)
+            ]
+            heapq.heapify(queue)
+        if queue is not None:
+            refused = []  # candidates over the bound, back in the queue after the choice
+            while queue:
+                key, sent, candidate_node, candidate = queue[0]
+                if key != wkey[candidate] or sent != out[candidate_node]:
+                    heapreplace(
+                        queue, (wkey[candidate], out[candidate_node], candidate_node, candidate)
+                    )
                     continue
-            candidate = g_single[g]
-            if candidate < 0:
-                candidate = min(g_workers[g_bounds[g] : g_bounds[g + 1]], key=by_key)
-            key = wkey[candidate]
-            if (
-                w < 0
-                or key < best_key
-                or (
-                    key == best_key
-                    and (candidate_node != home, out[candidate_node], candidate_node)
-                    < (node != home, out[node], node)
-                )
-            ):
-                w, node, best_key = candidate, candidate_node, key
+                sent += o
+                if o and sent > limit and sent > inbound[candidate_node]:
+                    refused.append(heappop(queue))
+                    continue
+                w, node = candidate, candidate_node
+                break
+            for entry in refused:
+                heappush(queue, entry)
+        else:
+            for g in range(gs, ge):
+                candidate_node = g_node[g]
+                if o:
+                    sent = out[candidate_node] + o
+                    if sent > limit and sent > inbound[candidate_node]:
+                        continue
+                candidate = g_single[g]
+                if candidate < 0:
+                    candidate = min(g_workers[g_bounds[g] : g_bounds[g + 1]], key=by_key)
+                key = wkey[candidate]
+                if (
+                    w < 0
+                    or key < best_key
+                    or (
+                        key == best_key
+                        and (candidate_node != home, out[candidate_node], candidate_node)
+                        < (node != home, out[node], node)
+                    )
+                ):
+                    w, node, best_key = candidate, candidate_node, key
         if w >= 0:
             if node == home:
                 inbound[node] -= b  # read inside the node: off the NIC
@@ -242,5 +316,5 @@ def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
         wkey[w] += (o << READ_BITS) + b
         if o:
             out[node] += o
-            heapq.heappush(heap, (out[node], node))
+            heappush(heap, (out[node], node))
     return reader

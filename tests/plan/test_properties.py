@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +20,7 @@ from mooncake_rl.plan import (
     Worker,
     plan_routing,
 )
+from mooncake_rl.plan import assign
 from mooncake_rl.plan.planner import object_homes
 from mooncake_rl.plan.table import demanded_union_bytes, duplex_nic_bytes
 
@@ -313,3 +316,42 @@ def test_a_pull_per_node_reads_each_node_its_own_union_and_fans_out_in_stage_1(s
     assert table.totals.store_read_bytes == sum(in0)
     # Readers consume what they read: a node's copy is read by one of its consumers.
     assert (table.reads["dst_region"] != 0).all()
+
+
+@SETTINGS
+@given(st.sampled_from(["compat", "direct"]).flatmap(scenarios))
+def test_readers_taken_from_consumer_class_queues_are_the_readers_a_scan_picks(scenario):
+    """The greedy's queue per consumer class is only a faster way to the same choice:
+    scanning every candidate of every chunk picks the same reader for every chunk."""
+    specs, topology, demand, _, _, params, packed, segments = scenario
+    seen = []
+    planned = assign._greedy
+
+    def recorded(loop, lpt):
+        seen.append((loop, lpt, planned(loop, lpt)))
+        return seen[-1][2]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(assign, "_greedy", recorded)
+        plan_routing(
+            manifest(specs, packed=packed), topology, demand, params=params, segments=segments
+        )
+    ((loop, lpt, readers),) = seen
+    assert readers == planned(replace(loop, range_class=[-1] * len(loop.range_class)), lpt)
+
+
+def test_consumer_classes_group_ranges_by_their_consuming_workers_despite_hash_collisions():
+    """Ranges 0 and 2 have workers (4, 5) on their two nodes, range 1 has (4, 6), range 3
+    a node with two consuming workers (-1) and range 4 a home node: neither is queued.
+    Two rows whose hashes collide still get classes of their own."""
+    g_single = np.array([4, 5, 4, 6, 4, 5, -1, 7, 4, 5])
+    range_groups = np.array([0, 2, 4, 6, 8, 10])
+    home = np.array([-1, -1, -1, -1, 1])
+    classes = assign.consumer_classes(g_single, range_groups, home).tolist()
+    assert classes[0] == classes[2] >= 0 and classes[1] >= 0 and classes[1] != classes[0]
+    assert classes[3:] == [-1, -1]
+    a, b = assign._mix(2).tolist()
+    colliding = np.array([b, 0, 0, a])  # b * a + 0 == 0 + a * b
+    assert (colliding[:2] @ assign._mix(2)) == (colliding[2:] @ assign._mix(2))
+    classes = assign.consumer_classes(colliding, np.array([0, 2, 4]), np.array([-1, -1]))
+    assert sorted(classes.tolist()) == [0, 1]
