@@ -18,9 +18,9 @@ from mooncake_rl.plan import (
     PlanParams,
     Topology,
     Worker,
+    assign,
     plan_routing,
 )
-from mooncake_rl.plan import assign
 from mooncake_rl.plan.planner import object_homes
 from mooncake_rl.plan.table import demanded_union_bytes, duplex_nic_bytes
 
