@@ -355,3 +355,55 @@ def test_consumer_classes_group_ranges_by_their_consuming_workers_despite_hash_c
     assert (colliding[:2] @ assign._mix(2)) == (colliding[2:] @ assign._mix(2))
     classes = assign.consumer_classes(colliding, np.array([0, 2, 4]), np.array([-1, -1]))
     assert sorted(classes.tolist()) == [0, 1]
+
+
+@st.composite
+def greedy_loops(draw):
+    """Arbitrary inputs of the greedy loop: consumer nodes with one or several consuming
+    workers, home nodes, and inbound budgets and chunk costs small enough that candidates
+    are often over the bound (refused, or every one of them: staged)."""
+    n_nodes = draw(st.integers(1, 4))
+    workers_on = [[] for _ in range(n_nodes)]
+    extra = draw(st.lists(st.integers(0, n_nodes - 1), max_size=4))
+    node_of = [*range(n_nodes), *extra]  # every node has a worker
+    for w, node in enumerate(node_of):
+        workers_on[node].append(w)
+    g_node, g_bounds, g_workers, range_groups, range_home = [], [0], [], [0], []
+    for _ in range(draw(st.integers(1, 6))):
+        nodes = sorted(draw(st.sets(st.integers(0, n_nodes - 1), min_size=1)))
+        for node in nodes:
+            mine = workers_on[node]
+            g_workers += sorted(draw(st.sets(st.sampled_from(mine), min_size=1)))
+            g_node.append(node)
+            g_bounds.append(len(g_workers))
+        range_groups.append(len(g_node))
+        range_home.append(draw(st.sampled_from([-1, -1, -1, *range(n_nodes)])))
+    g_bounds_a = np.array(g_bounds)
+    g_single = np.where(np.diff(g_bounds_a) == 1, np.array(g_workers)[g_bounds_a[:-1]], -1)
+    owner = draw(st.lists(st.integers(0, len(range_home) - 1), min_size=1, max_size=40))
+    loop = assign._Loop(
+        owner=owner,
+        c_bytes=[draw(st.integers(1, 100)) for _ in owner],
+        range_groups=range_groups,
+        range_home=range_home,
+        g_node=g_node,
+        g_bounds=g_bounds,
+        g_workers=g_workers,
+        g_single=g_single.tolist(),
+        range_class=assign.consumer_classes(
+            g_single, np.array(range_groups), np.array(range_home)
+        ).tolist(),
+        workers_on=workers_on,
+        in0=[draw(st.integers(0, 300)) for _ in range(n_nodes)],
+        n_workers=len(node_of),
+        max_cost=draw(st.integers(0, 300)),
+    )
+    return loop, draw(st.permutations(range(len(owner))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(greedy_loops())
+def test_class_queues_choose_as_a_scan_does_when_candidates_are_refused(case):
+    loop, lpt = case
+    scanned = replace(loop, range_class=[-1] * len(loop.range_class))
+    assert assign._greedy(loop, lpt) == assign._greedy(scanned, lpt)
