@@ -229,10 +229,17 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
         )
     n = len(slot_of)
     first_key = len(fkeys)
-    new = list(dict.fromkeys(fragment_ids))
-    if fkeys:  # a later placement group: only ids no earlier group registered
-        new = list(filterfalse(fkeys.__contains__, new))
-    fkeys.update(zip(new, range(first_key, first_key + len(new)), strict=True))
+    if not first_key:  # a first placement: one pass when its ids are distinct (the rule)
+        fkeys.update(zip(fragment_ids, range(n), strict=True))
+        if len(fkeys) < n:  # an id named twice: numbered at its first row, as below
+            fkeys.clear()
+    if not first_key and len(fkeys) == n:
+        new = fragment_ids
+    else:
+        new = list(dict.fromkeys(fragment_ids))
+        if first_key:  # a later placement group: only ids no earlier group registered
+            new = list(filterfalse(fkeys.__contains__, new))
+        fkeys.update(zip(new, range(first_key, first_key + len(new)), strict=True))
     if len(new) == n:  # every fragment is new (a first placement): keys in row order
         fragment_key = np.arange(first_key, first_key + n, dtype=I64)
         fkey_nbytes.extend(nbytes)
@@ -240,6 +247,7 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
         fragment_key = np.fromiter(map(fkeys.__getitem__, fragment_ids), I64, n)
         size_of = dict(zip(fragment_ids, nbytes, strict=True))
         fkey_nbytes.extend(map(size_of.__getitem__, new))
+        _require_one_size_per_id(fragment_ids, fragment_key, nbytes, fkey_nbytes)
     tensor = np.fromiter(map(index.__getitem__, tensor_ids), I64, n)
     slot = np.array(slot_of, I64)
     order = grid.lex_order(tensor, slot)
@@ -260,6 +268,21 @@ def _target_group(layout: SourceLayout, signature, fkeys, fkey_nbytes) -> Target
         fragment_key=fragment_key[order],
         fragment_slot=slot[order],
     )
+
+
+def _require_one_size_per_id(fragment_ids, fragment_key, nbytes, fkey_nbytes) -> None:
+    """Ranks (or placements) that reuse a box id must mean boxes of one size by it: the id
+    names one region per worker, sized by its first box (different boxes of one size are
+    fine, each worker gets its own)."""
+    declared = np.array(fkey_nbytes, I64)[fragment_key]
+    wrong = np.flatnonzero(declared != np.fromiter(nbytes, I64, len(fragment_key)))
+    if len(wrong):
+        i = int(wrong[0])
+        raise InvariantViolation(
+            f"placement fragment id {fragment_ids[i]} names boxes of {int(declared[i])} and "
+            f"{nbytes[i]} bytes on different ranks; give each rank's boxes their own ids "
+            "(for example prefixed with the rank, as engine descriptions are)"
+        )
 
 
 def _assemble_direct(topology, planned, fkeys, fkey_nbytes, destinations) -> DemandSet:

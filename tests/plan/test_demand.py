@@ -169,6 +169,67 @@ def test_a_box_part_digests_and_plans_exactly_as_its_contract_part():
     assert encode_table(tables[0]).tobytes() == encode_table(tables[1]).tobytes()
 
 
+def test_ranks_reusing_box_ids_plan_as_ranks_with_their_own_ids():
+    """Box ids are a rank's own names, and ranks may reuse them (``a/0``: the first box of
+    ``a``, on every rank). Such ids are numbered at their first row, and the plan is the
+    plan of ids named per rank, region for region. An id that means boxes of two sizes on
+    two ranks is refused by name (each worker's region of that id has one size)."""
+    contract = parts(SPECS, 2, pieces=True)
+    topology = Topology.of([Worker("w0", "n0", "i", 0), Worker("w1", "n1", "i", 1)])
+    own = {"w0": _as_boxes(contract[0]), "w1": _as_boxes(contract[1])}
+
+    def reused(name):
+        out, renamed = {}, {}
+        for worker, part in own.items():
+            boxes = sorted(part.fragments, key=lambda b: (b.tensor_id, b.global_offset))
+            names = [name(worker, boxes.index(b), b) for b in boxes]
+            renamed.update(
+                {(worker, b.placement_fragment_id): n for b, n in zip(boxes, names, strict=True)}
+            )
+            out[worker] = BoxPart(
+                part.rank,
+                part.tensors,
+                tuple(
+                    b._replace(placement_fragment_id=n) for b, n in zip(boxes, names, strict=True)
+                ),
+            )
+        return out, renamed
+
+    alike, renamed = reused(lambda worker, i, box: f"{box.tensor_id}/{i}")
+    assert len(set(renamed.values())) == len(renamed) // 2  # the second rank reuses each id
+
+    def rows(table, names=lambda worker, region: region):
+        worker_id = table.workers.__getitem__
+        fields = ("dst_offset", "object", "src_offset", "length", "count")
+        demands = {
+            (
+                worker_id(d["worker"]),
+                names(worker_id(d["worker"]), table.regions[d["dst_region"]]),
+                *(int(d[f]) for f in fields),
+            )
+            for d in table.demands
+        }
+        sizes = {
+            (
+                worker_id(r["worker"]),
+                names(worker_id(r["worker"]), table.regions[r["region"]]),
+                int(r["size"]),
+            )
+            for r in table.region_sizes
+        }
+        return demands, sizes
+
+    m = manifest(SPECS)
+    planned = rows(plan_routing(m, topology, DirectDemand.of(alike)))
+    expected = rows(plan_routing(m, topology, DirectDemand.of(own)), lambda w, r: renamed[w, r])
+    assert planned == expected and len(planned[0]) == 8
+
+    # Rank 1 names its boxes of b as rank 0 names its (larger) boxes of a.
+    swapped, _ = reused(lambda worker, i, box: f"f{(i + 2 * (worker == 'w1')) % 4}")
+    with pytest.raises(InvariantViolation, match=r"id f\d names boxes of \d+ and \d+ bytes"):
+        plan_routing(m, topology, DirectDemand.of(swapped))
+
+
 def test_a_box_part_refuses_boxes_the_contract_would_refuse():
     part = _as_boxes(parts(SPECS, 2, pieces=True)[0])
     a = next(b for b in part.fragments if b.tensor_id == "a")
