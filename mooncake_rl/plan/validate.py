@@ -36,8 +36,14 @@ CONTENT_BLOCK = 1 << 20  # writes compared at once (bounds the content check's t
 
 
 def validate_routing_table(table: RoutingTable) -> None:
-    """Raise :class:`InvariantViolation` naming the first broken invariant, else return."""
-    _V(table).run()
+    """Raise :class:`InvariantViolation` naming the first broken invariant, else return.
+
+    The checks are numpy passes that release the GIL, and a 1T MoE's table takes a second
+    to check, so they share the work with one other thread (:meth:`_V.run`). One thread,
+    not one per check: two cores are all this needs, and each pass's temporaries are the
+    size of the table."""
+    with ThreadPoolExecutor(1, thread_name_prefix="validate") as side:
+        _V(table, side).run()
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,19 +75,22 @@ def _columns(records: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class _V:
-    def __init__(self, table: RoutingTable) -> None:
-        self.t = table
+    def __init__(self, table: RoutingTable, side: ThreadPoolExecutor) -> None:
+        """The pushes' columns are copied on the other thread while this one copies the
+        demands' and sorts the declared regions (one per fragment and worker: millions)."""
+        self.t, self.side = table, side
         self.n_regions = len(table.regions)
-        self.reads, self.pushes = _columns(table.reads), _columns(table.pushes)
-        self.demands = _columns(table.demands)
-        r, p = self.reads, self.pushes
-        self.land = {"worker": np.concatenate([r["worker"], p["peer"]])}
-        for name in ("dst_region", "dst_offset", "dst_stride", "length", "count"):
-            self.land[name] = np.concatenate([r[name], p[name]])
+        pushes = side.submit(_columns, table.pushes)
+        self.reads, self.demands = _columns(table.reads), _columns(table.demands)
         rs = table.region_sizes
         key = rs["worker"].astype(I64) * self.n_regions + rs["region"]
         order = grid.stable_order(key)
         self.declared, self.declared_size = key[order], rs["size"].astype(I64)[order]
+        self.pushes = pushes.result()
+        r, p = self.reads, self.pushes
+        self.land = {"worker": np.concatenate([r["worker"], p["peer"]])}
+        for name in ("dst_region", "dst_offset", "dst_stride", "length", "count"):
+            self.land[name] = np.concatenate([r[name], p[name]])
 
     # -- naming helpers for messages -------------------------------------------------------
     def _w(self, i) -> str:
@@ -130,27 +139,24 @@ class _V:
         """The checks in their documented order; the first broken one is raised.
 
         Provenance, then the placement of writes in demands (the content check's search),
-        run on a second thread beside the bounds and overlap checks: they are numpy passes
-        that release the GIL, and a 1T MoE's table takes seconds to check. One thread, not
-        one per check: two cores are all this needs, and each pass's temporaries are the
-        size of the table. The other thread's verdict is only read once the earlier checks
-        passed, so the error raised is the one the sequential order gives."""
+        run on the other thread beside the bounds and overlap checks. The other thread's
+        verdict is only read once the earlier checks passed, so the error raised is the one
+        the sequential order gives."""
         if (self.declared[1:] == self.declared[:-1]).any():
             raise InvariantViolation("a worker declares one region twice")
         self.well_formed()
         self.object_bounds()
-        with ThreadPoolExecutor(1, thread_name_prefix="validate") as side:
-            sorting = side.submit(self._sorted, self.land)
-            self.sorted_demands = self._sorted(self.demands)
-            self.sorted_land = sorting.result()
-            placed = side.submit(self._provenance_then_placement)
-            self.region_bounds(self.demands, self.sorted_demands, self._demand)
-            self.region_bounds(self.land, self.sorted_land, self._landing)
-            self.disjoint(self.demands, self.sorted_demands, self._demand, "demands")
-            self.disjoint(self.land, self.sorted_land, self._landing, "writes")
-            self.single_pull_disjoint()
-            union = self._pull_unions()
-            self.content_and_coverage(placed.result())
+        sorting = self.side.submit(self._sorted, self.land)
+        self.sorted_demands = self._sorted(self.demands)
+        self.sorted_land = sorting.result()
+        placed = self.side.submit(self._provenance_then_placement)
+        self.region_bounds(self.demands, self.sorted_demands, self._demand)
+        self.region_bounds(self.land, self.sorted_land, self._landing)
+        self.disjoint(self.demands, self.sorted_demands, self._demand, "demands")
+        self.disjoint(self.land, self.sorted_land, self._landing, "writes")
+        self.single_pull_disjoint()
+        union = self._pull_unions()
+        self.content_and_coverage(placed.result())
         self.single_pull_total(union)
 
     def _sorted(self, c) -> _Sorted:
@@ -349,24 +355,24 @@ class _V:
     def content_and_coverage(self, placed: _Placement) -> None:
         """Each write lands inside one demand with the right bytes; demands are full.
 
-        The per-write comparison runs in blocks of ``CONTENT_BLOCK`` writes, so its dozen
-        temporaries do not grow with the table (a 1,000-engine plan has 35M writes)."""
-        d, p = self.demands, placed
-        got = np.zeros(len(d["length"]), np.float64)  # exact below 2**53 bytes per demand
-        for lo in range(0, len(p.outside), CONTENT_BLOCK):
-            block = slice(lo, lo + CONTENT_BLOCK)
-            rows = block if p.everything else p.outside[block]
-            m = np.maximum(p.match[block], 0)
-            ok = (p.match[block] >= 0) & (p.d_space[m] == p.w_space[block])
-            written = self._content(m, rows, ok)
-            wrong = np.flatnonzero(~ok)
-            if len(wrong):
-                i = lo + int(wrong[0]) if p.everything else int(p.outside[lo + wrong[0]])
-                raise InvariantViolation(
-                    f"{self._landing(i)} writes bytes no demand maps to that place "
-                    f"(it carries object {self._o(self.l_obj[i])}@{int(self.l_src[i])})"
-                )
-            got += np.bincount(m, weights=written, minlength=len(got))
+        The per-write comparison runs in blocks of at most ``CONTENT_BLOCK`` writes, so its
+        dozen temporaries do not grow with the table (a 1,000-engine plan has 35M writes),
+        alternate blocks on the other thread. Each thread stops at its first wrong write,
+        so the earlier of the two is the first in write order."""
+        p, n = placed, len(placed.outside)
+        size = max(1, -(-n // (2 * max(1, -(-n // (2 * CONTENT_BLOCK))))))  # an even count
+        starts = range(0, n, size)
+        theirs = self.side.submit(self._contents, p, starts[1::2], size)
+        first, got = self._contents(p, starts[0::2], size)
+        other, also = theirs.result()
+        first, got = min(first, other), got + also
+        if first < n:
+            i = first if p.everything else int(p.outside[first])
+            raise InvariantViolation(
+                f"{self._landing(i)} writes bytes no demand maps to that place "
+                f"(it carries object {self._o(self.l_obj[i])}@{int(self.l_src[i])})"
+            )
+        d = self.demands
         need = d["length"] * d["count"]
         short = np.flatnonzero(got.astype(I64) != need)
         if len(short):
@@ -375,6 +381,23 @@ class _V:
                 f"{self._demand(i)} receives {int(got[i])} of {int(need[i])} bytes "
                 "(uncovered or extra bytes)"
             )
+
+    def _contents(self, p: _Placement, starts: range, size: int) -> tuple[int, np.ndarray]:
+        """The place among the writes outside staging of the first wrong one in the blocks
+        at ``starts`` (all of them: none is wrong), and the bytes each demand receives from
+        those blocks (float64: exact below 2**53 bytes per demand)."""
+        got = np.zeros(len(self.demands["length"]), np.float64)
+        for lo in starts:
+            block = slice(lo, lo + size)
+            rows = block if p.everything else p.outside[block]
+            m = np.maximum(p.match[block], 0)
+            ok = (p.match[block] >= 0) & (p.d_space[m] == p.w_space[block])
+            written = self._content(m, rows, ok)
+            wrong = np.flatnonzero(~ok)
+            if len(wrong):
+                return lo + int(wrong[0]), got
+            got += np.bincount(m, weights=written, minlength=len(got))
+        return len(p.outside), got
 
     def _content(self, m: np.ndarray, rows, ok: np.ndarray) -> np.ndarray:
         """Clear ``ok`` where write ``rows`` do not carry what demand ``m`` maps to their
