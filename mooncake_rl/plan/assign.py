@@ -259,9 +259,10 @@ def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
         low, low_node = heap[0]
         limit = low + max_cost
         w = node = best_key = -1
-        queue = queues.get(range_class[r]) if range_class[r] >= 0 else None
-        if queue is None and range_class[r] >= 0:
-            queue = queues[range_class[r]] = [
+        consumer_class = range_class[r]
+        queue = queues.get(consumer_class) if consumer_class >= 0 else None
+        if queue is None and consumer_class >= 0:  # the class's first chunk
+            queue = queues[consumer_class] = [
                 (wkey[g_single[g]], out[g_node[g]], g_node[g], g_single[g]) for g in range(gs, ge)
             ]
             heapq.heapify(queue)
