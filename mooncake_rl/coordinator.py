@@ -148,6 +148,8 @@ class UpdateResult:
     # How the Store was read: once for the fleet ("single") or once per rollout node
     # ("node": store_read_bytes is then unique_demand_bytes times the consuming nodes).
     pull: str = "single"
+    # How the engines were paused: "abort" in-flight requests, or "wait" for them to end.
+    drain_mode: str = "abort"
     legs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # With a router: per engine taken out, "readmitted", "retired" (removed meanwhile, so
     # not re-added) or "failed: <why>" (still out of rotation).
@@ -565,7 +567,7 @@ class Coordinator:
         )
         tag = uuid.uuid4().hex
         total = UpdateResult(model, record.generation, mode, list(self.engines))
-        total.transport, total.pull = chosen.value, pull
+        total.transport, total.pull, total.drain_mode = chosen.value, pull, drain_mode
         spare = len(self.engines) - needed
         for group in groups:
             needed_now = max(1, len(group) - spare)
@@ -647,6 +649,7 @@ class Coordinator:
         segments = registry.segment_hints(record)  # locality: reads stay on a segment's node
         result = UpdateResult(model, record.generation, mode, list(engines))
         result.transport, result.pull = chosen.value, options.pull
+        result.drain_mode = options.drain_mode
         phase = _Phases(result, self._progress)
 
         placements, failed = self._all(engines, "GET", BARE_PLACEMENT)

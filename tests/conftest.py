@@ -13,6 +13,9 @@ from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
 from mooncake_rl.settings import Settings
 
 TEST_LEASE_TTL_MS = 500
+READ_LEASE_S = 5.5
+"""Past Mooncake's read lease on freshly written or read objects (non-forced removal
+refuses an object under one: OBJECT_HAS_LEASE)."""
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs at INFO by default
 
 

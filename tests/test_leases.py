@@ -24,13 +24,9 @@ from mooncake_rl.generations.registry import FENCES_KEPT, GenerationRegistry
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from tests.conftest import settings_for
+from tests.conftest import READ_LEASE_S, settings_for
 from tests.procs import ProcessGroup
 from verl_bridge.publish import Collective, TrainerSync
-
-READ_LEASE_S = 5.5
-"""Past Mooncake's read lease on freshly written or read objects (non-forced removal
-refuses an object under one: OBJECT_HAS_LEASE)."""
 
 
 def weights(value: float, count: int = 4, size: int = 64) -> list[tuple[str, torch.Tensor]]:

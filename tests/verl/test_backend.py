@@ -6,10 +6,12 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("verl")
 
@@ -19,16 +21,15 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import import_external_libs
 from verl.workers.config import CheckpointEngineConfig
 
-from mooncake_rl.coordinator import UpdateResult
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
-from mooncake_rl.generations.publisher import PublishFailed
+from mooncake_rl.generations import load_manifest
+from mooncake_rl.generations.keys import group_id, manifest_key
+from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.services import EmbeddedMaster
-from mooncake_rl.store import StoreClient
-from tests.conftest import repo_root
+from tests.conftest import READ_LEASE_S, repo_root
 from tests.verl.docs_config import compose_docs
 from tests.verl.standins import vllm_alias
 from verl_bridge.discovery import discover_engine_urls, policy_server_names, server_url
-from verl_bridge.publish import SyncOutcome
 
 
 def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
@@ -99,61 +100,59 @@ def test_bad_engine_kwargs_fail_at_construction(kwargs: dict, message: str) -> N
         CheckpointEngineRegistry.new("mooncake_store", bucket_size=1 << 20, **kwargs)
 
 
-def test_transport_drain_mode_and_retention_reach_the_sync(
-    master: EmbeddedMaster, monkeypatch: pytest.MonkeyPatch
+def test_retention_keys_decide_what_the_syncs_leave_in_the_store(
+    master: EmbeddedMaster, holders
 ) -> None:
-    """The publisher gets the retention keys, the coordinator the transport and drain mode."""
+    """The real publisher, through the backend's trainer calls, retires as the keys say.
+
+    The defaults (keep 2, a 10 s grace) would leave other sets, so each key is seen to
+    arrive. ``drain_mode`` and ``pull`` reach the real coordinator in ``test_sync_e2e``,
+    ``transport`` in its broadcast test, each read back from the update it made."""
     import_external_libs("verl_bridge.backend")
-    import verl_bridge.backend as bridge
-
-    handed: dict[str, Any] = {}
-
-    class Publisher:
-        def __init__(self, store: StoreClient, *args: Any, keep: int | None, **kwargs: Any):
-            handed.update(keep=keep, retire_grace_s=store.settings.retire_grace_s)
-
-        def begin(self) -> None:
-            raise PublishFailed("recorded")
-
-    class Coordinator:
-        def __init__(self, store: StoreClient, urls: tuple[str, ...], **kwargs: Any) -> None:
-            self.engines = urls
-
-        def update(self, model: str, **kwargs: Any) -> UpdateResult:
-            handed.update(kwargs)
-            return UpdateResult(model, 2, kwargs["mode"], list(self.engines))
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(bridge, "TrainerSync", Publisher)
-    monkeypatch.setattr(bridge, "Coordinator", Coordinator)
-    keys = {
-        "transport": "store",  # the only transport a pull per node goes with
-        "drain_mode": "wait",
-        "pull": "node",
-        "keep": None,
-        "retire_grace_s": 0,
+    left = {(1, 0): [4], (None, 0): [1, 2, 3, 4]}
+    engines = {
+        keys: CheckpointEngineRegistry.new(
+            "mooncake_store",
+            bucket_size=1,
+            is_master=True,
+            model=f"kept-{keys[0]}",
+            master=master.master_address,
+            metadata=master.metadata_url,
+            local_segment=holders("node-retention").segment,
+            dtype="float32",
+            engine_urls="http://e:1",
+            keep=keys[0],
+            retire_grace_s=keys[1],
+        )
+        for keys in left
     }
-    engine = CheckpointEngineRegistry.new(
-        "mooncake_store",
-        bucket_size=1,
-        model="m",
-        master=master.master_address,
-        metadata=master.metadata_url,
-        engine_urls="http://e:1",
-        **keys,
-    )
+
+    def sync(engine: Any, step: int) -> None:
+        engine.init_process_group(role="trainer", rank=0, world_size=1, sync_id=f"s{step}")
+        weights = iter([("w", torch.full((4,), float(step)))])
+        metrics = asyncio.run(engine.send_weights(weights, global_steps=step))
+        engine.finalize()
+        assert metrics["mooncake_store/generation"] == step
+
     try:
-        engine.init_process_group(role="trainer", rank=0, world_size=1, sync_id="s")
-        with pytest.raises(PublishFailed, match="recorded"):
-            asyncio.run(engine.send_weights(iter([])))
-        engine.init_process_group(role="rollout", rank=0, world_size=1, sync_id="s")
-        engine._outcome = SyncOutcome("s", ok=True, generation=2)
-        assert engine.update_engines().engines == ["http://e:1"]
+        for step in (1, 2, 3):
+            for engine in engines.values():
+                sync(engine, step)
+        # Each announce's completeness check leaves a read lease on what it checked, and
+        # Mooncake refuses to remove an object under one: syncs come minutes apart in a job.
+        time.sleep(READ_LEASE_S)
+        for keys, engine in engines.items():
+            sync(engine, 4)
+            store, model = engine.store, engine.config.model
+            listed = [info.generation for info in GenerationRegistry(store, model).generations()]
+            assert listed == left[keys]
+            manifests = [manifest_key(group_id(model, g)) for g in (1, 2, 3, 4)]
+            assert store.exists(manifests) == [g in left[keys] for g in (1, 2, 3, 4)]
+            payload = load_manifest(store, model, 4).fragments[0].object_key
+            assert store.get_bytes(payload) == torch.full((4,), 4.0).numpy().tobytes()
     finally:
-        engine.close()
-    assert {key: handed[key] for key in keys} == keys
+        for engine in engines.values():
+            engine.close()
 
 
 def test_engine_urls_accept_a_list_or_a_comma_separated_string() -> None:

@@ -226,7 +226,7 @@ def test_verl_manager_syncs_the_engine_and_verl_resumes_it(
     ]
     update = last_update(world.replica)  # the engine rollout rank 0 found through Ray
     assert update.generation == 2 and update.engines == [world.engine.url]
-    assert update.pull == "node"  # engine_kwargs reached the coordinator
+    assert (update.pull, update.drain_mode) == ("node", "wait")  # engine_kwargs reached it
     assert update.store_read_bytes == sum(t.numel() * 4 for t in tensors.values())
     # Rollout rank 0 rewrote its node-exporter textfile with that update's figures.
     exported = samples_of(world.textfile.read_text())
