@@ -61,6 +61,12 @@ def describe_shards(
             # QKV with fewer key/value heads than ranks: output_sizes count each replica.
             replicas = int(getattr(layer, "num_kv_head_replicas", 1) or 1)
             totals = [n if index == 0 else n // replicas for index, n in enumerate(totals)]
+            if block is not None and any(n % block[0] for n in parts[:-1]):
+                # A part starts inside a block: the engines' scale loaders round its offset
+                # up, onto the previous part's last block row (vLLM's
+                # adjust_block_scale_shard), which no box can say. Left undescribed, so
+                # direct mode lands it through the fallback, as the engine's loader would.
+                continue
             parts, totals = (
                 [_blocks(n, block, 0) for n in parts],
                 [_blocks(n, block, 0) for n in totals],

@@ -49,14 +49,35 @@ def register() -> None:
             with store_weights(self.model_name) as (record, tensors):
                 loaded = model.load_weights(tensors)
             generation = record.generation
-            expected = {name for name, _ in model.named_parameters()}
-            if loaded is not None and (missing := expected - set(loaded)):
-                raise ConfigurationError(
-                    f"generation {generation} lacks weights for {sorted(missing)[:5]}"
-                )
+            if loaded is not None:
+                _require_every_weight(model, set(loaded), model_config, generation)
             mark_served(model, served_record(record), self.model_name)
             logger.info(
                 "mooncake: loaded %s generation %d from the Store", self.model_name, generation
             )
 
     register_model_loader(LOAD_FORMAT)(MooncakeModelLoader)
+
+
+def _require_every_weight(
+    model: torch.nn.Module, loaded: set[str], model_config: Any, generation: int
+) -> None:
+    """Refuse a generation that leaves a parameter unfilled.
+
+    Unquantized: every parameter. Quantized: vLLM's own check for quantized checkpoints,
+    which spares what a checkpoint cannot carry (KV-cache scales such as an fp8
+    attention's ``k_scale``, which fall back to defaults, and online quantization)."""
+    if model_config.quantization is None:
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ConfigurationError(
+                f"generation {generation} lacks weights for {sorted(missing)[:5]}"
+            )
+        return
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    try:
+        DefaultModelLoader(LoadConfig()).track_weights_loading(model, loaded, quantized=True)
+    except ValueError as error:
+        raise ConfigurationError(f"generation {generation} lacks weights: {error}") from error

@@ -22,13 +22,15 @@ def model_format_params(model: torch.nn.Module) -> Iterator[ParamRow]:
     first layer that holds it; landing re-derives the others (``rederive_tied_layers``).
     Parameters vLLM never moves to meta for reloading (a linear ``bias``, DeepSeek's
     ``e_score_correction_bias``) are described from the live tensor, in the layer's
-    parameter dtype.
+    parameter dtype. KV-cache scales are not described (:func:`holds_kv_cache_scales`).
     """
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS as live_only
 
     seen: set[int] = set()
     for module_name, module in model.named_modules():
+        if holds_kv_cache_scales(module):
+            continue
         info = LAYERWISE_INFO.get(module)
         restored = info.restore_metadata[0] if info is not None else {}
         live = {n: p for n, p in module._parameters.items() if p is not None}
@@ -44,6 +46,15 @@ def model_format_params(model: torch.nn.Module) -> Iterator[ParamRow]:
             if meta is not None:
                 full = f"{module_name}.{param_name}" if module_name else param_name
                 yield full, module, param_name, meta
+
+
+def holds_kv_cache_scales(module: torch.nn.Module) -> bool:
+    """A quantized attention layer, whose parameters are its KV-cache scales (``k_scale``,
+    ``v_scale``...): vLLM's loader lets a checkpoint omit them, as trainers' checkpoints do,
+    and they keep their defaults. So no generation is expected to fill them."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    return isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod)
 
 
 def _as_model_format(layer: torch.nn.Module, param: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from engine_ext.placement import RegionSpec
 from engine_ext.shards import ShardSpec
-from engine_ext.vllm.placement import describe_vllm_shards
+from engine_ext.vllm.placement import describe_vllm_shards, holds_kv_cache_scales
 from engine_ext.worker import (
     Comparison,
     LandingMismatch,
@@ -163,11 +163,9 @@ class VllmUpdateWorker(UpdateWorker):
                     elif not same_bytes(getattr(layer, n), fresh[n]):
                         differ.append(prefix + n)
             elif experts is None and hasattr(method, "apply") and "weight" in own:
-                kernel = {"weight"}
-                if not same_kernel(layer, method, own["weight"]):
+                same, kernel = same_kernel(layer, method, own)
+                if not same:
                     differ.append(prefix + "weight")
-                if layer.weight.shape == own["weight"].shape:
-                    kernel = set()  # the weight itself is kept too (embeddings): compare it
             differ += [
                 prefix + n
                 for n, tensor in own.items()
@@ -334,14 +332,30 @@ def fresh_experts(
     return {"w13_weight": w13, "w2_weight": w2}
 
 
-def same_kernel(layer: torch.nn.Module, method: Any, weight: torch.Tensor) -> bool:
-    """Whether the layer's GEMM equals a fresh one built from ``weight``, on a probe input."""
-    shadow = shadow_layer(layer, {"weight": weight})
+def same_kernel(
+    layer: torch.nn.Module, method: Any, expected: Mapping[str, torch.Tensor]
+) -> tuple[bool, set[str]]:
+    """Whether the layer's GEMM equals a fresh one built from ``expected`` (its weight and,
+    when quantized, the scales the kernel reads), on a probe input in the layer's activation
+    dtype; and which of ``expected`` processing converts into kernel format (packed,
+    requantized), which only the probe can compare. The others (an embedding's weight, a
+    block-fp8 scale the CPU kernel keeps) stay comparable as bytes. A parameter the check
+    has no expected tensor for (a fused scale landed through the engine's loader) is taken
+    as served."""
+    served = {n: p for n, p in layer._parameters.items() if p is not None and n not in expected}
+    shadow = shadow_layer(layer, {**served, **expected})
     method.process_weights_after_loading(shadow)
+    converted = {
+        name
+        for name, tensor in expected.items()
+        if (processed := shadow._parameters.get(name)) is None or not same_bytes(processed, tensor)
+    }
+    weight = expected["weight"]
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn(2, weight.shape[-1], generator=generator).to(weight.dtype)
+    probe = torch.randn(2, weight.shape[-1], generator=generator)
+    probe = probe.to(getattr(layer, "params_dtype", None) or weight.dtype)
     probe = probe.to(layer.weight.device)
-    return torch.equal(method.apply(layer, probe), method.apply(shadow, probe))
+    return torch.equal(method.apply(layer, probe), method.apply(shadow, probe)), converted
 
 
 def layer_tensors(
@@ -377,7 +391,8 @@ def repack_cpu_experts(model: torch.nn.Module) -> None:
 
 def unloaded_layers(model: torch.nn.Module) -> list[str]:
     """Layers with parameters that the reload has not written (vLLM would warn "Failed to
-    load weights" and put the old tensors back): a mixed model if served."""
+    load weights" and put the old tensors back): a mixed model if served. KV-cache scales
+    keep their defaults on purpose (:func:`holds_kv_cache_scales`)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     return [
@@ -387,6 +402,7 @@ def unloaded_layers(model: torch.nn.Module) -> list[str]:
         and info.can_load()
         and info.restore_metadata[0]
         and info.load_numel == 0
+        and not holds_kv_cache_scales(layer)
     ]
 
 
