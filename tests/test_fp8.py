@@ -287,6 +287,29 @@ def test_block_scales_are_described_in_blocks(block_on_layer: bool) -> None:
         assert as_bytes(filled[name]) == as_bytes(torch.cat(pieces)), name
 
 
+@pytest.mark.parametrize("block_on_layer", [True, False], ids=["vllm", "sglang"])
+def test_a_fused_scale_whose_parts_start_inside_a_block_is_left_to_the_loader(
+    block_on_layer: bool,
+) -> None:
+    """q, k and v of 64 rows each, against 128-row blocks: the engines round each part's scale
+    offset up, so v's scale row lands on k's. No box can say that: the scale is left
+    undescribed (direct mode lands it through the engine's loader); the weight, whose rows
+    are exact, is still described part by part."""
+    qkv = layer_with(block_on_layer, output_sizes=[64, 64, 64], output_partition_sizes=[64, 64, 64])
+    rows = [
+        ("a.qkv_proj.weight", qkv, "weight", meta((192, 64), torch.float8_e4m3fn)),
+        ("a.qkv_proj.weight_scale_inv", qkv, "weight_scale_inv", meta((2, 1), torch.float32)),
+    ]
+    regions, shards = describe_shards(
+        rows, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, lambda _layer, _sub: 0
+    )
+    assert [r.name for r in regions] == ["a.qkv_proj.weight", "a.qkv_proj.weight_scale_inv"]
+    described = [(s.tensor, s.region) for s in shards]
+    assert described == [
+        (f"a.{n}.weight", "a.qkv_proj.weight") for n in ("q_proj", "k_proj", "v_proj")
+    ]
+
+
 EXPERT_SHAPES = {"gate_proj": (512, 300), "up_proj": (512, 300), "down_proj": (300, 512)}
 
 
