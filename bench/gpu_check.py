@@ -41,6 +41,7 @@ import xxhash
 from bench.common import parse_size, store_services, synthetic_model
 from mooncake_rl.apply.process import WorkerCluster, WorkerMemory, run_planned_update
 from mooncake_rl.generations.catalog import specs_of
+from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.synthetic import shard_bytes, simulated_engines
@@ -202,12 +203,12 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
             clock = time.perf_counter()
             with StoreClient(settings) as store:
                 record = publish_local(store, f"gpu-check-{name}", model, dtype="bfloat16")
-                table = GenerationRegistry(store, f"gpu-check-{name}").load_checksums(
-                    record.generation, record.checksums_digest
+                manifest = GenerationRegistry(store, f"gpu-check-{name}").load_manifest(
+                    record.generation, record.manifest_digest
                 )
             publish_seconds = time.perf_counter() - clock
             if name == "dense":
-                object_sizes = {k: c.nbytes for k, c in table.objects.items()}
+                object_sizes = {k: o.nbytes for k, o in object_extents(manifest).items()}
             for mode in config.modes:
                 steps.step(f"update {name} {mode}")
                 row = update_row(settings, config, f"gpu-check-{name}", model, mode == "in_place")

@@ -174,7 +174,7 @@ def _check(reception: Reception, tensors: tuple[ReceivedTensor, ...]) -> None:
         data = buffer[tensor.offset : tensor.offset + tensor.nbytes]
         if data.device.type != "cpu":
             data = data.cpu()
-        checksum = reception.checksums.get(tensor.object_key)
+        checksum = reception.checksums.get(tensor.checksum_key)
         if checksum is None:
-            raise CorruptObject(f"no published checksum for {tensor.object_key}")
-        checksum.check(tensor.object_key, data)
+            raise CorruptObject(f"no published checksum for {tensor.checksum_key}")
+        checksum.check(tensor.checksum_key, data)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from rich.table import Table
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError
+from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES
 from mooncake_rl.plan.params import PULLS
 from mooncake_rl.progress import progress
 from mooncake_rl.router import KINDS, Rotation, Router, RouterSpec, open_router
@@ -108,7 +109,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
     total = checkpoint_bytes(model_dir)
     with progress("publish", total, unit="bytes") as steps, _store(args) as store:
         record = publish_checkpoint(
-            store, args.name, model_dir, args.dtype, args.replicas, args.keep, steps.advance
+            store,
+            args.name,
+            model_dir,
+            args.dtype,
+            args.replicas,
+            args.keep,
+            args.pack_bytes,
+            steps.advance,
         )
     print(record.generation)
     return 0
@@ -362,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     publish.add_argument(
         "--keep", type=int, default=2, help="retention after announce: newest generations kept"
+    )
+    publish.add_argument(
+        "--pack-bytes",
+        type=parse_size,
+        default=DEFAULT_PACK_BYTES,
+        metavar="SIZE",
+        help="size of the Store objects small tensors share (e.g. 128MiB; at most 1GiB)",
     )
     _client_flags(publish)
     publish.set_defaults(func=cmd_publish)

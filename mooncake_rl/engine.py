@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mooncake_rl.affinity import unpinned_native_threads
@@ -28,6 +29,8 @@ class Write:
 
 
 WRITE_ATTEMPTS = 3
+WRITES_PER_CALL = 512
+CALLS_IN_FLIGHT = 4
 
 
 class TransferEngineClient:
@@ -68,14 +71,28 @@ class TransferEngineClient:
     def write(self, peer: str, writes: Sequence[Write]) -> int:
         """Batch one-sided write into ``peer``; all-or-error, byte count returned.
 
+        The writes go out in native calls of at most ``WRITES_PER_CALL`` ranges, up to
+        ``CALLS_IN_FLIGHT`` at once: one call of thousands of ranges overflows the TCP
+        transport's lane queue and fails whole (seen here at 5,000), while a few bounded
+        calls in flight keep the link busy.
+        """
+        if not writes:
+            return 0
+        calls = [writes[i : i + WRITES_PER_CALL] for i in range(0, len(writes), WRITES_PER_CALL)]
+        if len(calls) == 1:
+            return self._write_call(peer, calls[0])
+        with ThreadPoolExecutor(min(CALLS_IN_FLIGHT, len(calls))) as pool:
+            return sum(pool.map(lambda call: self._write_call(peer, call), calls))
+
+    def _write_call(self, peer: str, writes: Sequence[Write]) -> int:
+        """One native batch write.
+
         A failed batch is written again (the same bytes to the same place, so a repeat is
         harmless): a peer whose Transfer Engine threads get no CPU for a while (they were
         pinned beside busy compute threads before :mod:`mooncake_rl.affinity`) leaves a
         writer's sessions without a status frame for 30 s and then recovers; when every
         attempt fails, the error stands.
         """
-        if not writes:
-            return 0
         total = sum(w.length for w in writes)
         for _ in range(WRITE_ATTEMPTS):
             code = self._engine.batch_transfer_sync_write(

@@ -12,7 +12,7 @@ import re
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -321,20 +321,27 @@ class StoreClient:
         return buffer[:size].numpy()
 
     def read_ranges(self, buffer_ptr: int, reads: Sequence[RangeRead]) -> int:
-        """Ranged reads into one registered buffer; every byte count is verified.
+        """Ranged reads into one registered buffer; every byte count is verified."""
+        return self.read_into({buffer_ptr: reads})
+
+    def read_into(self, buffers: Mapping[int, Sequence[RangeRead]]) -> int:
+        """Ranged reads into several registered buffers (each read's destination is an
+        offset from its buffer's base and lies inside that registration) in one native
+        call; every byte count is verified.
 
         A read whose object lease expired before it finished (``LEASE_EXPIRED``: a slow read
         on a loaded host) is repeated a few times; rewriting the same bytes to the same place
         is harmless, and nothing can have removed a hard-pinned generation meanwhile.
         """
-        pending, total, reread = list(reads), 0, 0
+        pending = {base: list(reads) for base, reads in buffers.items() if reads}
+        total = reread = 0
         for attempt in range(READ_ATTEMPTS):
-            expired = []
-            for read, count in self._read_once(buffer_ptr, pending):
+            expired: dict[int, list[RangeRead]] = defaultdict(list)
+            for base, read, count in self._read_once(pending):
                 if count == read.length:
                     total += count
                 elif count == LEASE_EXPIRED and attempt + 1 < READ_ATTEMPTS:
-                    expired.append(read)
+                    expired[base].append(read)
                     reread += read.length
                 else:
                     context = f"key={read.key} src={read.src_offset} len={read.length} got={count}"
@@ -346,23 +353,28 @@ class StoreClient:
         return total
 
     def _read_once(
-        self, buffer_ptr: int, reads: Sequence[RangeRead]
-    ) -> Iterator[tuple[RangeRead, int]]:
-        if not reads:
+        self, buffers: Mapping[int, Sequence[RangeRead]]
+    ) -> Iterator[tuple[int, RangeRead, int]]:
+        if not buffers:
             return
-        by_key: dict[str, list[RangeRead]] = defaultdict(list)
-        for read in reads:
-            by_key[read.key].append(read)
-        keys = list(by_key)
+        bases = list(buffers)
+        grouped: list[dict[str, list[RangeRead]]] = []
+        for base in bases:
+            by_key: dict[str, list[RangeRead]] = defaultdict(list)
+            for read in buffers[base]:
+                by_key[read.key].append(read)
+            grouped.append(by_key)
         results = self._store.get_into_ranges(
-            [buffer_ptr],
-            [keys],
-            [[[r.dst_offset for r in by_key[k]] for k in keys]],
-            [[[r.src_offset for r in by_key[k]] for k in keys]],
-            [[[r.length for r in by_key[k]] for k in keys]],
+            bases,
+            [list(by_key) for by_key in grouped],
+            [[[r.dst_offset for r in rs] for rs in by_key.values()] for by_key in grouped],
+            [[[r.src_offset for r in rs] for rs in by_key.values()] for by_key in grouped],
+            [[[r.length for r in rs] for rs in by_key.values()] for by_key in grouped],
         )
-        for key, counts in zip(keys, results[0], strict=True):
-            yield from zip(by_key[key], counts, strict=True)
+        for base, by_key, per_buffer in zip(bases, grouped, results, strict=True):
+            for reads, counts in zip(by_key.values(), per_buffer, strict=True):
+                for read, count in zip(reads, counts, strict=True):
+                    yield base, read, count
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
         keys = list(keys)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from mooncake.reshard.weight import StoredFragment
 
+from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
+from mooncake_rl.generations.keys import payload_key
+from mooncake_rl.generations.packing import pack_name
 from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
 
 TEST_LEASE_TTL_MS = 500
 READ_LEASE_S = 5.5
@@ -88,3 +93,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+def fragment_bytes(store: StoreClient, fragment: StoredFragment) -> bytes:
+    """A tensor's bytes as stored: its own object, or its slice of a pack."""
+    return store.get_bytes(fragment.object_key)[fragment.object_offset :][: fragment.nbytes]
+
+
+def payload_keys(group: str, names: Iterable[str], ranks: int = 2) -> list[str]:
+    """Every key a publish of tensors ``names`` under ``group`` can have written: each
+    tensor's own object and the first packs of each rank and dtype (what "nothing left
+    behind" checks)."""
+    packs = [pack_name(r, d, i) for r in range(ranks) for d in ROLLOUT_DTYPES for i in range(4)]
+    return [payload_key(group, name) for name in (*names, *packs)]

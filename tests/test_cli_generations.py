@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from mooncake_rl.services import EmbeddedMaster, SegmentHolder
 from mooncake_rl.store import StoreClient
-from tests.conftest import settings_for
+from tests.conftest import fragment_bytes, settings_for
 
 
 def run_cli(
@@ -113,7 +113,7 @@ def test_publish_status_gc_round_trip(
 
         record = active_generation(store, "cli-model")
         manifest = load_manifest(store, "cli-model", record.generation)
-        by_name = {f.tensor_id: store.get_bytes(f.object_key) for f in manifest.fragments}
+        by_name = {f.tensor_id: fragment_bytes(store, f) for f in manifest.fragments}
     assert by_name["model.norm.weight"] == (torch.ones(8) * 3.0).numpy().tobytes()
     assert (
         by_name["model.embed_tokens.weight"]

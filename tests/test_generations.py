@@ -23,14 +23,15 @@ from mooncake_rl.generations import (
 from mooncake_rl.generations.catalog import build_manifest
 from mooncake_rl.generations.checksums import ChecksumTable
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
-from mooncake_rl.generations.keys import group_id, payload_key, report_key
+from mooncake_rl.generations.keys import group_id, payload_key, payload_prefix, report_key
 from mooncake_rl.generations.layout import layout_digest
+from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, object_extents, pack_name
 from mooncake_rl.generations.publisher import PublishFailed, publish_local, start_attempt
 from mooncake_rl.generations.registry import FenceError
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from tests.conftest import settings_for, trainer_settings
+from tests.conftest import payload_keys, settings_for, trainer_settings
 from tests.procs import ProcessGroup
 
 
@@ -149,7 +150,8 @@ def read_generation(settings: Settings, model: str) -> dict[str, bytes]:
         manifest = load_manifest(store, model, record.generation)
         out = {"__generation__": str(record.generation).encode()}
         for fragment in manifest.fragments:
-            out[fragment.tensor_id] = store.get_bytes(fragment.object_key)
+            stored = store.get_bytes(fragment.object_key)  # the tensor's own object, or its pack
+            out[fragment.tensor_id] = stored[fragment.object_offset :][: fragment.nbytes]
         return out
 
 
@@ -170,10 +172,12 @@ def test_two_publishers_on_two_nodes(master: EmbeddedMaster, holders) -> None:
         assert len(manifest.fragments) == len(tensors) >= 50
         # Announce seals the layout digest into the record: consumers' plan-cache key.
         assert active_generation(store, model).layout_digest == layout_digest(manifest)
-        placed_on = {}
+        placed_on, object_of = {}, {}
+        prefix = len(payload_prefix(manifest.group_id))
         for fragment in manifest.fragments:
             (segment,) = store.replica_segments(fragment.object_key)
             placed_on[fragment.tensor_id] = segment
+            object_of[fragment.tensor_id] = fragment.object_key[prefix:]
         # Every object sits in the node-local segment of the rank assigned to publish it.
         from mooncake_rl.generations import assign_publishers
 
@@ -184,7 +188,7 @@ def test_two_publishers_on_two_nodes(master: EmbeddedMaster, holders) -> None:
         # The announce recorded the same segments: the planner's locality hints.
         record = active_generation(store, model)
         hints = GenerationRegistry(store, model).load_segments(1, record.segments_digest)
-        assert {name: hints.segment(name) for name in placed_on} == placed_on
+        assert {name: hints.segment(object_of[name]) for name in placed_on} == placed_on
     with ProcessGroup() as group:
         group.start(read_generation, settings_for(master, "fresh"), model)
         got = group.results()[0]
@@ -201,7 +205,7 @@ def test_killed_publisher_keeps_previous_generation(master: EmbeddedMaster, hold
     assert "rank 1 did not report" in rank0["error"]
     with StoreClient(settings_for(master, "inspector")) as store:
         assert active_generation(store, model).generation == 1
-        gen2_keys = [payload_key(group_id(model, 2), n) for n, _ in model_tensors(4)]
+        gen2_keys = payload_keys(group_id(model, 2), (n for n, _ in model_tensors(4)))
         assert not any(store.exists(gen2_keys))
     got = read_generation(settings_for(master, "reader"), model)
     got.pop("__generation__")
@@ -227,7 +231,7 @@ def test_late_publisher_removes_what_it_put_after_the_abort(
     group = group_id(model, 1)
     with StoreClient(settings_for(master, "inspector")) as store:
         assert active_generation(store, model) is None
-        leftovers = [payload_key(group, n) for n, _ in model_tensors(7)]
+        leftovers = payload_keys(group, (n for n, _ in model_tensors(7)))
         leftovers += [report_key(group, rank) for rank in (0, 1)]
         assert store.exists(leftovers) == [False] * len(leftovers)
 
@@ -244,14 +248,14 @@ def test_store_out_of_space_aborts_and_names_the_tensor(settings: Settings) -> N
         assert "tensor 'huge'" in str(failed.value)
         assert "NO_AVAILABLE_HANDLE (-200)" in str(failed.value)
         assert active_generation(store, model).generation == 1
-        assert not store.exists([payload_key(group_id(model, 2), "small")])[0]
+        assert not any(store.exists(payload_keys(group_id(model, 2), ["small"])))
         with pytest.raises(StoreFull):
             store.put_tensor("direct-huge", huge)
 
 
 def test_small_tensors_the_store_cannot_hold_abort_and_name_a_tensor() -> None:
-    """Small tensors are put in batches: a batch the Store cannot place fails the
-    generation, names a tensor of it and its error, and leaves nothing behind. A master of
+    """Small tensors are put in packs: a pack the Store cannot place fails the generation,
+    names a tensor of it and its error, and leaves nothing behind. A master of
     its own: the session's gains holders as tests run, so its room is not known here."""
     model = "no-space-small"
     with EmbeddedMaster() as master, StoreClient(settings_for(master)) as store:
@@ -260,11 +264,16 @@ def test_small_tensors_the_store_cannot_hold_abort_and_name_a_tensor() -> None:
         publish_local(store, model, [("small", torch.ones(10))], dtype="float32")
         with pytest.raises(PublishFailed) as failed:
             publish_local(store, model, tensors, dtype="float32")
-        assert re.search(
-            r"tensor 't\d{4}': NO_AVAILABLE_HANDLE \(-200\) in batch_put_from", str(failed.value)
+        found = re.search(
+            r"tensor 't(\d{4})': NO_AVAILABLE_HANDLE \(-200\) in put_from \[key=\S+/~pack/r0-"
+            r"float32-(\d+), a pack of (\d+) tensors\]",
+            str(failed.value),
         )
+        assert found, str(failed.value)
+        first, pack, count = map(int, found.groups())
+        assert count == DEFAULT_PACK_BYTES // (256 << 10) and first == pack * count  # its first
         assert active_generation(store, model).generation == 1
-        keys = [payload_key(group_id(model, 2), n) for n in names]
+        keys = payload_keys(group_id(model, 2), names)
         assert store.exists(keys) == [False] * len(keys)
 
 
@@ -307,7 +316,7 @@ def test_stale_announces_are_fenced_and_name_the_winner(settings: Settings) -> N
         with pytest.raises(PublishFailed, match=r"lost to generation 3 \(active: 3, fence 2\)"):
             finalize_generation(publisher, publisher.publish([("w", torch.ones(4) * 9)]))
         assert registry.active().generation == 3 and registry.active().fence == 2
-        assert not store.exists([payload_key(group_id(model, late), "w")])[0]
+        assert not any(store.exists(payload_keys(group_id(model, late), ["w"])))
         with pytest.raises(FenceError, match="belongs to publish attempt"):
             registry.announce(registry.load_manifest(3), ChecksumTable(), "someone-else")
 
@@ -328,12 +337,12 @@ def watch_active(settings: Settings, model: str, last: int, timeout_s: float, re
             if record is None:
                 continue
             manifest = registry.load_manifest(record.generation, record.manifest_digest)
-            keys = [f.object_key for f in manifest.fragments]
-            assert all(store.exists(keys)), (
+            objects = object_extents(manifest)
+            assert all(store.exists(list(objects))), (
                 f"generation {record.generation} active before its payloads"
             )
-            for fragment in manifest.fragments:
-                assert store.size(fragment.object_key) == fragment.nbytes
+            for key, stored in objects.items():
+                assert store.size(key) == stored.nbytes
             checks += 1
             if not seen or seen[-1] != record.generation:
                 seen.append(record.generation)
@@ -356,10 +365,10 @@ def test_announce_refuses_missing_or_resized_payloads(
     with StoreClient(settings) as store:
         generation, attempt = start_attempt(store, model)
         publisher = GenerationPublisher(
-            store, model, generation, 0, TrainerTopology.single(), attempt=attempt
+            store, model, generation, 0, TrainerTopology.single(), attempt=attempt, pack_bytes=4
         )
         report = publisher.publish([("a", torch.ones(4)), ("b", torch.ones(4))])
-        key = payload_key(group_id(model, 1), "b")
+        key = payload_key(group_id(model, 1), "b")  # its own object: the pre-packing layout
         store.remove([key], force=True)
         if tamper == "resize":
             store.put_bytes(key, b"\x00" * 6)
@@ -403,8 +412,8 @@ def test_gc_keeps_newest_active_and_leased(settings: Settings) -> None:
         assert report.deleted == (2, 3) and report.kept == (1, 4, 5) and not report.failures
         registry = GenerationRegistry(store, model)
         assert [g.generation for g in registry.generations()] == [1, 4, 5]
-        assert not store.exists([payload_key(group_id(model, 2), "w")])[0]
-        assert store.exists([payload_key(group_id(model, 1), "w")])[0]
+        assert not any(store.exists(payload_keys(group_id(model, 2), ["w"])))
+        assert store.exists([payload_key(group_id(model, 1), pack_name(0, "float32", 0))])[0]
         leases.release("engine-old")
         # The exists() check above took Mooncake's read lease on generation 1's payload: a
         # non-forced removal refuses it (OBJECT_HAS_LEASE) and the generation stays listed.

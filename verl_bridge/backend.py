@@ -204,6 +204,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
             timeout_s=self.config.timeout_s,
             replica_num=self.config.replica_num,
             keep=self.config.keep,
+            pack_bytes=self.config.pack_bytes,
         )
         source = ensure_async_iterator(weights)
         try:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import publish_format
 from mooncake_rl.generations.keys import check_model_name
+from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, check_pack_bytes
 from mooncake_rl.metrics import MetricsExport
 from mooncake_rl.plan.params import PULLS
 from mooncake_rl.protocol import DrainRequest
@@ -68,6 +69,9 @@ class BridgeConfig:
     timeout_s: float = 600.0
     replica_num: int = 1
     """Copies of every published object (Mooncake ``replica_num``), each in another segment."""
+    pack_bytes: int = DEFAULT_PACK_BYTES
+    """Size of the Store objects small tensors are packed into (``mooncake-rl publish
+    --pack-bytes``; docs/generations.md, "Packed objects")."""
     keep: int | None = 2
     """Generations retention keeps after each announce (plus the active and leased ones);
     ``None``: no retention at announce (run ``mooncake-rl gc`` instead)."""
@@ -125,6 +129,7 @@ class BridgeConfig:
         try:
             check_model_name(config.model)
             publish_format(config.dtype)
+            check_pack_bytes(config.pack_bytes)
         except InvariantViolation as error:
             raise ConfigurationError(str(error)) from error
         if config.mode not in MODES:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mooncake_rl.errors import MooncakeError, MooncakeRLError
 from mooncake_rl.generations.assignment import TrainerTopology
 from mooncake_rl.generations.keys import model_prefix, payload_key
+from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES
 from mooncake_rl.generations.publisher import (
     DEFAULT_KEEP,
     GenerationPublisher,
@@ -172,8 +173,10 @@ class TrainerSync:
         timeout_s: float = 600.0,
         replica_num: int = 1,
         keep: int | None = DEFAULT_KEEP,
+        pack_bytes: int = DEFAULT_PACK_BYTES,
     ) -> None:
         self.store, self.model, self.dtype, self.sync_id = store, model, dtype, sync_id
+        self.pack_bytes = pack_bytes
         self.collective = collective
         self.global_steps = global_steps
         self.timeout_s = timeout_s
@@ -218,6 +221,7 @@ class TrainerSync:
             self.dtype,
             replica_num=self.replica_num,
             attempt=self._attempt,
+            pack_bytes=self.pack_bytes,
         )
         return generation
 

@@ -202,6 +202,7 @@ class ApplyWorker:
             self.regions,
             self.settings.staging_watermark_bytes,
             self.checksums,
+            self.spans,
         )
         return executor.run(batches, peers, scatter)
 

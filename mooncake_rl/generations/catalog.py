@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from mooncake_rl.generations.keys import (
     manifest_key,
     payload_key,
 )
+from mooncake_rl.generations.packing import PACK_PREFIX, Placement
 
 ROLLOUT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -73,6 +74,11 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if not self.name or any(ch.isspace() for ch in self.name):
             raise InvariantViolation(f"tensor name {self.name!r} must be non-empty, no spaces")
+        if self.name.startswith(PACK_PREFIX):
+            raise InvariantViolation(
+                f"tensor name {self.name!r} starts with {PACK_PREFIX!r}, which names packed "
+                "objects; rename the tensor"
+            )
         if not self.shape or any(type(d) is not int or d < 1 for d in self.shape):
             raise InvariantViolation(f"tensor {self.name} has invalid shape {self.shape}")
         rollout_dtype(self.dtype)
@@ -121,11 +127,18 @@ def check_specs(specs: Sequence[TensorSpec]) -> None:
 
 
 def build_manifest(
-    model: str, generation: int, specs: Sequence[TensorSpec], created_at: str
+    model: str,
+    generation: int,
+    specs: Sequence[TensorSpec],
+    created_at: str,
+    placements: Mapping[str, Placement] | None = None,
 ) -> WeightManifest:
-    """One object per full tensor, raw contiguous bytes at offset 0."""
+    """One fragment per full tensor, raw contiguous bytes: in its own object at offset 0, or
+    where ``placements`` put it in a pack (:mod:`.packing`)."""
     check_specs(specs)
     group = group_id(model, generation)
+    placed = placements or {}
+    whole = Placement("", 0)
     tensors = tuple(
         TensorDescriptor(
             tensor_id=spec.name,
@@ -144,8 +157,8 @@ def build_manifest(
             tensor_id=spec.name,
             global_offset=(0,) * len(spec.shape),
             local_shape=spec.shape,
-            object_key=payload_key(group, spec.name),
-            object_offset=0,
+            object_key=payload_key(group, placed.get(spec.name, whole).object_name or spec.name),
+            object_offset=placed.get(spec.name, whole).offset,
             nbytes=spec.nbytes,
         )
         for spec in specs

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError, ObjectNotFound
 from mooncake_rl.generations.gc import collect_garbage
+from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, object_extents
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import (
     ActiveRecord,
@@ -57,13 +58,16 @@ def publish_checkpoint(
     dtype: str,
     replicas: int = 1,
     keep: int = 2,
+    pack_bytes: int = DEFAULT_PACK_BYTES,
     published: Callable[[int], None] | None = None,
 ) -> ActiveRecord:
     """``published(nbytes)`` after each checkpoint tensor is handed to the publisher."""
     tensors = checkpoint_tensors(model_dir)
     if published is not None:
         tensors = _counted(tensors, published)
-    return publish_local(store, model, tensors, dtype=dtype, replica_num=replicas, keep=keep)
+    return publish_local(
+        store, model, tensors, dtype=dtype, replica_num=replicas, keep=keep, pack_bytes=pack_bytes
+    )
 
 
 def _counted(
@@ -97,11 +101,13 @@ def generation_status(
         row["unreadable_objects"] = problems
         if with_segments and manifest is not None:
             per_segment: Counter[str] = Counter()
-            for fragment in manifest.fragments:
+            objects = object_extents(manifest)
+            for key, stored in objects.items():
                 with contextlib.suppress(ObjectNotFound):
-                    for segment in store.replica_segments(fragment.object_key):
-                        per_segment[segment] += fragment.nbytes
+                    for segment in store.replica_segments(key):
+                        per_segment[segment] += stored.nbytes
             row["bytes_per_segment"] = dict(sorted(per_segment.items()))
+            row["objects"] = len(objects)
         rows.append(row)
     return {
         "model": model,
@@ -161,14 +167,15 @@ def verify_generation(
             table = registry.load_checksums(generation, checksums_digest).objects
         except MooncakeRLError as error:
             table, problems = {}, [*problems, f"checksum table unreadable: {error}"]
-        keys = [f.object_key for f in manifest.fragments]
+        objects = object_extents(manifest)
         unreadable = {
-            f.object_key
-            for f, size in zip(manifest.fragments, store.complete_sizes(keys), strict=True)
-            if size != f.nbytes
+            key
+            for (key, stored), size in zip(
+                objects.items(), store.complete_sizes(list(objects)), strict=True
+            )
+            if size != stored.nbytes
         }
-        for fragment in manifest.fragments if table else ():
-            key = fragment.object_key
+        for key, stored in objects.items() if table else ():
             if key in unreadable:
                 continue
             if key not in table:
@@ -176,7 +183,7 @@ def verify_generation(
                 continue
             try:
                 table[key].check(key, store.get_bytes(key))
-                checked += fragment.nbytes
+                checked += stored.nbytes
             except CorruptObject:
                 problems.append(f"corrupted {key}: its bytes differ from the published checksum")
             except MooncakeRLError as error:
@@ -186,6 +193,7 @@ def verify_generation(
         "generation": generation,
         "ok": not problems,
         "tensors": len(manifest.tensors),
+        "objects": len({f.object_key for f in manifest.fragments}),
         "bytes": sum(f.nbytes for f in manifest.fragments),
         "checked_bytes": checked,
         "digest": manifest.manifest_digest,

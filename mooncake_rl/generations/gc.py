@@ -222,7 +222,7 @@ def _remove_generation(
         manifest = registry.load_manifest(generation)
     except ObjectNotFound:  # removed by an earlier run that could not rewrite the index
         return store.remove_prefix(group + "/", force=True), {}
-    keys = [f.object_key for f in manifest.fragments]
+    keys = list(dict.fromkeys(f.object_key for f in manifest.fragments))  # packs hold several
     failed = store.remove(keys)
     if failed:
         return len(keys) - len(failed), failed

@@ -27,7 +27,6 @@ from mooncake_rl.errors import (
     MooncakeError,
     MooncakeRLError,
     ObjectNotFound,
-    mooncake_error,
 )
 from mooncake_rl.generations import fp8
 from mooncake_rl.generations.assignment import PublisherLoads, TrainerTopology
@@ -49,6 +48,13 @@ from mooncake_rl.generations.keys import (
     report_key,
     report_prefix,
 )
+from mooncake_rl.generations.packing import (
+    DEFAULT_PACK_BYTES,
+    Packer,
+    Placement,
+    check_pack_bytes,
+    is_packed,
+)
 from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationRegistry
 from mooncake_rl.store import StoreClient
 
@@ -56,13 +62,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
 """Generations retention keeps after each announce, besides the active and leased ones."""
-
-SMALL_OBJECT_BYTES = 1 << 20
-"""Stored tensors below this are put together (:class:`_SmallPuts`). One put costs about a
-millisecond whatever its size (a registration, a round trip to the master, a transfer): a
-50,000-tensor MoE took a minute to publish from one rank, for 512 MiB."""
-BATCH_KEYS = 256
-BATCH_BYTES = 32 << 20
 
 
 class PublishFailed(InvariantViolation):
@@ -82,6 +81,8 @@ class PublishReport:
     failures: tuple[tuple[str, str], ...] = ()
     nonlocal_put_bytes: int = 0
     checksums: tuple[tuple[str, ObjectChecksum], ...] = ()
+    placements: tuple[tuple[str, str, int], ...] = ()
+    """Packed tensors: (tensor name, pack object name, offset)."""
 
     @property
     def ok(self) -> bool:
@@ -94,6 +95,7 @@ class PublishReport:
     def decode(cls, data: bytes) -> PublishReport:
         raw = json.loads(data)
         raw["failures"] = tuple(tuple(f) for f in raw["failures"])
+        raw["placements"] = tuple(tuple(p) for p in raw.get("placements", ()))
         raw["checksums"] = tuple(
             (key, ObjectChecksum(c["nbytes"], c["whole"], tuple(c["blocks"])))
             for key, c in raw["checksums"]
@@ -116,14 +118,18 @@ class GenerationPublisher:
     check_locality: bool = False
     attempt: str | None = None
     """Rank 0: the attempt id its claim of ``generation`` names (what finalize checks)."""
+    pack_bytes: int = DEFAULT_PACK_BYTES
+    """Size of the packs small tensors share (:mod:`.packing`)."""
     _specs: list[TensorSpec] = field(default_factory=list, init=False)
     _put_names: list[str] = field(default_factory=list, init=False)
     _checksums: dict[str, ObjectChecksum] = field(default_factory=dict, init=False)
     _put_bytes: int = field(default=0, init=False)
     _nonlocal_bytes: int = field(default=0, init=False)
+    _placements: dict[str, Placement] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         publish_format(self.dtype)
+        check_pack_bytes(self.pack_bytes)
         self.group = group_id(self.model, self.generation)
         if not 0 <= self.rank < self.topology.world_size:
             raise InvariantViolation(
@@ -136,12 +142,12 @@ class GenerationPublisher:
         """Consume the whole iterator; put this rank's share; write this rank's report.
 
         A tensor may store as several objects (fp8: the weight and its block scales); one
-        rank puts all of them, so it quantizes once. Small objects are put in batches.
+        rank puts all of them, so it quantizes once. Small ones go into packs.
         """
         loads = PublisherLoads(self.topology)
         failures: list[tuple[str, str]] = []
         seen: set[str] = set()
-        small = _SmallPuts(self.store, self.group, self.replica_num, self._preferred_segments())
+        packs = _Packs(self, Packer(self.rank, self.pack_bytes))
         try:
             for name, tensor in named_tensors:
                 try:
@@ -160,24 +166,23 @@ class GenerationPublisher:
                     continue  # not ours, or this generation is already lost: keep iterating
                 try:
                     for spec, staged in zip(specs, self._stage(name, tensor, specs), strict=True):
-                        self._checksums[payload_key(self.group, spec.name)] = ObjectChecksum.of(
-                            staged
-                        )
-                        if spec.nbytes >= SMALL_OBJECT_BYTES:
-                            self._put(spec.name, staged)
-                            self._stored(spec.name, spec.nbytes)
+                        if is_packed(spec.nbytes, self.pack_bytes):
+                            packs.add(spec, staged)
                             continue
-                        if not small.fits(spec.nbytes):
-                            failures.extend(self._flush(small))
-                        if not failures:
-                            small.add(spec.name, name, staged)
+                        key = payload_key(self.group, spec.name)
+                        self._checksums[key] = ObjectChecksum.of(staged)
+                        self._put(spec.name, staged)
+                        self._stored(spec.name, spec.nbytes)
                 except (MooncakeError, InvariantViolation) as error:
                     # a failed put, rank 0 already swept the group, or weights fp8 cannot hold
-                    failures.append((name, str(error)))
+                    failures.append((packs.failed_tensor or name, str(error)))
             if not failures:
-                failures.extend(self._flush(small))
+                try:
+                    packs.put_open()
+                except MooncakeError as error:
+                    failures.append((packs.failed_tensor, str(error)))
         finally:
-            small.close()
+            packs.close()
         if not self._specs and not failures:
             failures.append(("", "a generation needs at least one tensor (empty model)"))
         report = PublishReport(
@@ -190,6 +195,9 @@ class GenerationPublisher:
             put_bytes=self._put_bytes,
             failures=tuple(failures),
             nonlocal_put_bytes=self._nonlocal_bytes,
+            placements=tuple(
+                (name, p.object_name, p.offset) for name, p in self._placements.items()
+            ),
         )
         self.store.put_bytes(report_key(self.group, self.rank), report.encode())
         if self.aborted():
@@ -208,21 +216,6 @@ class GenerationPublisher:
         if self.check_locality:
             where = self.store.replica_segments(payload_key(self.group, name))
             self._nonlocal_bytes += 0 if where == (self.store.local_segment,) else nbytes
-
-    def _flush(self, small: _SmallPuts) -> list[tuple[str, str]]:
-        """Put the pending small objects; the first failed one's tensor, with its error."""
-        failed: list[tuple[str, str, int]] = []
-        for (name, tensor_name, nbytes), code in small.flush():
-            if code >= 0:
-                self._stored(name, nbytes)
-            else:
-                failed.append((name, tensor_name, code))
-        if not failed:
-            return []
-        name, tensor_name, code = failed[0]
-        error = mooncake_error(code, "batch_put_from", f"key={payload_key(self.group, name)}")
-        more = f" (and {len(failed) - 1} more objects of its batch)" if len(failed) > 1 else ""
-        return [(tensor_name, f"{error}{more}")]
 
     def aborted(self) -> bool:
         """Rank 0 tombstoned this attempt's claim (or the claim is gone)."""
@@ -261,55 +254,63 @@ class GenerationPublisher:
         return list(self._specs)
 
 
-class _SmallPuts:
-    """Small stored objects copied into one registered host buffer and put in one request
-    (``BATCH_KEYS`` objects or ``BATCH_BYTES`` at most): the buffer is registered once per
-    publish, not once per object."""
+class _Packs:
+    """The publisher's open packs: one registered host buffer per dtype, reused pack after
+    pack (a put is synchronous), registered once per publish, not once per tensor."""
 
-    def __init__(
-        self, store: StoreClient, group: str, replica_num: int, preferred: list[str]
-    ) -> None:
-        self.store, self.group = store, group
-        self.replica_num, self.preferred = replica_num, preferred
-        self.buffer: torch.Tensor | None = None
-        self.pending: list[tuple[str, str, int, int]] = []  # name, tensor, offset, bytes
-        self.used = 0
+    def __init__(self, publisher: GenerationPublisher, packer: Packer) -> None:
+        self.publisher, self.packer = publisher, packer
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, list[str]] = {}  # pack name -> its tensors, in order
+        self.failed_tensor = ""
+        """The first tensor of a pack whose put failed: what the failure names."""
 
-    def fits(self, nbytes: int) -> bool:
-        return len(self.pending) < BATCH_KEYS and self.used + nbytes <= BATCH_BYTES
+    def add(self, spec: TensorSpec, staged: torch.Tensor) -> None:
+        placement, full = self.packer.place(spec.nbytes, spec.dtype)
+        if full is not None:
+            self._put(*full, spec.dtype)
+        buffer = self.buffers.get(spec.dtype)
+        if buffer is None:
+            buffer = torch.empty(self.packer.pack_bytes, dtype=torch.uint8)
+            self.buffers[spec.dtype] = buffer
+            self.publisher.store.register(buffer.data_ptr(), buffer.numel())
+        end = placement.offset + spec.nbytes
+        buffer[placement.offset : end].copy_(staged.view(torch.uint8))
+        publisher = self.publisher
+        publisher._placements[spec.name] = placement
+        publisher._checksums[payload_key(publisher.group, spec.name)] = ObjectChecksum.of(staged)
+        self.tensors.setdefault(placement.object_name, []).append(spec.name)
 
-    def add(self, name: str, tensor_name: str, staged: torch.Tensor) -> None:
-        if self.buffer is None:
-            self.buffer = torch.empty(BATCH_BYTES, dtype=torch.uint8)
-            self.store.register(self.buffer.data_ptr(), BATCH_BYTES)
-        nbytes = staged.numel() * staged.element_size()
-        self.buffer[self.used : self.used + nbytes].copy_(staged.view(torch.uint8))
-        self.pending.append((name, tensor_name, self.used, nbytes))
-        self.used += -(-nbytes // 64) * 64
+    def put_open(self) -> None:
+        for name, size, dtype in self.packer.open_packs():
+            self._put(name, size, dtype)
 
-    def flush(self) -> list[tuple[tuple[str, str, int], int]]:
-        """Put what is pending: ((object name, tensor name, bytes), code) per object."""
-        if not self.pending or self.buffer is None:
-            return []
-        pending, base = self.pending, self.buffer.data_ptr()
-        self.pending, self.used = [], 0
-        codes = self.store.batch_put_from(
-            [payload_key(self.group, name) for name, _, _, _ in pending],
-            [base + offset for _, _, offset, _ in pending],
-            [nbytes for _, _, _, nbytes in pending],
-            replica_num=self.replica_num,
-            preferred_segments=self.preferred,
-            hard_pin=True,
-        )
-        return [
-            ((name, tensor, nbytes), code)
-            for (name, tensor, _, nbytes), code in zip(pending, codes, strict=True)
-        ]
+    def _put(self, name: str, size: int, dtype: str) -> None:
+        data = self.buffers[dtype][:size]
+        publisher = self.publisher
+        publisher._checksums[payload_key(publisher.group, name)] = ObjectChecksum.of(data)
+        try:
+            publisher.store.put_from(
+                payload_key(publisher.group, name),
+                data.data_ptr(),
+                size,
+                replica_num=publisher.replica_num,
+                preferred_segments=publisher._preferred_segments(),
+                hard_pin=True,
+            )
+        except MooncakeError as error:
+            self.failed_tensor = self.tensors[name][0]
+            count = len(self.tensors[name])
+            raise type(error)(
+                error.code, error.operation, f"{error.context}, a pack of {count} tensors"
+            ) from error
+        publisher._stored(name, size)
+        del self.tensors[name]
 
     def close(self) -> None:
-        if self.buffer is not None:
-            self.store.unregister(self.buffer.data_ptr())
-            self.buffer = None
+        for buffer in self.buffers.values():
+            self.publisher.store.unregister(buffer.data_ptr())
+        self.buffers.clear()
 
 
 def _wait_reports(
@@ -362,6 +363,7 @@ def finalize_generation(
     reports = _wait_reports(store, publisher.group, world, timeout_s)
     problems: list[str] = []
     checksums = ChecksumTable()
+    placements: dict[str, Placement] = {}
     for rank, other in enumerate(reports):
         if other is None:
             problems.append(f"rank {rank} did not report within {timeout_s}s")
@@ -370,11 +372,12 @@ def finalize_generation(
         else:
             problems.extend(f"rank {rank}: tensor {n!r}: {e}" for n, e in other.failures)
             checksums = checksums.merged(dict(other.checksums))
+            placements.update((n, Placement(o, offset)) for n, o, offset in other.placements)
     if not problems:
         try:
             check_specs(publisher.specs)
             created = (now or datetime.now(UTC)).isoformat()
-            manifest = build_manifest(model, generation, publisher.specs, created)
+            manifest = build_manifest(model, generation, publisher.specs, created, placements)
             registry = GenerationRegistry(store, model)
             record = registry.announce(manifest, checksums, publisher.attempt)
         except InvariantViolation as error:
@@ -416,10 +419,12 @@ def publish_local(
     node: str | None = None,
     replica_num: int = 1,
     keep: int | None = DEFAULT_KEEP,
+    pack_bytes: int = DEFAULT_PACK_BYTES,
 ) -> ActiveRecord:
     """World size 1: claim, publish and announce the next generation from one process."""
     if keep is not None and (type(keep) is not int or keep < 1):
         raise InvariantViolation(f"keep must be an integer >= 1, got {keep!r}; nothing published")
+    check_pack_bytes(pack_bytes)
     generation, attempt = start_attempt(store, model)
     publisher = GenerationPublisher(
         store,
@@ -430,5 +435,6 @@ def publish_local(
         dtype,
         replica_num=replica_num,
         attempt=attempt,
+        pack_bytes=pack_bytes,
     )
     return finalize_generation(publisher, publisher.publish(named_tensors), keep=keep)

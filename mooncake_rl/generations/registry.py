@@ -56,6 +56,7 @@ from mooncake_rl.generations.keys import (
     segments_key,
 )
 from mooncake_rl.generations.layout import SegmentMap, is_digest
+from mooncake_rl.generations.packing import checksum_sizes, object_extents
 from mooncake_rl.store import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -315,17 +316,17 @@ def payload_problems(store: StoreClient, manifest: WeightManifest) -> list[str]:
 def payload_state(store: StoreClient, manifest: WeightManifest) -> tuple[list[str], SegmentMap]:
     """``payload_problems`` and, from the same replica descriptors, the segment of every
     payload held whole (the announce's locality hints)."""
-    keys = [f.object_key for f in manifest.fragments]
+    objects = object_extents(manifest)
     problems: list[str] = []
     segments: dict[str, str] = {}
     prefix = len(payload_prefix(manifest.group_id))
-    for f, found in zip(manifest.fragments, store.complete_replicas(keys), strict=True):
+    for stored, found in zip(objects.values(), store.complete_replicas(list(objects)), strict=True):
         if found is None:
-            problems.append(f"missing {f.object_key}")
-        elif found[0] != f.nbytes:
-            problems.append(f"{f.object_key} holds {found[0]} bytes, expected {f.nbytes}")
+            problems.append(f"missing {stored.key}")
+        elif found[0] != stored.nbytes:
+            problems.append(f"{stored.key} holds {found[0]} bytes, expected {stored.nbytes}")
         else:
-            segments[f.object_key[prefix:]] = found[1]
+            segments[stored.key[prefix:]] = found[1]
     return problems, SegmentMap.of(segments)
 
 
@@ -495,8 +496,8 @@ class GenerationRegistry:
         ):
             raise FenceError("manifest does not belong to this model's key space")
         claim = self.check_owner(generation, attempt)
+        sizes = checksum_sizes(manifest, {k: c.nbytes for k, c in checksums.objects.items()})
         problems, segments = payload_state(self.store, manifest)
-        sizes = {f.object_key: f.nbytes for f in manifest.fragments}
         if set(sizes) != set(checksums.objects) or any(
             checksums.objects[k].nbytes != n for k, n in sizes.items()
         ):

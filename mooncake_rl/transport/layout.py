@@ -16,6 +16,7 @@ from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
+from mooncake_rl.generations.packing import tensor_checksum_key
 
 ALIGN = 64
 """Every tensor starts on this boundary, so each is viewable as its dtype in place."""
@@ -23,10 +24,13 @@ ALIGN = 64
 
 @dataclass(frozen=True)
 class ReceivedTensor:
-    """One full tensor: its checkpoint name, Store object, and place in the buffer."""
+    """One full tensor: its checkpoint name, where it is stored (an object, or a pack and
+    the offset in it), the checksum-table key of its own bytes, and its place in the buffer."""
 
     name: str
     object_key: str
+    object_offset: int
+    checksum_key: str
     offset: int
     shape: tuple[int, ...]
     dtype: str
@@ -101,7 +105,16 @@ def receive_layout(manifest: WeightManifest, bucket_bytes: int) -> ReceiveLayout
         nbytes = math.prod(shape) * rollout_dtype(spec.dtype).itemsize
         offset = -(-offset // ALIGN) * ALIGN
         tensors.append(
-            ReceivedTensor(spec.tensor_id, fragment.object_key, offset, shape, spec.dtype, nbytes)
+            ReceivedTensor(
+                spec.tensor_id,
+                fragment.object_key,
+                fragment.object_offset,
+                tensor_checksum_key(manifest.group_id, fragment),
+                offset,
+                shape,
+                spec.dtype,
+                nbytes,
+            )
         )
         offset += nbytes
     if len({t.name for t in tensors}) != len(tensors):

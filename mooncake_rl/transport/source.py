@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mooncake_rl.apply.coalesce import coalesced_reads
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
-from mooncake_rl.store import StoreClient
+from mooncake_rl.store import RangeRead, StoreClient
 from mooncake_rl.transport.layout import Bucket, ReceiveLayout, receive_layout
 
 
@@ -37,8 +38,9 @@ class Source:
 def read_buckets(
     store: StoreClient, source: Source
 ) -> tuple[ReceiveLayout, Iterator[tuple[Bucket, dict[str, torch.Tensor]]]]:
-    """The layout, and the generation's tensors bucket by bucket (by checkpoint name),
-    each object read from the Store once and checked against its checksum."""
+    """The layout, and the generation's tensors bucket by bucket (by checkpoint name): one
+    ranged read per bucket (a packed tensor's bytes alone, adjacent tensors merged), each
+    tensor checked against its own checksum."""
     registry = GenerationRegistry(store, source.model)
     manifest = registry.load_manifest(source.generation, source.manifest_digest)
     checksums = registry.load_checksums(source.generation, source.checksums_digest).objects
@@ -46,12 +48,23 @@ def read_buckets(
 
     def buckets() -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
         for bucket in layout.buckets:
+            members = layout.bucket_tensors(bucket)
+            data = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            reads = [
+                RangeRead(t.object_key, t.object_offset, t.offset - bucket.start, t.nbytes)
+                for t in members
+            ]
+            store.register(data.data_ptr(), data.numel())
+            try:
+                store.read_ranges(data.data_ptr(), coalesced_reads(reads))
+            finally:
+                store.unregister(data.data_ptr())
             tensors = {}
-            for tensor in layout.bucket_tensors(bucket):
-                data = bytearray(store.get_bytes(tensor.object_key))
-                checksums[tensor.object_key].check(tensor.object_key, data)
+            for tensor in members:
+                own = data[tensor.offset - bucket.start :][: tensor.nbytes]
+                checksums[tensor.checksum_key].check(tensor.checksum_key, own)
                 dtype = rollout_dtype(tensor.dtype)
-                tensors[tensor.name] = torch.frombuffer(data, dtype=dtype).view(tensor.shape)
+                tensors[tensor.name] = own.view(dtype).view(tensor.shape)
             yield bucket, tensors
 
     return layout, buckets()
