@@ -7,14 +7,17 @@ the project's planner, executor and checksum checks, two ways:
 
 - ``in_place``: the parameters are the receive regions (Store reads and peer pushes land in
   live storage; nothing to copy at commit);
-- ``staged``: bytes land in a device arena beside the parameters, then one batched
-  ``torch._foreach_copy_`` lands them.
+- ``staged``: bytes land in a device arena beside the parameters, then a landing planned
+  once per worker (``mooncake_rl.apply.landing``: batched ``torch._foreach_copy_``) lands
+  them.
 
 For scale, the same run measures a device-to-device copy and the Store's ranged
 ``get_into`` of the dense generation straight into device memory. Every landed parameter
 is compared with the published bytes (XXH3-64 of each shard). One JSON object goes to
 stdout, with the issue's goals evaluated: at most 5 us per tensor at 50,000 tensors, update
-GB/s at least 0.8 x the Store's ``get_into`` GB/s, every parameter bit-exact. Where a CUDA
+GB/s at least 0.8 x the Store's ``get_into`` GB/s, staged landing (``land_gbps``: staged
+bytes over the workers' landing time) at least 0.8 x the device copy's GB/s in every staged
+update, every parameter bit-exact. Where a CUDA
 build of vLLM is importable it also updates one real vLLM engine on the GPU (compat and
 direct) and checks its outputs against a reference; otherwise the JSON says why not.
 
@@ -52,6 +55,7 @@ from mooncake_rl.store import RangeRead, StoreClient
 
 GOAL_US_PER_TENSOR = 5.0
 GOAL_GET_INTO_RATIO = 0.8
+GOAL_LAND_RATIO = 0.8
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,9 @@ def update_row(
     tensors = sum(figures["tensors"] for figures in landed.values())
     nbytes = sum(t.numel() * t.element_size() for _, t in model)
     land = max(figures["seconds"] for figures in landed.values())
+    staged = sum(f["staged_bytes"] for f in landed.values())
+    # Workers land one after another (one call each), so their bytes over their summed time.
+    land_total = sum(figures["seconds"] for figures in landed.values())
     seconds = run["seconds"] + land
     return {
         "tensors": len(model),
@@ -169,11 +176,12 @@ def update_row(
         "bytes": nbytes,
         "apply_seconds": round(run["seconds"], 4),
         "land_seconds": round(land, 4),
+        "land_gbps": round(staged / land_total / 1e9, 3) if staged else None,
         "seconds": round(seconds, 4),
         "gbps": round(nbytes / seconds / 1e9, 3),
         "us_per_tensor": round(seconds / len(model) * 1e6, 3),
         "in_place_bytes": sum(f["in_place_bytes"] for f in landed.values()),
-        "staged_bytes": sum(f["staged_bytes"] for f in landed.values()),
+        "staged_bytes": staged,
         "store_read_bytes": sum(w["read"] for w in run["workers"].values()),
         "verified_bytes": sum(w["verified"] for w in run["workers"].values()),
         "bit_exact": not mismatched,
@@ -224,6 +232,7 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
         copy_gbps = device_copy_gbps(config.device, min(config.dense_bytes, 1 << 30))
     worst = max(rows[f"moe_{mode}"]["us_per_tensor"] for mode in config.modes)
     best_gbps = max(row["gbps"] for row in rows.values())
+    landings = [row["land_gbps"] for row in rows.values() if row["land_gbps"] is not None]
     return {
         "check": "gpu",
         "date": date,
@@ -240,6 +249,9 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
         "goals": {
             "us_per_tensor_at_most_5": worst <= GOAL_US_PER_TENSOR,
             "gbps_at_least_0.8_get_into": best_gbps >= GOAL_GET_INTO_RATIO * store_gbps,
+            "land_at_least_0.8_device_copy": min(landings) >= GOAL_LAND_RATIO * copy_gbps
+            if landings
+            else None,
             "bit_exact": all(row["bit_exact"] for row in rows.values()),
             "vllm_outputs_match": engine.get("outputs_match"),
         },

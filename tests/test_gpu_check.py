@@ -46,7 +46,9 @@ def test_the_check_lands_every_parameter_bit_exact_in_place() -> None:
         assert row["tensors"] == tensors and row["parameters_landed"] == 2 * tensors
         assert row["store_read_bytes"] == row["bytes"]  # each byte read once (TP row shards)
         assert (row["in_place_bytes"], row["staged_bytes"]) == (row["bytes"], 0)
+        assert row["land_gbps"] is None  # nothing staged, nothing to land
     assert set(result["updates"]) == {"moe_in_place", "dense_in_place"}
+    assert result["goals"]["land_at_least_0.8_device_copy"] is None
     assert result["scale"]["device_copy_gbps"] > 0 and result["scale"]["store_get_into_gbps"] > 0
 
 

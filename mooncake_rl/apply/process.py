@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import xxhash
 
+from mooncake_rl.apply.landing import Landing
 from mooncake_rl.apply.wire import with_checksums
 from mooncake_rl.apply.worker import (
     ApplyWorker,
@@ -40,7 +41,8 @@ class WorkerMemory:
     With ``parameters``, every region but the planner's (staging, fallback, compat) is a
     parameter of its own allocation, as an engine's are. ``in_place``: the parameters are the
     receive regions themselves (bytes land in live storage); otherwise they are received in
-    the arena and landed by ``("land",)``, one batched ``torch._foreach_copy_``.
+    the arena and landed by ``("land",)``: a :class:`~mooncake_rl.apply.landing.Landing`
+    planned once, when the worker starts.
     """
 
     device: str = "cpu"
@@ -70,6 +72,7 @@ def serve_worker(
     regions |= {name: region_of(name, tensor) for name, tensor in in_place.items()}
     spans = covering_spans([region_of("arena", arena), *(regions[name] for name in in_place)])
     buffers = arena_views(arena, {n: r for n, r in regions.items() if n in received})
+    landing = Landing.of((params[n], buffers[n]) for n in params if n not in in_place)
     buffers |= in_place
     worker = ApplyWorker(settings, worker_id)
     try:
@@ -89,7 +92,7 @@ def serve_worker(
                 elif command[0] == "dump":
                     outbox.put(("ok", buffers[command[1]].cpu().numpy().tobytes()))
                 elif command[0] == "land":
-                    outbox.put(("ok", _land(params, buffers, memory)))
+                    outbox.put(("ok", _land(landing, params, memory)))
                 elif command[0] == "digest":
                     digests = {
                         n: xxhash.xxh3_64_hexdigest(t.cpu().numpy().tobytes())
@@ -117,14 +120,12 @@ def _parameters(sizes: Mapping[str, int], memory: WorkerMemory) -> dict[str, tor
 
 
 def _land(
-    params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], memory: WorkerMemory
+    landing: Landing, params: Mapping[str, torch.Tensor], memory: WorkerMemory
 ) -> dict[str, Any]:
-    """Received bytes into the parameters: nothing to do in place, else one batched copy."""
+    """Received bytes into the parameters: nothing to do in place, else the planned copies."""
     nbytes = sum(t.numel() for t in params.values())
     started = time.perf_counter()
-    if not memory.in_place and params:
-        names = list(params)
-        torch._foreach_copy_([params[n] for n in names], [buffers[n] for n in names])
+    landing.run()
     if memory.device.startswith("cuda"):
         torch.cuda.synchronize(memory.device)
     return {

@@ -1,0 +1,108 @@
+"""Landing staged bytes into parameters: every target gets exactly its source's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mooncake_rl.apply.landing import Landing
+
+DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8, torch.bool, torch.int64)
+
+
+def random_bytes(nbytes: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+def raw(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_target_gets_exactly_its_sources_bytes(threads: int) -> None:
+    """Mixed dtypes and odd sizes, sources at arena offsets aligned only to their dtype
+    (few fit a wide word), targets both separate
+    allocations and views between guard bytes: each target holds its own source's bytes
+    (random, so bf16/fp8 NaN payloads too), and no byte beside a target changes."""
+    generator = torch.Generator().manual_seed(7)
+    shapes = [(3,), (5, 7), (64, 33), (1,), (128, 256), (2, 3, 5), (4096,), (11, 13)]
+    dtypes = [DTYPES[i % len(DTYPES)] for i in range(len(shapes))]
+    sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
+    arena = random_bytes(sum(sizes) + 16 * len(sizes), generator)
+    before_arena = raw(arena)
+    shared = random_bytes(sum(sizes) + 64 * len(sizes), generator)
+    guards = raw(shared)
+    pairs, offset, cursor = [], 0, 0
+    for index, (shape, dtype, nbytes) in enumerate(zip(shapes, dtypes, sizes, strict=True)):
+        offset = -(-offset // dtype.itemsize) * dtype.itemsize + dtype.itemsize
+        source = arena[offset : offset + nbytes].view(dtype).view(shape)
+        offset += nbytes
+        if index % 2:
+            target = torch.zeros(shape, dtype=dtype)
+        else:  # a view inside one buffer, 64 guard bytes before it
+            cursor += 64
+            target = shared[cursor : cursor + nbytes].view(dtype).view(shape)
+            cursor += nbytes
+        pairs.append((target, source))
+
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        landing = Landing.of(pairs)
+    finally:
+        torch.set_num_threads(kept)
+    assert (landing.tensors, landing.nbytes) == (len(pairs), sum(sizes))
+    assert 1 <= len(landing.groups) <= threads
+    landing.run()
+
+    for target, source in pairs:
+        assert raw(target) == raw(source)
+    assert raw(arena) == before_arena
+    cursor, landed = 0, bytearray(guards)
+    for index, nbytes in enumerate(sizes):
+        if index % 2 == 0:
+            cursor += 64
+            landed[cursor : cursor + nbytes] = raw(pairs[index][1])
+            cursor += nbytes
+    assert raw(shared) == bytes(landed)
+
+
+def test_a_parameter_lands_in_place_and_keeps_requiring_grad() -> None:
+    parameter = torch.nn.Parameter(torch.zeros(8, 16, dtype=torch.bfloat16))
+    storage = parameter.data_ptr()
+    source = torch.randn(8, 16).to(torch.bfloat16)
+    Landing.of([(parameter, source)]).run()
+    assert torch.equal(parameter.data, source) and parameter.data_ptr() == storage
+    assert parameter.requires_grad
+
+
+def test_a_landing_is_planned_once_and_lands_each_run_again() -> None:
+    target, source = torch.zeros(256, dtype=torch.int32), torch.arange(256, dtype=torch.int32)
+    landing = Landing.of([(target, source)])
+    landing.run()
+    assert torch.equal(target, source)
+    source.add_(1)
+    landing.run()
+    assert torch.equal(target, torch.arange(1, 257, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("target", "source", "problem"),
+    [
+        (
+            torch.zeros(4),
+            torch.zeros(8),
+            r"torch.float32 \(8,\) tensor into a torch.float32 \(4,\)",
+        ),
+        (torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.bfloat16), "bfloat16"),
+        (torch.zeros(4, 4).t(), torch.zeros(4, 4), "contiguous"),
+    ],
+    ids=["wrong-size", "wrong-dtype", "strided"],
+)
+def test_a_pair_that_cannot_land_is_refused_before_any_copy(
+    target: torch.Tensor, source: torch.Tensor, problem: str
+) -> None:
+    good_target, good_source = torch.zeros(4), torch.ones(4)
+    with pytest.raises(ValueError, match=problem):
+        Landing.of([(good_target, good_source), (target, source)])
+    assert torch.equal(good_target, torch.zeros(4))
