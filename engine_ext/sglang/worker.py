@@ -21,6 +21,7 @@ from engine_ext.placement import ParamRow, RegionSpec, describe_shards
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from engine_ext.shards import ShardSpec
 from engine_ext.worker import UpdateWorker, live_receivers
+from mooncake_rl.apply.landing import Landing
 
 QKV_ORDER = {"q": 0, "k": 1, "v": 2}
 
@@ -94,15 +95,15 @@ class SglangUpdateWorker(UpdateWorker):
         fallback: Iterator[tuple[str, torch.Tensor]],
         in_place: Collection[str],
     ) -> None:
-        """SGLang's ``direct`` load format: staged parameters through its default loader
-        (a copy; no post-load processing), the fallback through ``load_weights``."""
-        from sglang.srt.model_loader.weight_utils import default_weight_loader
-
-        self.model().load_weights(fallback)
+        """What SGLang's ``direct`` load format does (a plain copy per parameter, no
+        post-load processing), as one batched landing: a MoE rank stages thousands of
+        parameters, and a copy call per parameter costs more than its bytes. The landing is
+        planned (and every pair checked) before the fallback touches the live model; the
+        fallback goes through ``load_weights``."""
         params = dict(self.model().named_parameters())
-        with torch.no_grad():
-            for name, tensor in staged.items():
-                default_weight_loader(params[name], tensor)
+        landing = Landing.of((params[name], tensor) for name, tensor in staged.items())
+        self.model().load_weights(fallback)
+        landing.run()
 
 
 def handle_request(scheduler: Any, request: MooncakeRLReqInput) -> MooncakeRLReqOutput:
