@@ -19,6 +19,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import fp8
 from mooncake_rl.generations.catalog import TensorSpec, publish_format, specs_of
 from mooncake_rl.generations.keys import payload_key
+from mooncake_rl.generations.packing import pack_name
 from mooncake_rl.generations.publisher import PublishFailed, publish_local
 from mooncake_rl.generations.registry import GenerationRegistry, active_generation
 from mooncake_rl.generations.weights import active_weights
@@ -167,7 +168,14 @@ def test_fp8_generation_round_trips_through_the_store_byte_exact(settings: Setti
         assert {t.tensor_id: t.itemsize for t in manifest.tensors} == {
             name: tensor.element_size() for name, tensor in want.items()
         }
-        assert set(checksums) == {payload_key(manifest.group_id, name) for name in want}
+        # Each tensor (weights, scales, unquantized) has its own checksum, and so has each pack
+        # of one dtype they were stored in.
+        packs = {f.object_key for f in manifest.fragments}
+        assert {k for k in packs if "~pack/" in k} == {
+            payload_key(manifest.group_id, pack_name(0, dtype, i))
+            for i, dtype in enumerate(("bfloat16", "float8_e4m3fn", "float32"))
+        }
+        assert set(checksums) == {payload_key(manifest.group_id, n) for n in want} | packs
         _, tensors = active_weights(store, "fp8-roundtrip")
         loaded = dict(tensors)
         name = "model.layers.0.mlp.up_proj.weight"

@@ -413,7 +413,7 @@ def test_gc_keeps_newest_active_and_leased(settings: Settings) -> None:
         registry = GenerationRegistry(store, model)
         assert [g.generation for g in registry.generations()] == [1, 4, 5]
         assert not any(store.exists(payload_keys(group_id(model, 2), ["w"])))
-        assert store.exists([payload_key(group_id(model, 1), pack_name(0, "float32", 0))])[0]
+        assert store.exists([payload_key(group_id(model, 1), pack_name(0, "bfloat16", 0))])[0]
         leases.release("engine-old")
         # The exists() check above took Mooncake's read lease on generation 1's payload: a
         # non-forced removal refuses it (OBJECT_HAS_LEASE) and the generation stays listed.

@@ -19,12 +19,13 @@ from engine_ext.leases import ENGINE_ID_ENV, LeaseNotTaken, lease_active, loader
 from engine_ext.loading import store_weights
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
 from mooncake_rl.generations.keys import group_id, manifest_key
+from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import FENCES_KEPT, GenerationRegistry
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from tests.conftest import READ_LEASE_S, settings_for
+from tests.conftest import READ_LEASE_S, fragment_bytes, settings_for
 from tests.procs import ProcessGroup
 from verl_bridge.publish import Collective, TrainerSync
 
@@ -182,7 +183,7 @@ def footprint(store: StoreClient, model: str) -> tuple[int, int]:
     objects = nbytes = 0
     for info in registry.generations():
         manifest = registry.load_manifest(info.generation)
-        objects += len(manifest.fragments)
+        objects += len(object_extents(manifest))
         nbytes += sum(f.nbytes for f in manifest.fragments)
     return objects, nbytes
 
@@ -202,9 +203,9 @@ def hold_and_read(env: dict[str, str], model: str, stop: object, out: object) ->
         while stop.empty():  # type: ignore[attr-defined]
             book.renew("soak-reader", record.generation, settings.lease_ttl_s)
             for fragment in manifest.fragments:
-                data = store.get_bytes(fragment.object_key)
                 tensor = expected[fragment.tensor_id]
-                assert data == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                expected_bytes = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                assert fragment_bytes(store, fragment) == expected_bytes
             reads += 1
             if reads == 1:
                 out.put(record.generation)  # type: ignore[attr-defined]
@@ -261,6 +262,9 @@ def churn(
 
     with StoreClient(settings) as store, ProcessGroup() as group:
         sync(store, 1)
+        per_generation_objects = len(
+            object_extents(GenerationRegistry(store, model).load_manifest(1))
+        )
         sync(store, 2)
         metrics_start = master_metrics(master)
         start = footprint(store, model)
@@ -287,7 +291,7 @@ def churn(
         end = footprint(store, model)
         metrics_end = master_metrics(master)
     assert final == [generations, generations + 1], final
-    assert end == (keep * len(weights(0.0)), keep * per_generation), end
+    assert end == (keep * per_generation_objects, keep * per_generation), end
     syncs = generations - 1  # made after metrics_start was read
     report = ChurnReport(
         leased, reads, start, end, peak, metrics_start, metrics_end, syncs, round(churn_s, 2)

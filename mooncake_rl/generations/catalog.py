@@ -163,6 +163,20 @@ def build_manifest(
         )
         for spec in specs
     )
+    try:
+        return _manifest(model, generation, group, tensors, fragments, created_at)
+    except ValueError as error:  # mooncake.reshard's checks: e.g. packed tensors overlapping
+        raise InvariantViolation(f"not a valid manifest: {error}") from error
+
+
+def _manifest(
+    model: str,
+    generation: int,
+    group: str,
+    tensors: tuple[TensorDescriptor, ...],
+    fragments: tuple[StoredFragment, ...],
+    created_at: str,
+) -> WeightManifest:
     return WeightManifest(
         namespace=NAMESPACE,
         resource_id=model,

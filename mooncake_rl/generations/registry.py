@@ -366,7 +366,13 @@ class GenerationRegistry:
 
     def load_manifest(self, generation: int, expected_digest: str | None = None) -> WeightManifest:
         data = self.store.get_bytes(manifest_key(group_id(self.model, generation)))
-        manifest = WeightManifest.from_json(data)
+        try:
+            manifest = WeightManifest.from_json(data)
+        except ValueError as error:  # mooncake.reshard's own checks (overlapping fragments)
+            raise InvariantViolation(
+                f"the manifest of generation {generation} of {self.model} is malformed "
+                f"({error}); republish it"
+            ) from error
         if manifest.resource_id != self.model or manifest.weight_generation != generation:
             raise FenceError(f"manifest at generation {generation} describes something else")
         if expected_digest is not None and manifest.manifest_digest != expected_digest:

@@ -27,7 +27,6 @@ from mooncake_rl.generations.keys import (
     claim_key,
     group_id,
     manifest_key,
-    payload_key,
     report_key,
 )
 from mooncake_rl.generations.publisher import (
@@ -40,7 +39,7 @@ from mooncake_rl.generations.publisher import (
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from tests.conftest import settings_for, trainer_settings
+from tests.conftest import fragment_bytes, payload_keys, settings_for, trainer_settings
 from tests.procs import CTX, ProcessGroup
 from tests.test_generations import RankBehaviour, model_tensors, publish_two_nodes
 
@@ -50,7 +49,7 @@ GOOD = [("embed", torch.arange(64, dtype=torch.float32)), ("norm", torch.ones(8)
 def attempt_objects(model: str, generation: int, names: list[str], ranks: int = 2) -> list[str]:
     """Every key an attempt at ``generation`` could have written (its claim excepted)."""
     group = group_id(model, generation)
-    keys = [payload_key(group, name) for name in names]
+    keys = payload_keys(group, names, ranks)
     keys += [report_key(group, rank) for rank in range(ranks)]
     return [*keys, manifest_key(group), checksums_key(group)]
 
@@ -80,7 +79,7 @@ def assert_good_publish_after(store: StoreClient, model: str, failed: int) -> in
     report = verify_generation(store, model, record.generation)
     assert report["ok"] and report["tensors"] == len(GOOD), report
     manifest = registry.load_manifest(record.generation, record.manifest_digest)
-    got = {f.tensor_id: store.get_bytes(f.object_key) for f in manifest.fragments}
+    got = {f.tensor_id: fragment_bytes(store, f) for f in manifest.fragments}
     assert got == {name: t.numpy().tobytes() for name, t in GOOD}
     return record.generation
 

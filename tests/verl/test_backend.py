@@ -26,7 +26,7 @@ from mooncake_rl.generations import load_manifest
 from mooncake_rl.generations.keys import group_id, manifest_key
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.services import EmbeddedMaster
-from tests.conftest import READ_LEASE_S, repo_root
+from tests.conftest import READ_LEASE_S, fragment_bytes, repo_root
 from tests.verl.docs_config import compose_docs
 from tests.verl.standins import vllm_alias
 from verl_bridge.discovery import discover_engine_urls, policy_server_names, server_url
@@ -148,8 +148,8 @@ def test_retention_keys_decide_what_the_syncs_leave_in_the_store(
             assert listed == left[keys]
             manifests = [manifest_key(group_id(model, g)) for g in (1, 2, 3, 4)]
             assert store.exists(manifests) == [g in left[keys] for g in (1, 2, 3, 4)]
-            payload = load_manifest(store, model, 4).fragments[0].object_key
-            assert store.get_bytes(payload) == torch.full((4,), 4.0).numpy().tobytes()
+            fragment = load_manifest(store, model, 4).fragments[0]
+            assert fragment_bytes(store, fragment) == torch.full((4,), 4.0).numpy().tobytes()
     finally:
         for engine in engines.values():
             engine.close()

@@ -39,13 +39,13 @@ from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import UpdateResult
 from mooncake_rl.generations import TrainerTopology, assign_publishers, load_manifest
 from mooncake_rl.generations.commands import checkpoint_tensors, publish_checkpoint
-from mooncake_rl.generations.keys import group_id, payload_key
+from mooncake_rl.generations.keys import group_id
 from mooncake_rl.generations.registry import active_generation
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from mooncake_rl.transport.rendezvous import slot_key
-from tests.conftest import repo_root, settings_for
+from tests.conftest import fragment_bytes, payload_keys, repo_root, settings_for
 from tests.engine.test_receiver_routes import by_label, samples_of
 from tests.verl.docs_config import compose_docs
 from tests.verl.standins import EngineReplica, TrainerWorker, server_name, vllm_alias
@@ -210,7 +210,7 @@ def test_verl_manager_syncs_the_engine_and_verl_resumes_it(
     for fragment in load_manifest(store, MODEL, 2).fragments:
         node = NODES[assignment[fragment.tensor_id]]
         assert store.replica_segments(fragment.object_key) == (world.holders(node).segment,)
-        assert store.get_bytes(fragment.object_key) == stored_bytes(tensors[fragment.tensor_id])
+        assert fragment_bytes(store, fragment) == stored_bytes(tensors[fragment.tensor_id])
 
     # VeRL's order: abort -> release KV -> weights (our yield-nothing pass) -> finalize (the
     # engine moves to generation 2) -> resume KV -> resume. The engine, paused by VeRL's
@@ -309,7 +309,7 @@ def assert_kept(world: World, manager: CheckpointEngineManager, before: Served) 
     assert active_generation(store, MODEL).generation == before.generation
     claimed = group_id(MODEL, before.generation + 1)
     names = [name for name, _ in checkpoint_tensors(world.dirs[2])]
-    assert not any(store.exists([payload_key(claimed, n) for n in names]))
+    assert not any(store.exists(payload_keys(claimed, names)))
     assert httpx.get(f"{world.engine.url}/is_paused", timeout=30).json()["is_paused"]
     manager.resume_kv_cache_replicas()
     manager.resume_generation_replicas()
