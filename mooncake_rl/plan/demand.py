@@ -30,6 +30,7 @@ from mooncake.reshard.weight.types import validate_fragment_geometry
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.layout import TENSOR_AXES, TENSOR_FIELDS, is_digest
+from mooncake_rl.plan import grid
 from mooncake_rl.plan.source import SourceLayout
 
 STAGING_REGION = "staging"
@@ -50,12 +51,13 @@ class CompatDemand:
 
     @cached_property
     def digest(self) -> str:
-        return hashlib.sha256(f"mooncake-rl/compat/v1/align={self.align}".encode()).hexdigest()
+        return hashlib.sha256(f"mooncake-rl/compat/v2/align={self.align}".encode()).hexdigest()
 
 
 @dataclass(frozen=True, eq=False)
 class CompatLayout:
-    """Offsets of full tensors in every worker's compat region (tensor ids sorted)."""
+    """Offsets of full tensors in every worker's compat region (``tensor_ids`` sorted; the
+    tensors lie in stored order)."""
 
     tensor_ids: tuple[str, ...]
     offsets: np.ndarray
@@ -72,13 +74,18 @@ class CompatLayout:
 
 
 def compat_layout(layout: SourceLayout, align: int) -> CompatLayout:
-    """Pack full tensors in tensor-id order, each starting on an ``align``-byte boundary."""
+    """Full tensors in the order they are stored (by object, then offset), each starting on
+    an ``align``-byte boundary: tensors packed back to back in one Store object land back to
+    back, so their reads and pushes join into one (:func:`.merge.join_adjacent`)."""
     nbytes = np.array(
         [t.itemsize * int(np.prod(t.global_shape)) for t in layout.tensors], dtype=np.int64
     )
     padded = -(-nbytes // align) * align
-    offsets = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
-    total = int(offsets[-1] + nbytes[-1]) if len(nbytes) else 0
+    first = layout.fragment_ptr[:-1]
+    stored = grid.lex_order(layout.fragment_object[first], layout.fragment_offset[first])
+    offsets = np.empty(len(nbytes), np.int64)
+    offsets[stored] = np.concatenate([[0], np.cumsum(padded[stored])[:-1]])
+    total = int(offsets[stored[-1]] + nbytes[stored[-1]]) if len(nbytes) else 0
     return CompatLayout(
         tensor_ids=tuple(t.tensor_id for t in layout.tensors),
         offsets=offsets,

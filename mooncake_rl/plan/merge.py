@@ -110,3 +110,79 @@ def split_by_node(ranges: Ranges, worker_node: np.ndarray) -> Ranges:
         dst_offset=ranges.dst_offset[order],
         dst_pitch=ranges.dst_pitch[order],
     )
+
+
+def join_adjacent(ranges: Ranges) -> Ranges:
+    """Runs of ranges that continue one another, in the source and in every consumer's
+    destination, joined into one single-row range.
+
+    Why: a pack holds many small tensors back to back, and compat receive buffers (or an
+    expert's fused gate and up rows) hold them back to back too; as separate ranges each
+    would get its own reader and its own read and pushes, and Mooncake charges per range
+    (``mooncake_rl.apply.coalesce``). Joined, they are chunked and read like one large
+    tensor. Two ranges join only when both are contiguous (one row, or whole rows), the
+    second starts where the first ends in the same object, and their consumers are the same
+    workers and regions, each receiving the second right after the first. Coverage and
+    consumers are unchanged, so every later invariant holds as before; ranges that join
+    nothing keep their order and fields.
+    """
+    n = len(ranges)
+    if n < 2:
+        return ranges
+    rows = ranges.r1 - ranges.r0
+    nbytes = rows * (ranges.c1 - ranges.c0)
+    start = ranges.r0 * ranges.pitch + ranges.c0
+    counts = np.diff(ranges.ptr)
+    owner = np.repeat(np.arange(n, dtype=np.int64), counts)
+    split_dst = (rows[owner] > 1) & (ranges.dst_pitch != ranges.c1[owner] - ranges.c0[owner])
+    contiguous = ((rows == 1) | ((ranges.c0 == 0) & (ranges.c1 == ranges.pitch))) & (
+        np.bincount(owner, split_dst, n) == 0
+    )
+    order = grid.lex_order(ranges.obj, start)
+    first, second = order[:-1], order[1:]
+    pair = np.flatnonzero(
+        contiguous[first]
+        & contiguous[second]
+        & (ranges.obj[first] == ranges.obj[second])
+        & (start[first] + nbytes[first] == start[second])
+        & (counts[first] == counts[second])
+    )
+    if len(pair):
+        p, k = grid.expand_counts(counts[first[pair]])
+        a = ranges.ptr[first[pair]][p] + k
+        b = ranges.ptr[second[pair]][p] + k
+        differs = (
+            (ranges.worker[a] != ranges.worker[b])
+            | (ranges.region[a] != ranges.region[b])
+            | (ranges.dst_offset[a] + nbytes[first[pair]][p] != ranges.dst_offset[b])
+        )
+        pair = pair[np.bincount(p, differs, len(pair)) == 0]
+    if not len(pair):
+        return ranges
+    joins = np.zeros(n - 1, bool)
+    joins[pair] = True
+    group = np.concatenate([[0], np.cumsum(~joins)])  # per sorted position
+    heads = order[np.flatnonzero(np.concatenate([[True], ~joins]))]
+    total = np.bincount(group, nbytes[order]).astype(np.int64)
+    ends = start[heads] + total
+    single = np.bincount(group, minlength=len(heads)) == 1
+    keep = grid.stable_order(heads)  # groups in their head's original order
+    heads, total, ends, single = heads[keep], total[keep], ends[keep], single[keep]
+    take = ranges.ptr[heads].repeat(counts[heads]) + grid.expand_counts(counts[heads])[1]
+    return Ranges(
+        obj=ranges.obj[heads],
+        r0=np.where(single, ranges.r0[heads], 0),
+        r1=np.where(single, ranges.r1[heads], 1),
+        c0=np.where(single, ranges.c0[heads], start[heads]),
+        c1=np.where(single, ranges.c1[heads], ends),
+        pitch=np.where(single, ranges.pitch[heads], ends),
+        ptr=np.concatenate([[0], np.cumsum(counts[heads])]).astype(np.int64),
+        worker=ranges.worker[take],
+        region=ranges.region[take],
+        dst_offset=ranges.dst_offset[take],
+        dst_pitch=np.where(
+            np.repeat(single, counts[heads]),
+            ranges.dst_pitch[take],
+            np.repeat(total, counts[heads]),
+        ),
+    )

@@ -17,12 +17,12 @@ from mooncake_rl.plan import heap
 from mooncake_rl.plan.assign import assign_readers
 from mooncake_rl.plan.cache import PlanCache, PlanKey
 from mooncake_rl.plan.demand import CompatDemand, DirectDemand
-from mooncake_rl.plan.merge import merge_demands, split_by_node
+from mooncake_rl.plan.merge import join_adjacent, merge_demands, split_by_node
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.route import route
 from mooncake_rl.plan.source import source_digest, source_layout
 from mooncake_rl.plan.table import REGION_DTYPE, RoutingTable
-from mooncake_rl.plan.targets import demand_records, demand_set
+from mooncake_rl.plan.targets import demand_records, demand_set, joined_demand_records
 from mooncake_rl.plan.topology import Topology
 from mooncake_rl.plan.validate import validate_routing_table
 
@@ -197,7 +197,7 @@ def build_routing_table(
     """Plan without validating or caching (the pure pipeline)."""
     layout = source_layout(manifest, key.source_digest)
     demands = demand_set(manifest, layout, topology, demand)
-    ranges = merge_demands(demands)
+    ranges = join_adjacent(merge_demands(demands))
     if params.pull == "node":
         ranges = split_by_node(ranges, np.array(topology.worker_node, np.int64))
     chunks = assign_readers(
@@ -224,7 +224,7 @@ def build_routing_table(
         region_sizes=regions,
         reads=routes.reads,
         pushes=routes.pushes,
-        demands=demand_records(demands),
+        demands=joined_demand_records(demand_records(demands)),
         compat=demands.compat,
         lower_bound_bytes=demands.lower_bound_bytes,
         max_chunk_cost=chunks.max_cost,

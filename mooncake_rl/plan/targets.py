@@ -455,3 +455,45 @@ def demand_records(demands: DemandSet) -> np.ndarray:
     ):
         out[name] = value
     return out
+
+
+def joined_demand_records(records: np.ndarray) -> np.ndarray:
+    """``records`` with every run of demands that continue one another (same worker, region
+    and object, contiguous, each starting where the last ends in the object and in the
+    region) as one record: the same bytes to the same places.
+
+    Why: ranges joined across tensors (:func:`~mooncake_rl.plan.merge.join_adjacent`) are
+    read and pushed as one write, and the validator wants every write inside one demand.
+    Records that join nothing keep their order.
+    """
+    if len(records) < 2:
+        return records
+    nbytes = records["length"] * records["count"]
+    contiguous = (records["count"] == 1) | (
+        (records["src_stride"] == records["length"]) & (records["dst_stride"] == records["length"])
+    )
+    order = grid.lex_order(records["worker"], records["dst_region"], records["dst_offset"])
+    a, b = order[:-1], order[1:]
+    joins = (
+        contiguous[a]
+        & contiguous[b]
+        & (records["worker"][a] == records["worker"][b])
+        & (records["dst_region"][a] == records["dst_region"][b])
+        & (records["object"][a] == records["object"][b])
+        & (records["dst_offset"][a] + nbytes[a] == records["dst_offset"][b])
+        & (records["src_offset"][a] + nbytes[a] == records["src_offset"][b])
+    )
+    if not joins.any():
+        return records
+    group = np.concatenate([[0], np.cumsum(~joins)])
+    heads = order[np.flatnonzero(np.concatenate([[True], ~joins]))]
+    total = np.bincount(group, nbytes[order]).astype(np.int64)
+    single = np.bincount(group) == 1
+    keep = grid.stable_order(heads)
+    heads, total, single = heads[keep], total[keep], single[keep]
+    out = records[heads].copy()
+    joined = ~single
+    for name in ("length", "src_stride", "dst_stride"):
+        out[name][joined] = total[joined]
+    out["count"][joined] = 1
+    return out
