@@ -44,10 +44,13 @@ ASSUMPTION_KEYS = {
     "publish",
     "gpu_memory",
     "excluded",
+    "packing",
+    "per_operation",
 }
+# The byte model alone: per-operation costs have their own tests (test_simulate_ops.py).
 TOY = Scenario(
     model="llama-70b",
-    cluster=Cluster(trainer_gpus=16, rollout_instances=2, rollout_tp=8),
+    cluster=Cluster(trainer_gpus=16, rollout_instances=2, rollout_tp=8).with_op_costs("none"),
 )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mooncake.reshard.weight import (
@@ -34,6 +35,7 @@ from mooncake.reshard.weight import (
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import catalog, fp8
+from mooncake_rl.generations.packing import Placement
 from mooncake_rl.plan.demand import DirectDemand
 from mooncake_rl.plan.topology import Topology, Worker
 
@@ -232,19 +234,75 @@ def _mlp(p: str, hidden: int, intermediate: int, layer: int) -> list[TensorSpec]
     ]
 
 
+# Qwen/Qwen3-30B-A3B config.json: num_hidden_layers 48, hidden_size 2048, num_experts 128
+# (moe_intermediate_size 768, num_experts_per_tok 8 active), no shared experts, every layer
+# MoE (decoder_sparse_step 1, mlp_only_layers []), num_attention_heads 32, num_key_value_heads
+# 4, head_dim 128 (q/k RMSNorm per head), vocab_size 151936, tie_word_embeddings false, bf16.
+QWEN3_30B_A3B = dict(layers=48, hidden=2048, moe_intermediate=768, experts=128, heads=32,
+                     kv_heads=4, head_dim=128, vocab=151936)  # fmt: skip
+
+
+def qwen3_moe(
+    name: str, layers: int, hidden: int, moe_intermediate: int, experts: int, heads: int,
+    kv_heads: int, head_dim: int, vocab: int,
+) -> ModelShape:  # fmt: skip
+    """Qwen3-MoE (GQA attention with per-head q/k norms, routed experts only), every routed
+    expert its own tensor."""
+    t = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), "column")]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t += [
+            TensorSpec(p + name, shape, kind, layer_id=i)
+            for name, shape, kind in (
+                ("input_layernorm.weight", (hidden,), "replicated"),
+                ("self_attn.q_proj.weight", (q, hidden), "column"),
+                ("self_attn.k_proj.weight", (kv, hidden), "column"),
+                ("self_attn.v_proj.weight", (kv, hidden), "column"),
+                ("self_attn.o_proj.weight", (hidden, q), "row"),
+                ("self_attn.q_norm.weight", (head_dim,), "replicated"),
+                ("self_attn.k_norm.weight", (head_dim,), "replicated"),
+                ("post_attention_layernorm.weight", (hidden,), "replicated"),
+                ("mlp.gate.weight", (experts, hidden), "replicated"),
+            )
+        ]
+        t += [
+            TensorSpec(
+                f"{p}mlp.experts.{e}.{name}.weight", shape, "expert", layer_id=i, expert_id=e
+            )
+            for e in range(experts)
+            for name, shape in (
+                ("gate_proj", (moe_intermediate, hidden)),
+                ("up_proj", (moe_intermediate, hidden)),
+                ("down_proj", (hidden, moe_intermediate)),
+            )
+        ]
+    t += [
+        TensorSpec("model.norm.weight", (hidden,), "replicated"),
+        TensorSpec("lm_head.weight", (vocab, hidden), "column"),
+    ]
+    return ModelShape(name, tuple(t), num_experts=experts)
+
+
 MODELS = {
     "llama-70b": lambda: llama("llama-70b", **LLAMA3_70B),
     "deepseek-v3": lambda: deepseek_v3("deepseek-v3", **DEEPSEEK_V3),
     "kimi-k2": lambda: deepseek_v3("kimi-k2", **KIMI_K2),
     "small": lambda: deepseek_v3("small", **SMALL_MOE),
+    "qwen3-30b-a3b": lambda: qwen3_moe("qwen3-30b-a3b", **QWEN3_30B_A3B),
 }
 
 
-def weight_manifest(model: ModelShape, generation: int) -> WeightManifest:
-    """The manifest issue 3 publishes (``catalog.build_manifest``: one contiguous Store object
-    per tensor), its descriptors carrying the layer and expert ids the placements declare."""
+def weight_manifest(
+    model: ModelShape, generation: int, placements: Mapping[str, Placement] | None = None
+) -> WeightManifest:
+    """The manifest the publisher announces (``catalog.build_manifest``: each tensor's
+    contiguous bytes in its own Store object, or where ``placements`` put it in a pack),
+    its descriptors carrying the layer and expert ids the placements declare."""
     specs = [catalog.TensorSpec(spec.name, spec.shape, spec.dtype) for spec in model.tensors]
-    manifest = catalog.build_manifest(model.name, generation, specs, "1970-01-01T00:00:00Z")
+    manifest = catalog.build_manifest(
+        model.name, generation, specs, "1970-01-01T00:00:00Z", placements
+    )
     return dataclasses.replace(
         manifest, tensors=tuple(_descriptor(spec, (), ()) for spec in model.tensors)
     )
