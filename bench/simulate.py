@@ -34,7 +34,14 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import fp8
 from mooncake_rl.generations.assignment import TrainerTopology, assign_publishers
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, check_pack_bytes, pack_layout
-from mooncake_rl.plan import CompatDemand, DirectDemand, PlanParams, RoutingTable, plan_routing
+from mooncake_rl.plan import (
+    CompatDemand,
+    DirectDemand,
+    PlanParams,
+    RoutingTable,
+    grid,
+    plan_routing,
+)
 from mooncake_rl.plan.merge import merge_demands
 from mooncake_rl.plan.shapes import (
     DTYPES,
@@ -271,16 +278,31 @@ class Ops:
 
 
 def _ranges(records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(record row, src, dst, length) of every byte range of ``records``, a strided record
-    whose sides are both contiguous kept as one (``plan.table.record_ranges``)."""
+    """(record row, src, dst, length) of the records whose bytes are one range on both
+    sides (``plan.table.record_ranges``), as the ranges they are; the others are
+    :func:`_strided`."""
     length, count = records["length"].astype(I64), records["count"].astype(I64)
-    whole = (count == 1) | ((records["src_stride"] == length) & (records["dst_stride"] == length))
-    n = np.where(whole, 1, count)
-    row = np.repeat(np.arange(len(records), dtype=I64), n)
-    k = np.arange(int(n.sum()), dtype=I64) - np.repeat(np.cumsum(n) - n, n)
-    src = records["src_offset"][row] + k * records["src_stride"][row]
-    dst = records["dst_offset"][row] + k * records["dst_stride"][row]
-    return row, src, dst, np.where(whole, length * count, length)[row]
+    row = np.flatnonzero(~_is_strided(records))
+    return row, records["src_offset"][row], records["dst_offset"][row], (length * count)[row]
+
+
+def _is_strided(records: np.ndarray) -> np.ndarray:
+    length = records["length"]
+    return (records["count"] > 1) & (
+        (records["src_stride"] != length) | (records["dst_stride"] != length)
+    )
+
+
+def _strided_ranges(records: np.ndarray, workers: int) -> np.ndarray:
+    """Per worker, the ranges its strided records issue: one per row, none merging (a row
+    of a record that is not contiguous on both sides is never adjacent to the next on
+    both). Counted, not expanded: a dense model's TP shards are millions of rows."""
+    strided = _is_strided(records)
+    return np.bincount(
+        records["worker"][strided].astype(I64),
+        records["count"][strided].astype(np.float64),
+        workers,
+    ).astype(I64)
 
 
 def _merged(
@@ -312,10 +334,13 @@ def read_ops(
     obj = records["object"].astype(I64)[row]
     region = records["dst_region"].astype(I64)[row]
     order, starts = _merged((worker, batch, obj), (region,), src, dst, length)
-    w, b, o = worker[order], batch[order], obj[order]
-    new_key = np.r_[True, (w[1:] != w[:-1]) | (b[1:] != b[:-1]) | (o[1:] != o[:-1])]
-    new_key = new_key if len(order) else np.zeros(0, bool)
-    return np.bincount(w[new_key], minlength=workers), np.bincount(w[starts], minlength=workers)
+    ranges = np.bincount(worker[order][starts], minlength=workers)
+    every = records["worker"].astype(I64)
+    calls = records["batch"].astype(I64) if per_batch else np.zeros(len(records), I64)
+    keyed = grid.lex_order(every, calls, records["object"].astype(I64))
+    new_key = grid.group_starts(every[keyed], calls[keyed], records["object"].astype(I64)[keyed])
+    keys = np.bincount(every[keyed][new_key], minlength=workers)
+    return keys, ranges + _strided_ranges(records, workers)
 
 
 def push_ops(records: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray]:
@@ -328,9 +353,10 @@ def push_ops(records: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray]
     calls = (worker, stage, batch, peer)
     order, starts = _merged(calls, (src_region, dst_region), src, dst, length)
     w, st = worker[order], stage[order]
+    strided = [_strided_ranges(records[records["stage"] == k], workers) for k in (1, 2)]
     return (
-        np.bincount(w[starts & (st == 1)], minlength=workers),
-        np.bincount(w[starts & (st == 2)], minlength=workers),
+        np.bincount(w[starts & (st == 1)], minlength=workers) + strided[0],
+        np.bincount(w[starts & (st == 2)], minlength=workers) + strided[1],
     )
 
 
