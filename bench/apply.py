@@ -27,12 +27,13 @@ from typing import Any
 
 from mooncake.reshard.weight import WeightManifest
 
-from bench.common import parse_size, store_services, synthetic_model
+from bench.common import get_into_gbps, parse_size, store_services, synthetic_model
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
 from mooncake_rl.apply.process import WorkerCluster, run_planned_update
 from mooncake_rl.apply.wire import WorkerSlice
 from mooncake_rl.generations.catalog import specs_of
 from mooncake_rl.generations.checksums import ObjectChecksum
+from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.synthetic import simulated_engines
@@ -310,6 +311,8 @@ def main() -> None:
                 if len(pulls) > 1
                 else None
             )
+        objects = {key: o.nbytes for key, o in object_extents(published.manifest).items()}
+        store_gbps = get_into_gbps(settings, "cpu", objects)
     print(
         json.dumps(
             {
@@ -321,6 +324,8 @@ def main() -> None:
                 "unique_demand_bytes": plan.unique_demand_bytes,
                 **ours,
                 "raw_te_gbps": round(raw, 3),
+                "store_get_into_gbps": round(store_gbps, 3),
+                "gbps_over_get_into": round(ours["gbps"] / store_gbps, 3),
                 "pipeline_efficiency": round(ours["delivered_gbps"] / raw, 3),
                 "naive": baseline,
                 "checksums": overhead,

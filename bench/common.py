@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from mooncake_rl.generations.catalog import TensorSpec
 from mooncake_rl.services import EmbeddedMaster, SegmentHolder
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import RangeRead, StoreClient
 from mooncake_rl.units import parse_size as parse_size  # the benches' size flags
 
 
@@ -70,3 +72,27 @@ def node_services(
             )
             settings[node] = client_settings(master, holder, node)
         yield master, settings
+
+
+def get_into_gbps(settings: Settings, device: str, keys: Mapping[str, int]) -> float:
+    """The Store's ranged ``get_into`` of whole objects (key -> bytes) straight into
+    ``device`` memory, one call, second of two runs: the raw read an update is measured
+    against in the same run."""
+    total = sum(keys.values())
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    reads, offset = [], 0
+    for key, nbytes in sorted(keys.items()):
+        reads.append(RangeRead(key, 0, offset, nbytes))
+        offset += nbytes
+    with StoreClient(settings) as store:
+        store.register(buffer.data_ptr(), total)
+        try:
+            store.read_ranges(buffer.data_ptr(), reads)  # warm: connections, first touch
+            started = time.perf_counter()
+            store.read_ranges(buffer.data_ptr(), reads)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - started
+        finally:
+            store.unregister(buffer.data_ptr())
+    return total / seconds / 1e9

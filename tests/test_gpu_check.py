@@ -48,7 +48,10 @@ def test_the_check_lands_every_parameter_bit_exact_in_place() -> None:
         assert (row["in_place_bytes"], row["staged_bytes"]) == (row["bytes"], 0)
         assert row["land_gbps"] is None  # nothing staged, nothing to land
     assert set(result["updates"]) == {"moe_in_place", "dense_in_place"}
-    assert result["goals"]["land_at_least_0.8_device_copy"] is None
+    goals = result["goals"]
+    assert goals["land_at_least_0.8_device_copy"] is None and goals["each_byte_read_once"]
+    assert set(goals["update_over_get_into"]) == {"moe", "dense"}
+    assert all(ratio > 0 for ratio in goals["update_over_get_into"].values())
     assert result["scale"]["device_copy_gbps"] > 0 and result["scale"]["store_get_into_gbps"] > 0
 
 
