@@ -154,15 +154,10 @@ def llama(
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         p = f"model.layers.{i}."
+        t += _gqa_attention(p, i, hidden, q, kv)
         t += [
             TensorSpec(p + name, shape, kind, layer_id=i)
             for name, shape, kind in (
-                ("input_layernorm.weight", (hidden,), "replicated"),
-                ("self_attn.q_proj.weight", (q, hidden), "column"),
-                ("self_attn.k_proj.weight", (kv, hidden), "column"),
-                ("self_attn.v_proj.weight", (kv, hidden), "column"),
-                ("self_attn.o_proj.weight", (hidden, q), "row"),
-                ("post_attention_layernorm.weight", (hidden,), "replicated"),
                 ("mlp.gate_proj.weight", (intermediate, hidden), "column"),
                 ("mlp.up_proj.weight", (intermediate, hidden), "column"),
                 ("mlp.down_proj.weight", (hidden, intermediate), "row"),
@@ -173,6 +168,27 @@ def llama(
         TensorSpec("lm_head.weight", (vocab, hidden), "column"),
     ]
     return ModelShape(name, tuple(t))
+
+
+def _gqa_attention(
+    p: str, layer: int, hidden: int, q: int, kv: int, qk_norm: int = 0
+) -> list[TensorSpec]:
+    """A decoder layer's norms and GQA projections (q/k RMSNorms per head when ``qk_norm``
+    gives their width, as Qwen3's)."""
+    rows = [
+        ("input_layernorm.weight", (hidden,), "replicated"),
+        ("self_attn.q_proj.weight", (q, hidden), "column"),
+        ("self_attn.k_proj.weight", (kv, hidden), "column"),
+        ("self_attn.v_proj.weight", (kv, hidden), "column"),
+        ("self_attn.o_proj.weight", (hidden, q), "row"),
+    ]
+    if qk_norm:
+        rows += [
+            ("self_attn.q_norm.weight", (qk_norm,), "replicated"),
+            ("self_attn.k_norm.weight", (qk_norm,), "replicated"),
+        ]
+    rows.append(("post_attention_layernorm.weight", (hidden,), "replicated"))
+    return [TensorSpec(p + name, shape, kind, layer_id=layer) for name, shape, kind in rows]
 
 
 def deepseek_v3(
@@ -252,20 +268,8 @@ def qwen3_moe(
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         p = f"model.layers.{i}."
-        t += [
-            TensorSpec(p + name, shape, kind, layer_id=i)
-            for name, shape, kind in (
-                ("input_layernorm.weight", (hidden,), "replicated"),
-                ("self_attn.q_proj.weight", (q, hidden), "column"),
-                ("self_attn.k_proj.weight", (kv, hidden), "column"),
-                ("self_attn.v_proj.weight", (kv, hidden), "column"),
-                ("self_attn.o_proj.weight", (hidden, q), "row"),
-                ("self_attn.q_norm.weight", (head_dim,), "replicated"),
-                ("self_attn.k_norm.weight", (head_dim,), "replicated"),
-                ("post_attention_layernorm.weight", (hidden,), "replicated"),
-                ("mlp.gate.weight", (experts, hidden), "replicated"),
-            )
-        ]
+        t += _gqa_attention(p, i, hidden, q, kv, qk_norm=head_dim)
+        t.append(TensorSpec(p + "mlp.gate.weight", (experts, hidden), "replicated", layer_id=i))
         t += [
             TensorSpec(
                 f"{p}mlp.experts.{e}.{name}.weight", shape, "expert", layer_id=i, expert_id=e
