@@ -192,23 +192,6 @@ class StoreClient:
         finally:
             self.unregister(ptr)
 
-    def batch_put_from(
-        self,
-        keys: Sequence[str],
-        ptrs: Sequence[int],
-        sizes: Sequence[int],
-        *,
-        replica_num: int = 1,
-        preferred_segments: Sequence[str] = (),
-        hard_pin: bool = True,
-    ) -> list[int]:
-        """Put several objects from registered addresses in one request: each key's code
-        (non-negative, or the Mooncake error that key failed with)."""
-        config = self._config(replica_num, preferred_segments, hard_pin)
-        codes = list(self._store.batch_put_from(list(keys), list(ptrs), list(sizes), config))
-        COUNTERS.add(put=sum(size for size, code in zip(sizes, codes, strict=True) if code >= 0))
-        return codes
-
     def put_bytes(self, key: str, data: bytes, *, preferred_segments: Sequence[str] = ()) -> None:
         """A record (``RECORD_REPLICAS`` copies); a put to an existing key is ignored."""
         config = self._config(RECORD_REPLICAS, preferred_segments, True)
