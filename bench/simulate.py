@@ -364,8 +364,14 @@ def table_ops(table: RoutingTable) -> Ops:
     """The native operations the executor issues for ``table`` (``apply.executor``)."""
     n = len(table.workers)
     keys, ranges = read_ops(table.reads, n)
-    pushes, stage2 = push_ops(table.pushes, n)
+    pushes, stage2 = push_ops(remote_pushes(table.pushes), n)
     return Ops(keys, ranges, pushes, stage2)
+
+
+def remote_pushes(pushes: np.ndarray) -> np.ndarray:
+    """Pushes less local copies (a sieved span's pieces, ``plan.sieve``): those are in-memory
+    copies inside one GPU, neither Transfer Engine operations nor link traffic."""
+    return pushes[pushes["peer"] != pushes["worker"]]
 
 
 def naive_ops(table: RoutingTable) -> Ops:
@@ -447,7 +453,7 @@ def ours_traffic(table: RoutingTable, trainer_of_object: np.ndarray, trainer_nod
     """This design: every read and push record of the routing table, stage by stage."""
     n = len(table.workers)
     node = np.asarray(table.worker_node, I64)
-    reads, pushes = table.reads, table.pushes
+    reads, pushes = table.reads, remote_pushes(table.pushes)
     read_bytes = reads["length"].astype(I64) * reads["count"]
     push_bytes = pushes["length"].astype(I64) * pushes["count"]
     sender, peer = pushes["worker"].astype(I64), pushes["peer"].astype(I64)

@@ -10,6 +10,9 @@ A staging watermark bounds the bytes of batches that are read but not yet pushed
 admit at least two batches so reads and pushes can overlap at all (the coordinator checks
 every worker's watermark against the plan's batch before it drains an engine).
 
+A push to the worker itself is a local copy (a sieved span's pieces, out of staging): it runs
+as a batched in-memory copy (``mooncake_rl.apply.copies``), not through the Transfer Engine.
+
 Every byte count Mooncake returns is verified by the wrappers; a failure raises with the
 range, the peer and the Mooncake error. Consumers are passive: a worker learns that its bytes
 arrived only because every worker's ``run_stage`` returned (the coordinator's barrier).
@@ -25,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_rl.apply.coalesce import coalesced_reads, coalesced_writes
+from mooncake_rl.apply.copies import LocalCopier
 from mooncake_rl.apply.registration import Region
 from mooncake_rl.apply.verify import RangeVerifier
 from mooncake_rl.engine import TransferEngineClient, Write
@@ -87,6 +91,8 @@ class StageResult:
     """Read bytes in blocks the batch covered only in part (or all, without a table)."""
     verify_seconds: float = 0.0
     """Time spent hashing (on the verify thread, overlapped with reads and pushes)."""
+    copied_bytes: int = 0
+    """Bytes copied between the worker's own regions (local copies, not pushed)."""
 
 
 class _Watermark:
@@ -135,10 +141,14 @@ class WorkerExecutor:
         staging_watermark_bytes: int,
         checksums: Mapping[str, ObjectChecksum] | None = None,
         spans: Sequence[Region] = (),
+        worker_id: str | None = None,
     ) -> None:
+        """``worker_id``: this worker's name in the plan; pushes to it are local copies."""
         self.store = store
         self.engine = engine
+        self.worker_id = worker_id
         self.regions = dict(regions)
+        self.copier = LocalCopier(self.regions)
         self._span_of = _containing_spans(self.regions, spans)
         self.watermark_bytes = staging_watermark_bytes
         self.verifier = RangeVerifier(checksums) if checksums is not None else None
@@ -163,7 +173,11 @@ class WorkerExecutor:
                 self._region(self.regions, push.src_region, "local").address(
                     push.src_offset, push.length
                 )
-                if peers is not None:
+                if push.peer == self.worker_id:
+                    self._region(self.regions, push.dst_region, "local").address(
+                        push.dst_offset, push.length
+                    )
+                elif peers is not None:
                     peer = peers.get(push.peer)
                     if peer is None:
                         raise InvariantViolation(f"push to unknown peer {push.peer}")
@@ -207,7 +221,13 @@ class WorkerExecutor:
 
     def _push(self, batch: Batch, peers: Mapping[str, Peer], result: StageResult) -> int:
         by_peer: dict[str, list[Write]] = defaultdict(list)
+        local = [op for op in batch.pushes if op.peer == self.worker_id]
+        result.copied_bytes += self.copier.copy(
+            [(o.src_region, o.src_offset, o.dst_region, o.dst_offset, o.length) for o in local]
+        )
         for op in batch.pushes:
+            if op.peer == self.worker_id:
+                continue
             peer = peers[op.peer]
             src = self.regions[op.src_region].address(op.src_offset, op.length)
             dst = peer.regions[op.dst_region].address(op.dst_offset, op.length)

@@ -163,7 +163,12 @@ class ApplyWorker:
         """
         spans = [spans] if isinstance(spans, Region) else list(spans)
         executor = WorkerExecutor(
-            self.store, self.engine, regions, self.settings.staging_watermark_bytes, checksums
+            self.store,
+            self.engine,
+            regions,
+            self.settings.staging_watermark_bytes,
+            checksums,
+            worker_id=self.worker_id,
         )
         for batches in stages:
             executor.validate(batches)
@@ -203,6 +208,7 @@ class ApplyWorker:
             self.settings.staging_watermark_bytes,
             self.checksums,
             self.spans,
+            self.worker_id,
         )
         return executor.run(batches, peers, scatter)
 

@@ -20,6 +20,7 @@ from mooncake_rl.plan.demand import CompatDemand, DirectDemand
 from mooncake_rl.plan.merge import join_adjacent, merge_demands, split_by_node
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.route import route
+from mooncake_rl.plan.sieve import sieve
 from mooncake_rl.plan.source import source_digest, source_layout
 from mooncake_rl.plan.table import REGION_DTYPE, RoutingTable
 from mooncake_rl.plan.targets import demand_records, demand_set, joined_demand_records
@@ -198,12 +199,14 @@ def build_routing_table(
     layout = source_layout(manifest, key.source_digest)
     demands = demand_set(manifest, layout, topology, demand)
     ranges = join_adjacent(merge_demands(demands))
+    worker_node = np.array(topology.worker_node, np.int64)
     if params.pull == "node":
-        ranges = split_by_node(ranges, np.array(topology.worker_node, np.int64))
+        ranges = split_by_node(ranges, worker_node)
+    sieved = sieve(ranges, worker_node, params)
     chunks = assign_readers(
-        ranges, topology, params, object_homes(layout.objects, topology, segments)
+        sieved.ranges, topology, params, object_homes(layout.objects, topology, segments)
     )
-    routes = route(ranges, chunks, topology, params)
+    routes = route(sieved.ranges, chunks, topology, params, sieved)
     staging = np.flatnonzero(routes.staging_bytes)
     regions = np.zeros(len(demands.region_worker) + len(staging), REGION_DTYPE)
     regions["worker"] = np.concatenate([demands.region_worker, staging])

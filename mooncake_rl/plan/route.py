@@ -18,6 +18,11 @@ largest chunk), i.e. receives that much in stage 1 and sends ``k - 1`` times it 
 
 With a pull per node (``PlanParams.pull``) every chunk's consumers sit on its reader's node,
 so all its pushes are stage 1 pushes from the read: no relay, no stage 2.
+
+**Local copies** finish sieved spans (:mod:`.sieve`): each consumer of a span copies its
+pieces out of its staging in stage 2, once the span has landed there (read, or pushed in
+stage 1). They are stage 2 pushes from a worker to itself: the executor runs them as
+in-memory copies, and the table's traffic totals leave them out.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from mooncake_rl.plan import grid
 from mooncake_rl.plan.assign import Chunks
 from mooncake_rl.plan.merge import Ranges
 from mooncake_rl.plan.params import PlanParams
+from mooncake_rl.plan.sieve import STAGING, Sieved
 from mooncake_rl.plan.table import PUSH_DTYPE, READ_DTYPE
 from mooncake_rl.plan.topology import Topology
 
@@ -43,7 +49,15 @@ class Routes:
     staging_bytes: np.ndarray  # per worker
 
 
-def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams) -> Routes:
+def route(
+    ranges: Ranges,
+    chunks: Chunks,
+    topology: Topology,
+    params: PlanParams,
+    sieved: Sieved | None = None,
+) -> Routes:
+    """``sieved``: where ``ranges`` came from a sieve, its copies join the pushes and its
+    spans' staging comes first in every worker's staging region."""
     node_of = np.array(topology.worker_node, I64)
     r = chunks.range_
     pitch = ranges.pitch[r]
@@ -78,8 +92,9 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
     land_pitch[owner[is_reader]] = dst_pitch[is_reader]
     staged = np.ones(len(r), bool)
     staged[owner[is_reader]] = False
+    base = sieved.staging_bytes if sieved is not None else np.zeros(len(topology.workers), I64)
     staging_bytes = _allocate_staging(
-        staged, reader, length * count, land_off, params.align, topology
+        staged, reader, length * count, land_off, params.align, topology, base
     )
 
     # Read order and batches (per worker: by object, then offset).
@@ -148,7 +163,36 @@ def route(ranges: Ranges, chunks: Chunks, topology: Topology, params: PlanParams
         ("count", count[o]),
     ):
         pushes[name] = value
+    if sieved is not None and sieved.copies:
+        pushes = _with_copies(pushes, sieved, params)
     return Routes(reads=reads, pushes=pushes, staging_bytes=staging_bytes)
+
+
+def _with_copies(pushes: np.ndarray, sieved: Sieved, params: PlanParams) -> np.ndarray:
+    """The sieve's local copies as stage 2 pushes of each worker to itself, in batches after
+    the worker's relay batches, merged into the pushes' (worker, stage, batch) order."""
+    worker = sieved.copy_worker  # sorted by worker
+    relayed = pushes[pushes["stage"] == 2]
+    after = np.zeros(int(max(worker.max(), pushes["worker"].max(initial=0))) + 1, I64)
+    np.maximum.at(after, relayed["worker"].astype(I64), relayed["batch"].astype(I64) + 1)
+    copies = np.zeros(len(worker), PUSH_DTYPE)
+    for name, value in (
+        ("worker", worker),
+        ("stage", 2),
+        ("batch", after[worker] + _pack(worker, sieved.copy_length, params)),
+        ("peer", worker),
+        ("src_region", STAGING),
+        ("src_offset", sieved.copy_src),
+        ("src_stride", sieved.copy_length),
+        ("dst_region", sieved.copy_region),
+        ("dst_offset", sieved.copy_dst),
+        ("dst_stride", sieved.copy_length),
+        ("length", sieved.copy_length),
+        ("count", 1),
+    ):
+        copies[name] = value
+    merged = np.concatenate([pushes, copies])
+    return merged[grid.lex_order(merged["worker"], merged["stage"], merged["batch"])]
 
 
 def _read_walk(obj: np.ndarray, node: np.ndarray, n_nodes: int, params: PlanParams) -> np.ndarray:
@@ -205,8 +249,9 @@ def _workers_by_node(topology: Topology) -> list[np.ndarray]:
     return np.split(order, np.flatnonzero(np.diff(node_of[order])) + 1)
 
 
-def _allocate_staging(staged, reader, nbytes, land_off, align, topology) -> np.ndarray:
-    """Pack staged chunks back to back per reader (``align``-byte aligned); sizes per worker."""
+def _allocate_staging(staged, reader, nbytes, land_off, align, topology, base) -> np.ndarray:
+    """Pack staged chunks back to back per reader (``align``-byte aligned) after the
+    ``base`` bytes each worker's staging already holds; sizes per worker."""
     idx = np.flatnonzero(staged)
     idx = idx[np.argsort(reader[idx], kind="stable")]
     padded = -(-nbytes[idx] // align) * align
@@ -214,8 +259,8 @@ def _allocate_staging(staged, reader, nbytes, land_off, align, topology) -> np.n
     first = grid.group_starts(reader[idx])
     group_base = (end - padded)[first]
     offsets = end - padded - group_base[np.cumsum(first) - 1]
-    land_off[idx] = offsets
-    sizes = np.zeros(len(topology.workers), I64)
+    land_off[idx] = offsets + base[reader[idx]]
+    sizes = np.asarray(base, I64).copy()
     np.add.at(sizes, reader[idx], padded)
     return sizes
 

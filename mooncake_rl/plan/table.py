@@ -208,6 +208,9 @@ class RoutingTable:
     def totals(self) -> Totals:
         reads, pushes, demands = self.reads, self.pushes, self.demands
         node = self.worker_node
+        copies = pushes["peer"] == pushes["worker"]  # local copies (sieve): no traffic
+        delivered = pushes[pushes["dst_region"] != 0]  # a span into staging lands nothing
+        pushes = pushes[~copies]
         read_bytes = reads["length"] * reads["count"]
         push_bytes = pushes["length"] * pushes["count"]
         cross = node[pushes["worker"]] != node[pushes["peer"]]
@@ -218,8 +221,10 @@ class RoutingTable:
             reads["worker"][reads["dst_region"] != 0],
             read_bytes[reads["dst_region"] != 0],
             len(self.workers),
-        )
-        landed += np.bincount(pushes["peer"], push_bytes, len(self.workers))
+        ).astype(np.int64)
+        landed += np.bincount(
+            delivered["peer"], delivered["length"] * delivered["count"], len(self.workers)
+        ).astype(np.int64)
         demanded = np.bincount(
             demands["worker"], demands["length"] * demands["count"], len(self.workers)
         )

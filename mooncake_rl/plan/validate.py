@@ -12,6 +12,8 @@ table's own coverage contract (``demands``):
    demands do not overlap either;
 4. every push moves exactly the bytes some earlier write landed at the sender (a read in the
    same or an earlier batch, or a push of an earlier stage), so its source bytes are known;
+   a local copy (a stage 2 push of a worker to itself, :mod:`.sieve`) may move any part of
+   one contiguous such write;
 5. every write outside staging lands inside one demand and carries exactly the object bytes
    that demand maps to that place (a write either stays inside one demand row, both sides
    advancing by one stride, or steps through demand rows with the demand's own strides);
@@ -187,13 +189,19 @@ class _V:
             for stride in (c["src_stride"], c["dst_stride"]):
                 bad |= np.where(count == 1, stride != length, stride < length)
             if "stage" in c:
-                bad |= (c["stage"] < 1) | (c["stage"] > 2) | (c["peer"] == c["worker"])
+                local = c["peer"] == c["worker"]
+                bad |= (c["stage"] < 1) | (c["stage"] > 2) | (local & (c["stage"] != 2))
             if "batch" in c:
                 bad |= c["batch"] < 0
             if bad.any():
                 raise InvariantViolation(f"malformed {describe(np.flatnonzero(bad)[0])}")
-        for c, describe in ((self.pushes, self._push), (self.demands, self._demand)):
-            staged = np.flatnonzero(c["dst_region"] == 0)
+        # Only a sieved span is pushed into staging, and only by another worker.
+        copies = self.pushes["peer"] == self.pushes["worker"]
+        for c, describe, into in (
+            (self.pushes, self._push, copies),
+            (self.demands, self._demand, np.ones(len(self.demands["length"]), bool)),
+        ):
+            staged = np.flatnonzero(into & (c["dst_region"] == 0))
             if len(staged):
                 raise InvariantViolation(f"{describe(staged[0])} targets the staging region")
 
@@ -288,10 +296,11 @@ class _V:
     def provenance(self) -> None:
         """Match every push source to the write that put those bytes at the sender."""
         n_r, p, land = len(self.t.reads), self.pushes, self.land
+        sent_from = self._space(p, "worker", "src_region")
         source, exact = grid.at_or_before(
             self.sorted_land.space,
             land["dst_offset"],
-            self._space(p, "worker", "src_region"),
+            sent_from,
             p["src_offset"],
             ref_order=self.sorted_land.order,
         )
@@ -302,11 +311,22 @@ class _V:
             & (land["length"][s] == p["length"])
             & (land["count"][s] == p["count"])
         )
-        bad = np.flatnonzero(~same)
+        # A local copy takes part of one contiguous landing (its source found at or before).
+        delta = p["src_offset"] - land["dst_offset"][s]
+        inside = (
+            (p["peer"] == p["worker"])
+            & (source >= 0)
+            & (self.sorted_land.space[s] == sent_from)
+            & (land["count"][s] == 1)
+            & (p["count"] == 1)
+            & (delta + p["length"] <= land["length"][s])
+        )
+        bad = np.flatnonzero(~(same | inside))
         if len(bad):
             raise InvariantViolation(
                 f"{self._push(bad[0])} sends bytes no earlier write landed at the sender "
-                "(its source is not exactly one read or received push)"
+                "(its source is not exactly one read or received push, nor a local copy "
+                "of part of one)"
             )
         from_read = source < n_r
         stage = p["stage"]
@@ -328,7 +348,8 @@ class _V:
         for level in (1, 2):
             sel = np.flatnonzero(stage == level)
             src = source[sel]
-            obj[sel + n_r], off[sel + n_r], stride[sel + n_r] = obj[src], off[src], stride[src]
+            obj[sel + n_r], stride[sel + n_r] = obj[src], stride[src]
+            off[sel + n_r] = off[src] + np.where(same[sel], 0, delta[sel])
         self.l_obj, self.l_src, self.l_src_stride = obj, off, stride
 
     def placement(self) -> _Placement:

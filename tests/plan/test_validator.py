@@ -111,8 +111,11 @@ def test_undeclared_region_and_staging_targets(table):
         corrupt(table, "reads", 0, dst_region=len(table.regions) - 1),
         "undeclared region|past the end",
     )
-    rejects(corrupt(table, "pushes", 0, dst_region=0), "targets the staging region")
-    rejects(corrupt(table, "pushes", 0, peer=int(table.pushes[0]["worker"])), "malformed push")
+    # A push into staging needs the peer to declare one (only sieved spans go there).
+    rejects(corrupt(table, "pushes", 0, dst_region=0), "undeclared region staging")
+    own = int(table.pushes[0]["worker"])
+    # A push to oneself is a local copy: stage 2 only (tests/plan/test_sieve.py: the rest).
+    rejects(corrupt(table, "pushes", 0, peer=own), "malformed push")
 
 
 def test_reader_outside_the_demand_stages_through_staging():
