@@ -62,8 +62,8 @@ def serve_worker(
     outbox: Any,
     memory: WorkerMemory = WorkerMemory(),
 ) -> None:
-    """Commands: ("prepare", stages[, checksums]) -> description; ("run", batches, descriptions) ->
-    result; ("dump", region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of
+    """Commands: ("prepare", stages[, checksums]) -> description; ("run", batches or the index
+    of a prepared stage, descriptions) -> result; ("dump", region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of
     every parameter; ("stop",)."""
     params = _parameters(region_sizes, memory)
     in_place = params if memory.in_place else {}
@@ -75,6 +75,7 @@ def serve_worker(
     landing = Landing.of((params[n], buffers[n]) for n in params if n not in in_place)
     buffers |= in_place
     worker = ApplyWorker(settings, worker_id)
+    prepared: tuple = ()
     try:
         while True:
             command = inbox.get(timeout=300)
@@ -83,10 +84,13 @@ def serve_worker(
                     checksums = command[2] if len(command) > 2 else None
                     worker.prepare(spans, regions, command[1], checksums)
                     worker.promote()
+                    prepared = tuple(command[1])
                     outbox.put(("ok", worker.describe()))
                 elif command[0] == "run":
                     before = COUNTERS.snapshot()
-                    result = worker.run_stage(command[1], peers_from(command[2]))
+                    # An engine keeps its slice from prepare; so does a stage run by index.
+                    batches = prepared[command[1]] if isinstance(command[1], int) else command[1]
+                    result = worker.run_stage(batches, peers_from(command[2]))
                     delta = COUNTERS.snapshot() - before
                     outbox.put(("ok", {"result": result, "counters": delta}))
                 elif command[0] == "dump":
@@ -256,7 +260,7 @@ def run_planned_update(
         for w in workers
     }
     for stage in range(plan.stages):
-        commands = {w: ("run", plan.worker_slice(w).stages[stage], descriptions) for w in workers}
+        commands = {w: ("run", stage, descriptions) for w in workers}
         for worker, (status, value) in cluster.call_all(commands, timeout_s).items():
             if status != "ok":
                 raise RuntimeError(f"{worker} failed in stage {stage}: {value}")

@@ -20,9 +20,10 @@ With a pull per node (``PlanParams.pull``) every chunk's consumers sit on its re
 so all its pushes are stage 1 pushes from the read: no relay, no stage 2.
 
 **Local copies** finish sieved spans (:mod:`.sieve`): each consumer of a span copies its
-pieces out of its staging in stage 2, once the span has landed there (read, or pushed in
-stage 1). They are stage 2 pushes from a worker to itself: the executor runs them as
-in-memory copies, and the table's traffic totals leave them out.
+pieces out of its staging once the span has landed there: its reader in the batch of the
+read, the others in stage 2 (the span reached them by a stage 1 push). They are pushes from
+a worker to itself: the executor runs them as in-memory copies, and the table's traffic
+totals leave them out.
 """
 
 from __future__ import annotations
@@ -164,25 +165,45 @@ def route(
     ):
         pushes[name] = value
     if sieved is not None and sieved.copies:
-        pushes = _with_copies(pushes, sieved, params)
+        pushes = _with_copies(pushes, reads, sieved, params)
     return Routes(reads=reads, pushes=pushes, staging_bytes=staging_bytes)
 
 
-def _with_copies(pushes: np.ndarray, sieved: Sieved, params: PlanParams) -> np.ndarray:
-    """The sieve's local copies as stage 2 pushes of each worker to itself, in batches after
-    the worker's relay batches, merged into the pushes' (worker, stage, batch) order."""
-    worker = sieved.copy_worker  # sorted by worker
+def _with_copies(
+    pushes: np.ndarray, reads: np.ndarray, sieved: Sieved, params: PlanParams
+) -> np.ndarray:
+    """The sieve's local copies as pushes of each worker to itself, merged into the pushes'
+    (worker, stage, batch) order: a span's reader copies its pieces in the batch of its read
+    (stage 1, as soon as the read is checked); the others in stage 2, once the span they
+    were pushed has arrived, in batches after their relay batches."""
+    worker, src = sieved.copy_worker, sieved.copy_src  # sorted by worker
+    landed = np.flatnonzero(reads["dst_region"] == STAGING)
+    at, _ = grid.at_or_before(
+        reads["worker"][landed].astype(I64),
+        reads["dst_offset"][landed].astype(I64),
+        worker,
+        src,
+    )
+    read = landed[np.maximum(at, 0)]
+    own = (
+        (at >= 0)
+        & (reads["worker"][read] == worker)
+        & (src + sieved.copy_length <= reads["dst_offset"][read] + reads["length"][read])
+    )
     relayed = pushes[pushes["stage"] == 2]
     after = np.zeros(int(max(worker.max(), pushes["worker"].max(initial=0))) + 1, I64)
     np.maximum.at(after, relayed["worker"].astype(I64), relayed["batch"].astype(I64) + 1)
+    batch = reads["batch"][read].astype(I64)
+    late = np.flatnonzero(~own)
+    batch[late] = after[worker[late]] + _pack(worker[late], sieved.copy_length[late], params)
     copies = np.zeros(len(worker), PUSH_DTYPE)
     for name, value in (
         ("worker", worker),
-        ("stage", 2),
-        ("batch", after[worker] + _pack(worker, sieved.copy_length, params)),
+        ("stage", np.where(own, 1, 2)),
+        ("batch", batch),
         ("peer", worker),
         ("src_region", STAGING),
-        ("src_offset", sieved.copy_src),
+        ("src_offset", src),
         ("src_stride", sieved.copy_length),
         ("dst_region", sieved.copy_region),
         ("dst_offset", sieved.copy_dst),

@@ -12,8 +12,8 @@ table's own coverage contract (``demands``):
    demands do not overlap either;
 4. every push moves exactly the bytes some earlier write landed at the sender (a read in the
    same or an earlier batch, or a push of an earlier stage), so its source bytes are known;
-   a local copy (a stage 2 push of a worker to itself, :mod:`.sieve`) may move any part of
-   one contiguous such write;
+   a local copy (a push of a worker to itself, :mod:`.sieve`) may move any part of one
+   contiguous such write;
 5. every write outside staging lands inside one demand and carries exactly the object bytes
    that demand maps to that place (a write either stays inside one demand row, both sides
    advancing by one stride, or steps through demand rows with the demand's own strides);
@@ -189,8 +189,7 @@ class _V:
             for stride in (c["src_stride"], c["dst_stride"]):
                 bad |= np.where(count == 1, stride != length, stride < length)
             if "stage" in c:
-                local = c["peer"] == c["worker"]
-                bad |= (c["stage"] < 1) | (c["stage"] > 2) | (local & (c["stage"] != 2))
+                bad |= (c["stage"] < 1) | (c["stage"] > 2)
             if "batch" in c:
                 bad |= c["batch"] < 0
             if bad.any():

@@ -106,7 +106,9 @@ def test_five_thousand_tp2_shards_take_a_read_per_span_not_per_shard() -> None:
     spans = -(-small // BLOCK_BYTES)
     assert len(table.reads) <= spans + 2 + 1  # + the large tensor's halves (+ a cut span)
     local = table.pushes["peer"] == table.pushes["worker"]
-    assert (table.pushes["stage"][local] == 2).all()
+    # The reader copies its shards out as its read lands, the other rank after the barrier.
+    stages = table.pushes["stage"][local]
+    assert int((stages == 1).sum()) >= 4999 - 2 and int((stages == 2).sum()) >= 4999 - 2
     assert int(local.sum()) >= 2 * 4999  # every small shard of both ranks, once
     remote = table.pushes[~local]
     assert len(remote) == len(table.reads) - 2  # each span once to the other rank
@@ -157,7 +159,7 @@ def _corrupt(table: RoutingTable, i: int, **changes) -> RoutingTable:
             "past the end|no earlier write landed",
         ),
         (lambda p: {"dst_offset": int(p["dst_offset"]) + 2}, "runs past the end of region"),
-        (lambda p: {"stage": 1}, "malformed push|not in worker/stage/batch order"),
+        (lambda p: {"stage": 3}, "malformed push|not in worker/stage/batch order"),
     ],
 )
 def test_the_validator_refuses_a_broken_copy(change, message) -> None:
