@@ -63,8 +63,8 @@ def serve_worker(
     memory: WorkerMemory = WorkerMemory(),
 ) -> None:
     """Commands: ("prepare", stages[, checksums]) -> description; ("run", batches or the index
-    of a prepared stage, descriptions) -> result; ("dump", region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of
-    every parameter; ("stop",)."""
+    of a prepared stage, descriptions) -> result; ("dump", region) -> bytes; ("land",) ->
+    landing figures; ("digest",) -> XXH3-64 of every parameter; ("stop",)."""
     params = _parameters(region_sizes, memory)
     in_place = params if memory.in_place else {}
     received = {n: size for n, size in region_sizes.items() if n not in in_place}

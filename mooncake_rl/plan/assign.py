@@ -35,7 +35,9 @@ the final mean. With ``in = in0 + staged - local reads``, every node's NIC time 
 term is the bytes the node must receive under any plan. Ranges are chunked so
 ``cost_max <= balance_slack * (mean in0)`` unless that would make chunks smaller than
 ``min_chunk_bytes``; chunks also never exceed ``batch_bytes`` (except a single row wider
-than it).
+than it). A contiguous range cut in several chunks is cut at its object's 4 MiB checksum
+blocks (whole blocks per chunk, where they fit a batch), so every chunk's reader checks
+what it reads.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mooncake_rl.generations.checksums import BLOCK_BYTES
 from mooncake_rl.plan import grid
 from mooncake_rl.plan.merge import Ranges
 from mooncake_rl.plan.params import PlanParams
@@ -107,14 +110,22 @@ def assign_readers(
     per_chunk_cols = np.where(
         multi, cols, _ceil_div(_ceil_div(cols, k), params.align) * params.align
     )
-    n_chunks = np.where(multi, _ceil_div(rows, per_chunk_rows), _ceil_div(cols, per_chunk_cols))
+    # A contiguous range cut in several chunks is cut at its object's checksum blocks, so each
+    # chunk's reader can check every byte it reads (``apply.verify``): chunks grow to whole
+    # blocks, the first starting where the range does (``lead``: its offset into its block).
+    whole_blocks = _ceil_div(per_chunk_cols, BLOCK_BYTES) * BLOCK_BYTES
+    aligned = ~multi & (per_chunk_cols < cols) & (whole_blocks <= params.batch_bytes)
+    lead = np.where(aligned, (ranges.r0 * ranges.pitch + ranges.c0) % BLOCK_BYTES, 0)
+    per_chunk_cols = np.where(aligned, whole_blocks, per_chunk_cols)
+    n_chunks = np.where(
+        multi, _ceil_div(rows, per_chunk_rows), _ceil_div(cols + lead, per_chunk_cols)
+    )
     owner, within = grid.expand_counts(n_chunks)
     dr = np.where(multi[owner], within * per_chunk_rows[owner], 0)
-    dc = np.where(multi[owner], 0, within * per_chunk_cols[owner])
+    c_end = np.minimum((within + 1) * per_chunk_cols[owner] - lead[owner], cols[owner])
+    dc = np.where(multi[owner], 0, np.maximum(within * per_chunk_cols[owner] - lead[owner], 0))
     c_rows = np.where(multi[owner], np.minimum(per_chunk_rows[owner], rows[owner] - dr), 1)
-    c_cols = np.where(
-        multi[owner], cols[owner], np.minimum(per_chunk_cols[owner], cols[owner] - dc)
-    )
+    c_cols = np.where(multi[owner], cols[owner], c_end - dc)
     c_bytes = c_rows * c_cols
     cost = c_bytes * n_c[owner]
     max_cost = int(cost.max()) if len(owner) else 0
