@@ -37,15 +37,9 @@ def published(master: EmbeddedMaster, holders, model: str, seed: int):
 
 
 def workers_for(master: EmbeddedMaster, engines: dict, **overrides: object) -> dict:
+    given = {"batch_bytes": 4096, "staging_watermark_bytes": 16384} | overrides
     return {
-        w["worker_id"]: settings_for(
-            master,
-            w["node"],
-            segment_bytes=0,
-            batch_bytes=4096,
-            staging_watermark_bytes=16384,
-            **overrides,
-        )
+        w["worker_id"]: settings_for(master, w["node"], segment_bytes=0, **given)
         for ws in engines.values()
         for w in ws
     }
@@ -126,3 +120,42 @@ def test_dead_reader_makes_prepare_fail_with_nothing_written(
                 assert cluster.call(worker, "dump", COMPAT_REGION) == bytes(
                     plan.routing.regions[worker][COMPAT_REGION]
                 )
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
+def test_a_sieved_pack_of_tp_split_tensors_lands_exactly_read_once_and_checked(
+    master: EmbeddedMaster, holders, in_place: bool
+) -> None:
+    """200 small tensors in one pack, TP2 on one node: each rank's shards interleave with the
+    other's, so the plan sieves them (``plan.sieve``): a few span reads, each span pushed
+    once to the other rank, the shards copied out locally. The live parameters end up holding
+    exactly the shards; every byte is read from the Store once and checked before use."""
+    generator = torch.Generator().manual_seed(5)
+    model = [(f"s{i}", torch.randn(8, 16, generator=generator)) for i in range(200)]
+    name = f"sieved-{in_place}"
+    with StoreClient(trainer_settings(master, holders("apply-store"), "trainer")) as store:
+        publish_local(store, name, model, dtype="float32")
+        registry = GenerationRegistry(store, name)
+        record = registry.active()
+        manifest = registry.load_manifest(record.generation)
+        checksums = registry.load_checksums(record.generation, record.checksums_digest).objects
+    assert len({f.object_key for f in manifest.fragments}) == 1  # one pack
+    engines = simulated_engines(specs_of(manifest), [("node-a", 2)], "direct")
+    batch = 256 << 10  # a span stays within half a batch: here the whole 100 KiB pack
+    plan = plan_update(manifest, engines, "direct", batch, RoutingCache())
+    table = plan.routing.table
+    assert len(table.reads) == 1  # not one per shard (400)
+    memory = WorkerMemory(parameters=True, in_place=in_place)
+    workers = workers_for(master, engines, staging_watermark_bytes=4 * batch)
+    with WorkerCluster(workers, plan.routing.regions, memory) as cluster:
+        run = run_planned_update(cluster, plan, checksums=checksums)
+        cluster.call_all({w: ("land",) for w in cluster.processes})
+        digests = {w: cluster.call(w, "digest") for w in cluster.processes}
+    for worker, regions in shard_bytes(engines, dict(model)).items():
+        assert digests[worker] == {r: xxhash.xxh3_64_hexdigest(b) for r, b in regions.items()}
+    figures = run["workers"].values()
+    nbytes = sum(t.nbytes for _, t in model)
+    assert sum(w["read"] for w in figures) == nbytes == plan.store_read_bytes
+    assert sum(w["verified"] for w in figures) == nbytes
+    assert sum(w["copied"] for w in figures) == nbytes  # every shard copied out of a span
+    assert sum(w["pushed"] for w in figures) == plan.pushed_bytes
