@@ -72,46 +72,15 @@ def sieve(ranges: Ranges, worker_node: np.ndarray, params: PlanParams) -> Sieved
     """Replace runs of small adjacent ranges by spans (module docstring); pure."""
     n_workers = len(worker_node)
     unit = span_unit(params)
-    piece_limit = min(SIEVE_PIECE_BYTES, unit // 2)  # a span stays under 1.5 units
     none = _unchanged(ranges, n_workers)
-    n = len(ranges)
-    if n < 2 or unit < 2:
+    if len(ranges) < 2 or unit < 2:
         return none
-    rows, width = ranges.r1 - ranges.r0, ranges.c1 - ranges.c0
-    nbytes = rows * width
-    start = ranges.r0 * ranges.pitch + ranges.c0
-    counts = np.diff(ranges.ptr)
-    owner = np.repeat(np.arange(n, dtype=I64), counts)
-    split_dst = (rows[owner] > 1) & (ranges.dst_pitch != width[owner])
-    contiguous = ((rows == 1) | ((ranges.c0 == 0) & (ranges.c1 == ranges.pitch))) & (
-        np.bincount(owner, split_dst, n) == 0
-    )
-    node = np.asarray(worker_node, I64)[ranges.worker]
-    first = ranges.ptr[:-1]
-    one_node = np.minimum.reduceat(node, first) == np.maximum.reduceat(node, first)
-    cand = np.flatnonzero(contiguous & (nbytes <= piece_limit) & one_node)
-    if len(cand) < 2:
-        return none
-    cand = cand[grid.lex_order(node[first[cand]], ranges.obj[cand], start[cand])]
-    c_node, c_obj, c_start = node[first[cand]], ranges.obj[cand], start[cand]
-    c_end = c_start + nbytes[cand]
-    breaks = grid.group_starts(c_node, c_obj)
-    breaks[1:] |= c_start[1:] != c_end[:-1]
-    segment = np.cumsum(breaks) - 1
-    # Worth it where a segment's pieces outnumber its consumers several times over: its
-    # reads (one per piece) become about one read and one push per consumer and span.
-    c_counts = counts[cand]
-    s_owner, s_within = grid.expand_counts(c_counts)
-    s_worker = ranges.worker[ranges.ptr[cand][s_owner] + s_within]
-    consumers = np.bincount(
-        np.unique(segment[s_owner] * n_workers + s_worker) // n_workers, minlength=segment[-1] + 1
-    )
-    many = np.bincount(segment) >= SIEVE_MIN_GAIN * consumers
-    cand, segment = cand[many[segment]], segment[many[segment]]
+    cand, segment = _runs(ranges, np.asarray(worker_node, I64), min(SIEVE_PIECE_BYTES, unit // 2))
     if not len(cand):
         return none
-    c_obj, c_start = ranges.obj[cand], start[cand]
-    c_end = c_start + nbytes[cand]
+    start = ranges.r0 * ranges.pitch + ranges.c0
+    c_start = start[cand]
+    c_end = c_start + (ranges.r1 - ranges.r0)[cand] * (ranges.c1 - ranges.c0)[cand]
 
     # Parts: each piece cut where it crosses a unit boundary of its object (at most once:
     # a piece is at most half a unit), so every span is whole units where pieces are dense.
@@ -125,70 +94,131 @@ def sieve(ranges: Ranges, worker_node: np.ndarray, params: PlanParams) -> Sieved
     span_first = grid.group_starts(segment[piece], lo // unit)
     span = np.cumsum(span_first) - 1
     heads = np.flatnonzero(span_first)
-    span_lo = lo[heads]
-    span_hi = np.maximum.reduceat(hi, heads)
-    span_obj = c_obj[piece[heads]]
+    span_lo, span_hi = lo[heads], np.maximum.reduceat(hi, heads)
 
     # Each part once per consumer of its range; each span once per consumer worker.
     r = cand[piece]
-    p_owner, within = grid.expand_counts(counts[r])
+    p_owner, within = grid.expand_counts(np.diff(ranges.ptr)[r])
     consumer = ranges.ptr[r[p_owner]] + within
-    c_worker = ranges.worker[consumer]
-    c_span = span[p_owner]
+    c_worker, c_span = ranges.worker[consumer], span[p_owner]
     pair_key = c_span * n_workers + c_worker
     pairs = np.unique(pair_key)
     pair_span, pair_worker = pairs // n_workers, pairs % n_workers
     size = span_hi[pair_span] - span_lo[pair_span]
-    padded = -(-size // params.align) * params.align
+    offset, staging = _staging(pair_worker, pair_span, size, params.align, n_workers)
+
+    at = np.searchsorted(pairs, pair_key)
+    order = grid.lex_order(c_worker, c_span, lo[p_owner])
+    spans = _Spans(
+        ranges.obj[r[heads]],
+        span_lo,
+        span_hi,
+        np.minimum.reduceat(r, heads),
+        np.searchsorted(pair_span, np.arange(len(heads) + 1)),
+        pair_worker,
+        offset,
+        size,
+    )
+    return Sieved(
+        ranges=_with_spans(ranges, cand, spans),
+        copy_worker=c_worker[order],
+        copy_src=(offset[at] + lo[p_owner] - span_lo[c_span])[order],
+        copy_region=ranges.region[consumer][order],
+        copy_dst=(ranges.dst_offset[consumer] + lo[p_owner] - c_start[piece[p_owner]])[order],
+        copy_length=(hi - lo)[p_owner][order],
+        staging_bytes=staging,
+    )
+
+
+def _runs(ranges: Ranges, worker_node: np.ndarray, piece_limit: int):
+    """The ranges to sieve, sorted by (node, object, offset), and the run each is in: small
+    ranges contiguous on both sides, consumed on one node, following one another in one
+    object, in runs whose pieces outnumber their consumers ``SIEVE_MIN_GAIN`` times (one read
+    per piece becomes about one read and one push per consumer and span)."""
+    n, n_workers = len(ranges), len(worker_node)
+    rows, width = ranges.r1 - ranges.r0, ranges.c1 - ranges.c0
+    nbytes, start = rows * width, ranges.r0 * ranges.pitch + ranges.c0
+    counts = np.diff(ranges.ptr)
+    owner = np.repeat(np.arange(n, dtype=I64), counts)
+    split_dst = (rows[owner] > 1) & (ranges.dst_pitch != width[owner])
+    contiguous = ((rows == 1) | ((ranges.c0 == 0) & (ranges.c1 == ranges.pitch))) & (
+        np.bincount(owner, split_dst, n) == 0
+    )
+    node, first = worker_node[ranges.worker], ranges.ptr[:-1]
+    one_node = np.minimum.reduceat(node, first) == np.maximum.reduceat(node, first)
+    cand = np.flatnonzero(contiguous & (nbytes <= piece_limit) & one_node)
+    if len(cand) < 2:
+        return cand[:0], cand[:0]
+    cand = cand[grid.lex_order(node[first[cand]], ranges.obj[cand], start[cand])]
+    c_start = start[cand]
+    breaks = grid.group_starts(node[first[cand]], ranges.obj[cand])
+    breaks[1:] |= c_start[1:] != (c_start + nbytes[cand])[:-1]
+    segment = np.cumsum(breaks) - 1
+    s_owner, s_within = grid.expand_counts(counts[cand])
+    s_worker = ranges.worker[ranges.ptr[cand][s_owner] + s_within]
+    pairs = np.unique(segment[s_owner] * n_workers + s_worker)
+    consumers = np.bincount(pairs // n_workers, minlength=segment[-1] + 1)
+    many = (np.bincount(segment) >= SIEVE_MIN_GAIN * consumers)[segment]
+    return cand[many], segment[many]
+
+
+def _staging(pair_worker, pair_span, size, align: int, n_workers: int):
+    """Each (span, worker) pair's offset in the worker's staging, spans back to back in
+    span order, ``align``-byte aligned; and each worker's staging bytes."""
+    padded = -(-size // align) * align
     by_worker = grid.lex_order(pair_worker, pair_span)
     end = np.cumsum(padded[by_worker])
     w_first = grid.group_starts(pair_worker[by_worker])
     base = (end - padded[by_worker])[w_first][np.cumsum(w_first) - 1]
-    offset = np.empty(len(pairs), I64)
+    offset = np.empty(len(pair_worker), I64)
     offset[by_worker] = end - padded[by_worker] - base
-    staging = np.bincount(pair_worker, padded, n_workers).astype(I64)
+    return offset, np.bincount(pair_worker, padded, n_workers).astype(I64)
 
-    at = np.searchsorted(pairs, pair_key)
-    copy_src = offset[at] + lo[p_owner] - span_lo[c_span]
-    copy_dst = ranges.dst_offset[consumer] + lo[p_owner] - c_start[piece[p_owner]]
-    copy_order = grid.lex_order(c_worker, c_span, lo[p_owner])
 
-    # New ranges: the untouched ones and one per span, each span where its first piece was.
-    sieved = np.zeros(n, bool)
-    sieved[cand] = True
-    kept = np.flatnonzero(~sieved)
-    span_head = np.minimum.reduceat(r, heads)
-    span_ptr = np.searchsorted(pair_span, np.arange(len(heads) + 1))
-    order = grid.stable_order(np.concatenate([kept, span_head]))
-    is_span = (np.arange(len(kept) + len(heads)) >= len(kept))[order]
-    source = np.concatenate([kept, np.arange(len(heads), dtype=I64)])[order]
+@dataclass(frozen=True, eq=False)
+class _Spans:
+    """Span ``s``: bytes ``lo..hi`` of object ``obj``, placed where range ``head`` was;
+    its consumers are pairs ``ptr[s]..ptr[s+1]`` (``worker``, staging ``offset``, ``size``)."""
+
+    obj: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    head: np.ndarray
+    ptr: np.ndarray
+    worker: np.ndarray
+    offset: np.ndarray
+    size: np.ndarray
+
+
+def _with_spans(ranges: Ranges, sieved: np.ndarray, spans: _Spans) -> Ranges:
+    """``ranges`` less the ``sieved`` ones, plus one single-row range per span (consumers:
+    its workers, each into its staging), each span where its first piece was."""
+    counts = np.diff(ranges.ptr)
+    taken = np.zeros(len(ranges), bool)
+    taken[sieved] = True
+    kept = np.flatnonzero(~taken)
+    n_spans = len(spans.head)
+    order = grid.stable_order(np.concatenate([kept, spans.head]))
+    is_span = (np.arange(len(kept) + n_spans) >= len(kept))[order]
+    source = np.concatenate([kept, np.arange(n_spans, dtype=I64)])[order]
     k, s = np.where(is_span, 0, source), np.where(is_span, source, 0)
-    entry_counts = np.where(is_span, np.diff(span_ptr)[s], counts[k])
+    entry_counts = np.where(is_span, np.diff(spans.ptr)[s], counts[k])
     e, sub = grid.expand_counts(entry_counts)
     e_span = is_span[e]
     row = np.where(e_span, 0, ranges.ptr[k[e]] + sub)  # a consumer row of a kept range
-    pair = np.where(e_span, span_ptr[s[e]] + sub, 0)  # a (span, worker) pair
-    out = Ranges(
-        obj=np.where(is_span, span_obj[s], ranges.obj[k]),
+    pair = np.where(e_span, spans.ptr[s[e]] + sub, 0)  # a (span, worker) pair
+    return Ranges(
+        obj=np.where(is_span, spans.obj[s], ranges.obj[k]),
         r0=np.where(is_span, 0, ranges.r0[k]),
         r1=np.where(is_span, 1, ranges.r1[k]),
-        c0=np.where(is_span, span_lo[s], ranges.c0[k]),
-        c1=np.where(is_span, span_hi[s], ranges.c1[k]),
-        pitch=np.where(is_span, span_hi[s], ranges.pitch[k]),
+        c0=np.where(is_span, spans.lo[s], ranges.c0[k]),
+        c1=np.where(is_span, spans.hi[s], ranges.c1[k]),
+        pitch=np.where(is_span, spans.hi[s], ranges.pitch[k]),
         ptr=np.concatenate([[0], np.cumsum(entry_counts)]).astype(I64),
-        worker=np.where(e_span, pair_worker[pair], ranges.worker[row]),
+        worker=np.where(e_span, spans.worker[pair], ranges.worker[row]),
         region=np.where(e_span, STAGING, ranges.region[row]),
-        dst_offset=np.where(e_span, offset[pair], ranges.dst_offset[row]),
-        dst_pitch=np.where(e_span, size[pair], ranges.dst_pitch[row]),
-    )
-    return Sieved(
-        ranges=out,
-        copy_worker=c_worker[copy_order],
-        copy_src=copy_src[copy_order],
-        copy_region=ranges.region[consumer][copy_order],
-        copy_dst=copy_dst[copy_order],
-        copy_length=(hi - lo)[p_owner][copy_order],
-        staging_bytes=staging,
+        dst_offset=np.where(e_span, spans.offset[pair], ranges.dst_offset[row]),
+        dst_pitch=np.where(e_span, spans.size[pair], ranges.dst_pitch[row]),
     )
 
 
