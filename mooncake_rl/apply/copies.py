@@ -21,20 +21,9 @@ import torch
 
 from mooncake_rl.apply.coalesce import coalesced_writes
 from mooncake_rl.apply.registration import Region
+from mooncake_rl.apply.verify import device_span
 from mooncake_rl.engine import Write
 from mooncake_rl.errors import InvariantViolation
-
-
-class _CudaBytes:
-    """A CUDA buffer described by address, for ``torch.as_tensor`` (no copy)."""
-
-    def __init__(self, base: int, size: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (size,),
-            "typestr": "|u1",
-            "data": (base, False),
-            "version": 3,
-        }
 
 
 class LocalCopier:
@@ -42,7 +31,6 @@ class LocalCopier:
 
     def __init__(self, regions: Mapping[str, Region]) -> None:
         self.regions = regions
-        self._views: dict[str, torch.Tensor] = {}
 
     def copy(self, copies: Sequence[tuple[str, int, str, int, int]]) -> int:
         """Copy each ``(src region, src offset, dst region, dst offset, length)``; returns the
@@ -73,12 +61,8 @@ class LocalCopier:
         return total
 
     def _cuda(self, device: str, writes: Sequence[Write]) -> None:
-        targets = [_cuda_bytes(device, w.dst, w.length) for w in writes]
-        sources = [_cuda_bytes(device, w.src, w.length) for w in writes]
+        targets = [device_span(w.dst, w.length, device) for w in writes]
+        sources = [device_span(w.src, w.length, device) for w in writes]
         with torch.inference_mode():
             torch._foreach_copy_(targets, sources)
         torch.cuda.synchronize(device)
-
-
-def _cuda_bytes(device: str, address: int, length: int) -> torch.Tensor:
-    return torch.as_tensor(_CudaBytes(address, length), device=device)

@@ -64,12 +64,16 @@ class _CudaBytes:
         }
 
 
+def device_span(address: int, length: int, device: str) -> torch.Tensor:
+    """``length`` bytes of CUDA memory at ``address`` as a uint8 tensor sharing them."""
+    return torch.as_tensor(_CudaBytes(address, length), device=device)
+
+
 def host_bytes(address: int, length: int, device: str = "cpu") -> memoryview:
     """The landed bytes as a host buffer (a view for host memory, a copy for device memory)."""
     if device == "cpu":
         return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
-    span = torch.as_tensor(_CudaBytes(address, length), device=device)
-    return memoryview(span.cpu().numpy())
+    return memoryview(device_span(address, length, device).cpu().numpy())
 
 
 def checkable_units(checksum: ObjectChecksum) -> list[tuple[int, int, str]]:

@@ -56,25 +56,21 @@ def _run(table: RoutingTable, manifest, model) -> dict[tuple[int, str], bytearra
     def rows(offset, stride, length, count):
         return [(int(offset) + k * int(stride), int(length)) for k in range(int(count))]
 
-    for r in table.reads:
-        src = objects[table.objects[int(r["object"])]]
-        dst = mem[int(r["worker"]), table.regions[int(r["dst_region"])]]
+    def move(src: bytearray, dst: bytearray, record) -> None:
         for (s, n), (d, _) in zip(
-            rows(r["src_offset"], r["src_stride"], r["length"], r["count"]),
-            rows(r["dst_offset"], r["dst_stride"], r["length"], r["count"]),
+            rows(record["src_offset"], record["src_stride"], record["length"], record["count"]),
+            rows(record["dst_offset"], record["dst_stride"], record["length"], record["count"]),
             strict=True,
         ):
             dst[d : d + n] = src[s : s + n]
+
+    for r in table.reads:
+        dst = mem[int(r["worker"]), table.regions[int(r["dst_region"])]]
+        move(objects[table.objects[int(r["object"])]], dst, r)
     for stage in (1, 2):
         for p in table.pushes[table.pushes["stage"] == stage]:
             src = mem[int(p["worker"]), table.regions[int(p["src_region"])]]
-            dst = mem[int(p["peer"]), table.regions[int(p["dst_region"])]]
-            for (s, n), (d, _) in zip(
-                rows(p["src_offset"], p["src_stride"], p["length"], p["count"]),
-                rows(p["dst_offset"], p["dst_stride"], p["length"], p["count"]),
-                strict=True,
-            ):
-                dst[d : d + n] = src[s : s + n]
+            move(src, mem[int(p["peer"]), table.regions[int(p["dst_region"])]], p)
     return mem
 
 
