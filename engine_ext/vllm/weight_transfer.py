@@ -284,7 +284,9 @@ class MooncakeStoreWeightTransferEngine(WeightTransferEngine):
                     "stage": stage,
                     "peers": peers,
                 }
-                self._agreed(f"apply stage {stage}", call(link.engine_id, "apply", applied))
+                self._agreed(
+                    f"apply stage {stage}", self.updater.run_stage_now(link.engine_id, applied)
+                )
         except BaseException:
             call(link.engine_id, "abort")
             raise

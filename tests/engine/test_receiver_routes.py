@@ -32,6 +32,8 @@ READ, PUSHED, STAGED = 1000, 300, 2048
 
 class RecordingBackend:
     engine_id = "engine-under-test"
+    engine_version = "recording 1.0"
+    pause_modes = ("abort", "wait", "keep")
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -68,8 +70,8 @@ class RecordingBackend:
         await self._step(f"apply:{request.generation}:{request.stage}")
         return {"workers": [{"store_read_bytes": READ, "pushed_bytes": PUSHED}]}
 
-    async def commit(self, generation: int) -> dict[str, Any]:
-        return await self._step(f"commit:{generation}")
+    async def commit(self, generation: int, weight_version: str) -> dict[str, Any]:
+        return await self._step(f"commit:{generation}:{weight_version}")
 
     async def abort(self) -> None:
         await self._step("abort")
