@@ -41,6 +41,7 @@ class RecordingBackend:
         self.refuse_on: set[str] = set()
         self.time_out_on: set[str] = set()
         self.in_place_bytes = 0  # what prepare says it received into live parameters
+        self.weight_versions: list[str] = []  # what each commit tagged tokens with
 
     async def _step(self, name: str) -> dict[str, Any]:
         self.calls.append(name)
@@ -71,7 +72,8 @@ class RecordingBackend:
         return {"workers": [{"store_read_bytes": READ, "pushed_bytes": PUSHED}]}
 
     async def commit(self, generation: int, weight_version: str) -> dict[str, Any]:
-        return await self._step(f"commit:{generation}:{weight_version}")
+        self.weight_versions.append(weight_version)
+        return await self._step(f"commit:{generation}")
 
     async def abort(self) -> None:
         await self._step("abort")
@@ -175,13 +177,19 @@ async def test_full_update_cycle(make_client) -> None:
         assert (status["state"], status["ready"], status["session"]) == ("serving", True, None)
         drain = drain_body(mode="wait", target=target(2))  # newer than the served 1: drains
         drained = (await client.post("/mooncake/drain", json=drain)).json()
-        assert drained["state"] == "drained"
+        # The session is open, the engine still serves: nothing paused yet.
+        assert (drained["state"], drained["ready"], drained["paused"]) == ("open", True, False)
         assert (drained["session"]["id"], drained["session"]["holder"]) == (S1, "coordinator-a")
         prepared = (await client.post("/mooncake/prepare", json=prepare_body())).json()
         assert prepared["pending_generation"] == 2 and prepared["session"]["stages"] == 2
         for stage in (0, 1):
-            response = await client.post("/mooncake/apply", json=apply_body(stage))
-            assert response.json()["state"] == "applied"
+            response = (await client.post("/mooncake/apply", json=apply_body(stage))).json()
+            assert (response["state"], response["ready"], response["paused"]) == (
+                "applied",
+                True,
+                False,
+            )
+        assert backend.calls == ["prepare:2", "apply:2:0", "apply:2:1"]  # never paused
         status = (await client.post("/mooncake/commit", json=commit_body())).json()
     assert (status["state"], status["generation"], status["pending_generation"]) == (
         "serving",
@@ -195,7 +203,10 @@ async def test_full_update_cycle(make_client) -> None:
         "outcome": "committed",
         "generation": 2,
     }
-    assert backend.calls == ["drain:wait", "prepare:2", "apply:2:0", "apply:2:1", "commit:2"]
+    # It paused (in the session's mode) only to land, and tagged tokens with the new record.
+    assert backend.calls == ["prepare:2", "apply:2:0", "apply:2:1", "drain:wait", "commit:2"]
+    assert backend.weight_versions == ["m:-:2"]
+    assert set(status["landing"]) == {"pause_s"} and status["landing"]["pause_s"] >= 0
 
 
 @pytest.mark.parametrize(
@@ -355,15 +366,48 @@ async def test_token_guards_every_route_but_readiness(make_client) -> None:
     assert backend.calls == []
 
 
-async def test_readiness_follows_the_state(make_client) -> None:
-    client, _, _ = await make_client()
+async def test_readiness_follows_the_pause(make_client) -> None:
+    """Ready while the session stages beside the old generation; not ready once an
+    in-place prepare paused the engine (peers write live weights from then on)."""
+    client, backend, _ = await make_client()
+    backend.in_place_bytes = 4096
     async with client:
-        await run_steps(client, [("drain", drain_body())])
-        drained = await client.get("/mooncake/ready")
-        await run_steps(client, [("abort", {"session": S1})])
-        serving = await client.get("/mooncake/ready")
-    assert drained.status_code == 503 and drained.json() == {"ready": False, "state": "drained"}
-    assert serving.status_code == 200
+        await run_steps(client, [("drain", drain_body(mode="keep"))])
+        staging = await client.get("/mooncake/ready")
+        await run_steps(client, [("prepare", prepare_body())])
+        paused = await client.get("/mooncake/ready")
+    assert staging.status_code == 200 and staging.json() == {"ready": True, "state": "open"}
+    assert paused.status_code == 503 and paused.json() == {"ready": False, "state": "prepared"}
+    assert backend.calls == ["prepare:2", "drain:keep"]
+
+
+async def test_a_pause_mode_the_engine_lacks_is_refused_before_anything(make_client) -> None:
+    client, backend, receiver = await make_client()
+    backend.pause_modes = ("abort", "wait")
+    async with client:
+        refused = await client.post("/mooncake/drain", json=drain_body(mode="keep"))
+    assert refused.status_code == 409 and refused.json()["error"] == "pause_mode_unsupported"
+    assert (
+        "recording 1.0" in refused.json()["detail"]
+        and "engine-under-test" in refused.json()["detail"]
+    )
+    assert (receiver.state.value, receiver.session, backend.calls) == ("serving", None, [])
+
+
+async def test_a_pause_that_fails_at_commit_drops_the_staged_generation(make_client) -> None:
+    """Pausing to land failed (a wait outlived its timeout): nothing landed, the engine
+    never stopped, and it serves its old generation on."""
+    client, backend, _ = await make_client()
+    backend.fail_on.add("drain:wait")
+    async with client:
+        await run_steps(client, [("drain", drain_body(mode="wait")), *APPLIED[1:]])
+        failed = await client.post("/mooncake/commit", json=commit_body())
+        status = (await client.get("/mooncake/status")).json()
+    assert failed.status_code == 502 and failed.json()["error"] == "drain_failed"
+    assert "serves generation 1 again" in failed.json()["detail"]
+    assert (status["state"], status["generation"], status["ready"]) == ("serving", 1, True)
+    assert status["last_session"]["outcome"] == "failed"
+    assert backend.calls[-2:] == ["drain:wait", "abort"] and "commit:2" not in backend.calls
 
 
 async def test_prepare_failure_keeps_the_session_and_abort_serves_the_old_generation(
@@ -376,11 +420,11 @@ async def test_prepare_failure_keeps_the_session_and_abort_serves_the_old_genera
         response = await client.post("/mooncake/prepare", json=prepare_body())
         assert response.status_code == 409 and response.json()["error"] == "prepare_failed"
         assert "prepare:2 exploded" in response.json()["detail"]
-        assert receiver.state.value == "drained" and receiver.session is not None
+        assert receiver.state.value == "open" and receiver.session is not None
         aborted = (await client.post("/mooncake/abort", json={"session": S1})).json()
     assert (aborted["state"], aborted["generation"]) == ("serving", 1)
     assert aborted["last_session"]["outcome"] == "aborted"
-    assert backend.calls == ["drain:abort", "prepare:2", "abort", "abort", "resume"]
+    assert backend.calls == ["prepare:2", "abort", "abort"]  # never paused: nothing to resume
 
 
 async def test_prepare_again_replaces_the_staged_plan(make_client) -> None:
@@ -391,11 +435,11 @@ async def test_prepare_again_replaces_the_staged_plan(make_client) -> None:
         await run_steps(client, [("apply", apply_body(0)), ("commit", commit_body())])
     assert receiver.generation == 2
     assert backend.calls == [
-        "drain:abort",
         "prepare:2",
         "abort",
         "prepare:2",
         "apply:2:0",
+        "drain:abort",
         "commit:2",
     ]
 
@@ -415,7 +459,7 @@ async def test_apply_failure_serves_the_old_generation(make_client) -> None:
     assert (status["state"], status["generation"], status["ready"]) == ("serving", 1, True)
     assert status["last_session"]["outcome"] == "failed"
     assert "apply stage 0 failed" in status["last_error"]
-    assert backend.calls[-3:] == ["apply:2:0", "abort", "resume"]
+    assert backend.calls[-2:] == ["apply:2:0", "abort"] and "resume" not in backend.calls
 
 
 async def test_abort_after_apply_serves_the_old_generation(make_client) -> None:
@@ -426,7 +470,8 @@ async def test_abort_after_apply_serves_the_old_generation(make_client) -> None:
         again = await client.post("/mooncake/abort", json={"session": S1})
     assert (aborted["state"], aborted["generation"]) == ("serving", 1)
     assert again.status_code == 200 and again.json()["state"] == "serving"
-    assert backend.calls[-2:] == ["abort", "resume"] and receiver.generation == 1
+    assert backend.calls[-1] == "abort" and receiver.generation == 1
+    assert "resume" not in backend.calls and "drain:abort" not in backend.calls
 
 
 @pytest.mark.parametrize("ending", ["abort", "apply_failure", "lease_expiry"])
@@ -496,7 +541,7 @@ async def test_an_expired_session_frees_the_engine_by_itself(make_client) -> Non
     assert (status["generation"], status["last_session"]["outcome"]) == (1, "expired")
     assert "expired while applied" in status["last_error"]
     assert late.status_code == 409 and late.json()["error"] == "session_ended"
-    assert backend.calls[4:6] == ["abort", "resume"]
+    assert backend.calls[3] == "abort" and "resume" not in backend.calls
 
 
 async def test_renewal_keeps_a_slow_session_alive(make_client) -> None:
@@ -506,7 +551,7 @@ async def test_renewal_keeps_a_slow_session_alive(make_client) -> None:
         for _ in range(6):
             await asyncio.sleep(0.3)
             await run_steps(client, [("renew", {"session": S1})])
-        assert receiver.state.value == "drained"
+        assert receiver.state.value == "open"
         reused = await client.post("/mooncake/drain", json=drain_body())
         await run_steps(client, [("abort", {"session": S1})])
         ended = await client.post("/mooncake/drain", json=drain_body())
@@ -591,7 +636,8 @@ async def test_resume_ends_the_session_like_abort(make_client) -> None:
     assert other.status_code == 409 and other.json()["error"] == "session_held"
     assert resumed.status_code == 200 and resumed.json()["state"] == "serving"
     assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_request"
-    assert receiver.generation == 1 and backend.calls[-2:] == ["abort", "resume"]
+    assert receiver.generation == 1 and backend.calls[-1] == "abort"
+    assert "resume" not in backend.calls  # the session never paused the engine
 
 
 def bucket_files() -> set[str]:
@@ -610,7 +656,7 @@ async def test_an_uploaded_bucket_is_one_apply_stage_and_leaves_no_file(make_cli
             response = await client.post("/mooncake/bucket", params=query, content=b"x" * 64)
             assert response.status_code == 200 and response.json()["state"] == "applied"
         await run_steps(client, [("commit", commit_body())])
-    assert backend.calls[-3:] == ["apply:2:0", "apply:2:1", "commit:2"]
+    assert backend.calls[-4:] == ["apply:2:0", "apply:2:1", "drain:abort", "commit:2"]
     assert bucket_files() == before
 
 
@@ -726,7 +772,8 @@ async def test_metrics_count_a_known_sequence_of_calls(make_client) -> None:
     assert by_label(samples, "receiver_state") == {s: float(s == "serving") for s in STATES}
     assert by_label(samples, "served_generation") == {"m": 7}
     assert engine_sample(samples, "engine_rebuilds_total") == 1
-    phases = {"drain": 3, "prepare": 3, "apply": 2, "commit": 1, "rebuild": 1}
+    # Paused twice: to land the first update, and before the in-place one's apply.
+    phases = {"pause": 2, "prepare": 3, "apply": 2, "commit": 1, "rebuild": 1}
     assert by_label(samples, "engine_phase_seconds_count") == phases
     for phase, count in phases.items():
         infinite = engine_sample(samples, "engine_phase_seconds_bucket", phase=phase, le="+Inf")
