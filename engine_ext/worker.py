@@ -117,7 +117,8 @@ class _UpdateState:
         # kept for the next one while the size fits.
         self.reception: Reception | None = None
         self.received: torch.Tensor | None = None
-        # The apply stage moving bytes on its own thread, until ``collect`` takes its reply.
+        # The last apply stage started, moving bytes on its own thread; ``collect`` answers
+        # with its reply (again, until the next stage: TP ranks end at different polls).
         self.stage_runner = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{worker_id}")
         self.running: Future[dict[str, Any]] | None = None
 
@@ -125,12 +126,13 @@ class _UpdateState:
     def pending(self) -> bool:
         return self.slice is not None or self.reception is not None
 
-    def settle(self) -> None:
-        """Wait out a running stage (its error is the session's, already ending): nothing
-        may deregister or reuse staging while a stage still writes it."""
+    def settle(self, keep: bool = False) -> None:
+        """Wait out a running stage: nothing may deregister or reuse staging while a stage
+        still writes it. Its reply is forgotten (the session is ending) unless ``keep``."""
         if self.running is not None:
             wait([self.running])
-            self.running = None
+            if not keep:
+                self.running = None
 
     def drop(self) -> None:
         """Forget the pending update: registrations rolled back, advertisement withdrawn."""
@@ -502,7 +504,7 @@ class UpdateWorker(ABC):
         engine its session paused."""
         state = self._state(engine_id)
         call = apply_request(request)
-        if state.running is not None:
+        if state.running is not None and not state.running.done():
             raise RequestRefused(
                 409, "stage_running", "the previous apply stage still runs; collect it first"
             )
@@ -532,23 +534,21 @@ class UpdateWorker(ABC):
         return {"started": call.stage}
 
     def _collect(self, engine_id: str) -> dict[str, Any]:
-        """The running stage's reply once it ended (``running`` until then)."""
+        """The last stage's reply once it ended (``running`` until then)."""
         state = self._state(engine_id)
         if state.running is None:
             raise RequestRefused(409, "not_running", "no apply stage runs: apply starts one")
         if not state.running.done():
             return {"running": True}
-        finished, state.running = state.running, None
-        return finished.result()
+        return state.running.result()
 
     def run_stage_now(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
         """``apply`` and its ``collect`` in one reply, for a caller already off the engine's
         step loop (vLLM's native backend, inside the ``update_weights`` vLLM runs)."""
         started = self.call(engine_id, "apply", request)
-        running = self._update.running if self._update is not None else None
-        if not started.get("ok") or running is None:
+        if not started.get("ok"):
             return started
-        wait([running])
+        self._state(engine_id).settle(keep=True)
         return self.call(engine_id, "collect")
 
     def _run_stage(

@@ -138,7 +138,9 @@ def test_bad_requests_get_4xx_and_change_nothing(world: World) -> None:
     assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_request"
     drained = a.mooncake("POST", "drain", {**session, "holder": "test", "mode": "abort"})
     assert drained.status_code == 200
-    assert httpx.get(f"{a.url}/mooncake/ready").status_code == 503
+    # An open session stages beside the served generation, which keeps serving.
+    assert httpx.get(f"{a.url}/mooncake/ready").status_code == 200
+    assert a.complete(PROMPT) == world.refs[0]
     prepare = {
         **session,
         "model": MODEL,
@@ -289,7 +291,7 @@ def assert_metrics_follow_the_update(
         assert by_label(samples, "served_generation") == {MODEL: 2}
         assert by_label(samples, "receiver_state")["serving"] == 1
         assert sum(by_label(samples, "receiver_state").values()) == 1
-    for phase in ("drain", "prepare", "apply", "commit"):
+    for phase in ("pause", "prepare", "apply", "commit"):
         assert added("engine_phase_seconds_count", phase=phase) == len(world.engines)
     assert added("engine_sessions_total", outcome="committed") == len(world.engines)
     coordinator = UpdateMetrics()
@@ -411,6 +413,11 @@ def test_a_dead_coordinator_frees_its_engines_and_a_lost_commit_response_is_retr
     killed_at = run.killed()
     held = {k: e.mooncake("GET", "status").json() for k, e in world.engines.items()}
     assert {s["state"] for s in held.values()} == {"prepared"}, held
+    # Staged, never paused: while the dead coordinator's lease runs, each engine serves
+    # its old generation.
+    assert all(s["ready"] and not s["paused"] for s in held.values()), held
+    for label, engine in world.engines.items():
+        assert engine.complete(PROMPT) == outputs[served[label]]
     converged = wait_converged(world.engines, reference, killed_at, 6.0 + 12)
     assert converged.generations == served
 

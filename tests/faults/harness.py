@@ -208,18 +208,20 @@ def wait_converged(
     since: float,
     bound_s: float,
 ) -> Convergence:
-    """Every engine ready and serving one complete generation whose greedy output is that
-    generation's reference (``reference(status)``, by the generation and incarnation the
-    engine reports); seconds from ``since`` (the fault) until all were ready."""
+    """Every engine ready, holding no session, and serving one complete generation whose
+    greedy output is that generation's reference (``reference(status)``, by the generation
+    and incarnation the engine reports); seconds from ``since`` (the fault) until all were.
+    (An engine whose session stages is ready too: it serves its old generation meanwhile.)"""
     deadline = since + bound_s
     pending = dict(engines)
     while pending:
         for label, engine in list(pending.items()):
             try:
                 ready = httpx.get(f"{engine.url}/mooncake/ready", timeout=5).status_code == 200
+                settled = ready and engine.mooncake("GET", "status").json()["session"] is None
             except httpx.HTTPError:
-                ready = False
-            if ready:
+                settled = False
+            if settled:
                 del pending[label]
         if pending:
             assert time.monotonic() < deadline, (
