@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from engine_ext.leases import engine_identity, renew_leases
-from engine_ext.receiver import Receiver
+from engine_ext.receiver import Receiver, weight_version
 from engine_ext.routes import GenerationHeaders, build_router
 from engine_ext.security import guard_tokens
 from engine_ext.vllm.backend import VllmBackend
@@ -113,6 +113,8 @@ class MooncakeEndpointPlugin:
             extra = json.loads(extra)
         model = loaded_name or extra.get("name") or (args.served_model_name or [args.model])[0]
         self._receiver = Receiver(backend, str(model), served, auto_rebuild=Settings().auto_rebuild)
+        if served.generation > 0:  # loaded from the Store: tag its tokens from the first
+            await backend.set_weight_version(weight_version(str(model), served))
         self._ready.set()
         if served.generation > 0:  # served from the Store: keep the lease the loader took
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))

@@ -6,6 +6,7 @@ Two engines on two node labels: ``a`` (TP=1, bearer token) and ``b`` (TP=2).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -85,7 +86,8 @@ class World:
             token=token,
             # The declared topology (no CUDA here): one physical GPU id per rank.
             extra_env={"MOONCAKE_RL_GPU_IDS": ",".join(GPUS[label][:tp])},
-            extra_args=["--enforce-eager"] if eager else [],
+            # vLLM's token-in/token-out routes report each output's weight_versions spans.
+            extra_args=["--enable-scale-out", *(["--enforce-eager"] if eager else [])],
         ).spawn()
         self.engines[label] = server
         return server
@@ -817,3 +819,83 @@ def test_a_compat_update_pulled_per_node_reads_once_per_node_and_crosses_no_nic(
     with world.coordinator() as coordinator, not_the_store:
         coordinator.update(MODEL, pull="node", transport="cpu_serialize")
     assert world.engines["a"].mooncake("GET", "status").json()["generation"] == generation
+
+
+class TokenStream(threading.Thread):
+    """One greedy streamed request on vLLM's ``/inference/v1/generate``: its token ids as
+    they arrive, then its finish reason and ``weight_versions`` spans (final chunk)."""
+
+    def __init__(self, engine: VllmServer, prompt: list[int], max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.engine, self.prompt, self.max_tokens = engine, prompt, max_tokens
+        self.tokens: list[int] = []
+        self.started_tokens = threading.Event()
+        self.final: dict[str, Any] = {}
+
+    def run(self) -> None:
+        body = {
+            "token_ids": self.prompt,
+            "sampling_params": {
+                "max_tokens": self.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            "stream": True,
+        }
+        url = f"{self.engine.url}/inference/v1/generate"
+        with httpx.stream("POST", url, json=body, headers=self.engine.headers(), timeout=300) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                self.tokens += choice.get("token_ids") or []
+                if len(self.tokens) >= 8:
+                    self.started_tokens.set()
+                if choice.get("finish_reason") is not None:
+                    self.final = choice
+        self.started_tokens.set()
+
+
+def generate(engine: VllmServer, prompt: list[int], max_tokens: int) -> list[int]:
+    stream = TokenStream(engine, prompt, max_tokens)
+    stream.run()
+    return stream.tokens
+
+
+def test_a_request_kept_across_an_update_carries_both_weight_versions(world: World) -> None:
+    """Keep mode: a request streaming while its engine lands a new generation is frozen,
+    not aborted; it goes on with the new weights, recomputing its prefix on them, and
+    vLLM's own ``weight_versions`` spans say which generation made which output token."""
+    a = world.engines["a"]
+    before = a.mooncake("GET", "status").json()
+    old_version = f"{MODEL}:{before['incarnation']}:{before['generation']}"
+    max_tokens = 200
+    old_tokens = generate(a, PROMPT, max_tokens)
+    generation = world.publish(3)
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None and record.generation == generation
+    new_version = f"{MODEL}:{record.incarnation}:{generation}"
+    stream = TokenStream(a, PROMPT, max_tokens)
+
+    def stream_across_the_landing(phase: str) -> None:
+        if phase == "apply":  # staged; the commit that follows pauses the engine to land
+            stream.start()
+            assert stream.started_tokens.wait(120)
+
+    with world.coordinator(progress=stream_across_the_landing) as coordinator:
+        result = coordinator.update(MODEL, drain_mode="keep", batch_bytes=64 << 10)
+    stream.join(300)
+    assert sorted(result.committed) == sorted(e.url for e in world.engines.values())
+    assert result.drain_mode == "keep" and set(result.landing) == set(result.committed)
+    assert stream.final["finish_reason"] == "length" and len(stream.tokens) == max_tokens
+    spans = stream.final["weight_versions"]
+    assert [s["version"] for s in spans] == [old_version, new_version], spans
+    cut = spans[0]["end"]
+    assert (spans[0]["start"], spans[1]["start"], spans[1]["end"]) == (0, cut, max_tokens)
+    assert 8 <= cut < max_tokens
+    assert stream.tokens[:cut] == old_tokens[:cut]
+    # The tokens after the landing are what the new weights give for the kept prefix.
+    assert stream.tokens[cut:] == generate(a, PROMPT + stream.tokens[:cut], max_tokens - cut)
+    for engine in world.engines.values():
+        assert engine.complete(PROMPT) == world.refs[3]
