@@ -117,9 +117,12 @@ class _UpdateState:
         # kept for the next one while the size fits.
         self.reception: Reception | None = None
         self.received: torch.Tensor | None = None
-        # The apply stage moving bytes on its own thread, until ``collect`` takes its reply.
+        # The apply stage moving bytes on its own thread; ``collect`` answers with its reply
+        # from its end until the next stage starts (ranks end at different polls, and every
+        # poll asks every rank).
         self.stage_runner = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{worker_id}")
         self.running: Future[dict[str, Any]] | None = None
+        self.collected = False
 
     @property
     def pending(self) -> bool:
@@ -502,7 +505,7 @@ class UpdateWorker(ABC):
         engine its session paused."""
         state = self._state(engine_id)
         call = apply_request(request)
-        if state.running is not None:
+        if state.running is not None and not state.collected:
             raise RequestRefused(
                 409, "stage_running", "the previous apply stage still runs; collect it first"
             )
@@ -528,18 +531,18 @@ class UpdateWorker(ABC):
             run = functools.partial(
                 self._run_stage, state, batches, state.peers.trusted(batches, given)
             )
-        state.running = state.stage_runner.submit(run)
+        state.running, state.collected = state.stage_runner.submit(run), False
         return {"started": call.stage}
 
     def _collect(self, engine_id: str) -> dict[str, Any]:
-        """The running stage's reply once it ended (``running`` until then)."""
+        """The last stage's reply once it ended (``running`` until then), as often as asked."""
         state = self._state(engine_id)
         if state.running is None:
             raise RequestRefused(409, "not_running", "no apply stage runs: apply starts one")
         if not state.running.done():
             return {"running": True}
-        finished, state.running = state.running, None
-        return finished.result()
+        state.collected = True
+        return state.running.result()
 
     def run_stage_now(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
         """``apply`` and its ``collect`` in one reply, for a caller already off the engine's
