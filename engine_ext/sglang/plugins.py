@@ -38,7 +38,7 @@ from fastapi import Request
 
 from engine_ext.leases import export_engine_identity, renew_leases
 from engine_ext.loading import LOAD_FORMAT, model_name_from
-from engine_ext.receiver import Receiver
+from engine_ext.receiver import Receiver, weight_version
 from engine_ext.routes import GenerationHeaders, build_router
 from engine_ext.security import guard_tokens
 from engine_ext.sglang.backend import COMMUNICATOR, SglangBackend
@@ -53,6 +53,8 @@ TARGETS = {
     "dispatch": "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
     "routes": "sglang.srt.entrypoints.http_server.launch_server",
 }
+DEFAULT_VERSION = "default"
+"""SGLang's ``--weight-version`` when none is given."""
 
 
 def register() -> None:
@@ -141,7 +143,10 @@ def configured_model(server_args: Any) -> str:
 
 
 class EngineRoutes:
-    """Builds the engine's receiver on first use, once SGLang's schedulers are up."""
+    """Builds the engine's receiver on first use, once SGLang's schedulers are up.
+
+    An engine that loaded a Store generation and kept SGLang's default ``--weight-version``
+    is tagged with that generation's version then, so the first update's spans name it."""
 
     def __init__(self, engine_id: str, model: str, tokenizer_manager: Callable[[], Any]) -> None:
         self.engine_id = engine_id
@@ -157,13 +162,14 @@ class EngineRoutes:
     async def receiver(self, request: Request | None = None) -> Receiver:
         async with self._lock:
             if self._receiver is None:
-                backend = SglangBackend(self._tokenizer_manager(), self.engine_id)
+                manager = self._tokenizer_manager()
+                backend = SglangBackend(manager, self.engine_id)
                 served, loaded_name = await backend.served()
+                model = loaded_name or self.model
+                if served.generation and manager.config_value("weight_version") == DEFAULT_VERSION:
+                    await backend.set_weight_version(weight_version(model, served))
                 self._receiver = Receiver(
-                    backend,
-                    loaded_name or self.model,
-                    served,
-                    auto_rebuild=Settings().auto_rebuild,
+                    backend, model, served, auto_rebuild=Settings().auto_rebuild
                 )
         return self._receiver
 

@@ -206,7 +206,7 @@ async def test_full_update_cycle(make_client) -> None:
     # It paused (in the session's mode) only to land, and tagged tokens with the new record.
     assert backend.calls == ["prepare:2", "apply:2:0", "apply:2:1", "drain:wait", "commit:2"]
     assert backend.weight_versions == ["m:-:2"]
-    assert set(status["landing"]) == {"pause_s"} and status["landing"]["pause_s"] >= 0
+    assert status["landing"]["pause_s"] >= 0
 
 
 @pytest.mark.parametrize(
@@ -383,14 +383,12 @@ async def test_readiness_follows_the_pause(make_client) -> None:
 
 async def test_a_pause_mode_the_engine_lacks_is_refused_before_anything(make_client) -> None:
     client, backend, receiver = await make_client()
-    backend.pause_modes = ("abort", "wait")
+    receiver.backend.pause_modes = ("abort", "wait")
     async with client:
         refused = await client.post("/mooncake/drain", json=drain_body(mode="keep"))
     assert refused.status_code == 409 and refused.json()["error"] == "pause_mode_unsupported"
-    assert (
-        "recording 1.0" in refused.json()["detail"]
-        and "engine-under-test" in refused.json()["detail"]
-    )
+    detail = refused.json()["detail"]
+    assert receiver.backend.engine_version in detail and "engine-under-test" in detail
     assert (receiver.state.value, receiver.session, backend.calls) == ("serving", None, [])
 
 

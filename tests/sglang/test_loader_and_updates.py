@@ -35,8 +35,9 @@ from safetensors.torch import load_file
 
 from engine_ext.backend import WorkerBackend
 from engine_ext.loading import served_by
-from engine_ext.receiver import DrainRequest, Receiver
+from engine_ext.receiver import DrainRequest, Receiver, ServedRecord, weight_version
 from engine_ext.routes import build_router
+from engine_ext.sglang.backend import pause_modes
 from mooncake_rl.coordinator import ADVERTISED, Coordinator, UpdateFailed
 from mooncake_rl.generations.commands import checkpoint_tensors
 from mooncake_rl.generations.keys import advert_key, group_id
@@ -80,6 +81,7 @@ class QueueBackend(WorkerBackend):
         self.engine_id = engine_id
         self.ranks = ranks
         self.events: list[str] = []
+        self.rpc_timeout_s = 300.0
 
     async def call_workers(self, method: str, *args: Any) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self._call_all, method, args)
@@ -100,6 +102,9 @@ class QueueBackend(WorkerBackend):
 
     async def reset_cache(self) -> None:
         self.events.append("reset_cache")
+
+    async def set_weight_version(self, version: str) -> None:
+        self.events.append(f"weight_version:{version}")
 
 
 def _answer(outbox: Any) -> Any:
@@ -304,6 +309,20 @@ def test_tp2_ranks_start_from_the_store(world: World) -> None:
     assert (status["state"], status["generation"], status["model"]) == ("serving", 1, MODEL)
 
 
+def landing_events(world: World, mode: str) -> list[str]:
+    """The API-side calls of a commit that landed the Store's active record: pause in
+    ``mode``, drop caches, tag that record's weight version, resume."""
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None
+    served = ServedRecord(record.generation, record.fence, record.incarnation)
+    return [
+        f"drain:{mode}",
+        "reset_cache",
+        f"weight_version:{weight_version(MODEL, served)}",
+        "resume",
+    ]
+
+
 def assert_every_parameter_checked(engine: Engine, result: Any) -> None:
     """The post-landing check compared every parameter of every rank, and all matched."""
     placement = engine.placement()
@@ -324,7 +343,7 @@ def test_compat_update_reads_each_byte_once(world: World) -> None:
     assert 0.99 * model_bytes < result.store_read_bytes < model_bytes
     # Each tensor is read once by one rank and pushed to the other over TE.
     assert result.pushed_bytes == result.planned_pushed_bytes == result.store_read_bytes
-    assert world.backend.events[-3:] == ["drain:abort", "reset_cache", "resume"]
+    assert world.backend.events[-4:] == landing_events(world, "abort")
     assert world.status()["generation"] == 2
     assert_every_parameter_checked(world.engine, result)
 
@@ -389,6 +408,17 @@ def wire(model: type[PrepareRequest | ApplyRequest], body: dict[str, Any]) -> di
 
 def refusals(replies: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     return [reply.get("refused") for reply in replies]
+
+
+def collected(world: World, within_s: float = 120) -> list[dict[str, Any]]:
+    """Every rank's reply to the apply stage it started, once each has run it."""
+    deadline = time.monotonic() + within_s
+    while True:
+        replies = world.call("collect")
+        if not any(r.get("running") for r in replies):
+            return replies
+        assert time.monotonic() < deadline, "the apply stage still runs"
+        time.sleep(0.02)
 
 
 def first_read_changed(body: dict[str, Any], **change: Any) -> dict[str, Any]:
@@ -563,7 +593,8 @@ def test_apply_writes_only_into_peers_advertised_in_the_session(world: World) ->
 
     def apply(stage: int, peers: dict[str, Any], session: str = session) -> list[Any]:
         request = {"session": session, "generation": generation, "stage": stage, "peers": peers}
-        return refusals(world.call("apply", wire(ApplyRequest, request)))
+        replies = world.call("apply", wire(ApplyRequest, request))
+        return refusals(collected(world) if all(r["ok"] for r in replies) else replies)
 
     def refused(status: int, code: str) -> list[dict[str, Any]]:
         return [{"status": status, "code": code}] * 2
@@ -733,7 +764,7 @@ def test_broadcast_update_lands_what_sglang_loads_from_disk(world: World) -> Non
         f"/mooncake/{path}": 1 for path in ("drain", "prepare", "apply", "commit")
     }
     assert world.compare(3) == [[], []]
-    assert world.backend.events[-3:] == ["drain:abort", "reset_cache", "resume"]
+    assert world.backend.events[-4:] == landing_events(world, "abort")
     status = world.status()
     assert (status["state"], status["generation"]) == ("serving", generation)
     assert_every_parameter_checked(world.engine, result)
@@ -803,3 +834,50 @@ def test_auto_update_splits_a_declared_mixed_topology(world: World) -> None:
         status = engine.status()
         assert (status["state"], status["generation"]) == ("serving", generation)
         assert_every_parameter_checked(engine, result)
+
+
+def test_keep_update_lands_and_tags_the_new_weight_version(world: World) -> None:
+    """A keep session stages beside serving and pauses only to land: the pause, cache
+    reset, version tag and resume all follow the apply stages, and the version names the
+    record landed."""
+    generation = world.publish(1)
+    since = len(world.engine.requests)
+    with Coordinator(world.store, [world.url]) as coordinator:
+        result = coordinator.update(MODEL, drain_mode="keep", batch_bytes=64 << 10)
+    assert (result.drain_mode, result.committed) == ("keep", [world.url])
+    assert world.compare(1) == [[], []]
+    assert world.backend.events[-4:] == landing_events(world, "keep")
+    assert posts(world.engine, since)["/mooncake/drain"] == 1
+    status = world.status()
+    assert (status["state"], status["generation"], status["pause_modes"]) == (
+        "serving",
+        generation,
+        ["abort", "wait", "keep"],
+    )
+    assert_every_parameter_checked(world.engine, result)
+
+
+def test_keep_is_refused_before_any_drain_by_an_engine_that_cannot_retract(
+    world: World,
+) -> None:
+    """An SGLang whose pause offers no retract serves abort and wait only: a keep update
+    is refused from its placement, and the engine keeps serving untouched."""
+    backend = world.backend
+    backend.engine_version, backend.pause_modes = "sglang 0.5.0", pause_modes(("abort",))
+    try:
+        world.publish(2)
+        before, events, since = world.status(), list(backend.events), len(world.engine.requests)
+        with (
+            Coordinator(world.store, [world.url]) as coordinator,
+            pytest.raises(UpdateFailed) as refused,
+        ):
+            coordinator.update(MODEL, drain_mode="keep")
+    finally:
+        del backend.engine_version, backend.pause_modes
+    assert f"{world.url} runs sglang 0.5.0, which pauses only with abort, wait, not 'keep'" in (
+        str(refused.value)
+    )
+    after = world.status()
+    assert (after["state"], after["generation"]) == ("serving", before["generation"])
+    assert backend.events == events and posts(world.engine, since) == {}
+    assert world.compare(1) == [[], []]

@@ -197,3 +197,14 @@ def test_sglang_route_tokens(
 
     only_env(monkeypatch, env)
     assert sglang_tokens(server_args(*flags), Settings()) == tokens
+
+
+def test_the_untouched_weight_version_is_sglangs_default() -> None:
+    """The receiver tags a loaded generation only over SGLang's own default version."""
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    from engine_ext.sglang.plugins import DEFAULT_VERSION
+
+    fields = msgspec.structs.fields(ServerArgs)
+    assert [f.default for f in fields if f.name == "weight_version"] == [DEFAULT_VERSION]
