@@ -3,7 +3,7 @@
 python -m bench [run] [--size 256MiB --workers 4 --nodes 2 --out out/bench-compare.png]
 python -m bench simulate [--model kimi-k2 --trainer-gpus 256 --instances 16 --tp 8 ...]
 python -m bench transports [--hidden 512 --layers 4 --repeats 3 --batch 8MiB --root DIR]
-python -m bench load [--updates 5 --clients 4 --modes rolling all_at_once --out out/bench-load.png]
+python -m bench load [--updates 5 --modes rolling all_at_once --drain abort wait keep --hidden 1024]
 python -m bench control-plane [--engines 1000 --tp 1 --mode direct]
 python -m bench scale [--model llama-70b --engines 16,128,1000 --tp 8 --dtype fp8]
 """

@@ -117,15 +117,17 @@ def plot_simulation(result: Mapping[str, Any], path: Path) -> Path:
 def plot_load(
     result: Mapping[str, Any], samples: Mapping[str, list[Mapping[str, Any]]], path: Path
 ) -> Path:
-    """Per mode: each request's latency at the time it ended, updates shaded."""
-    modes = list(result["modes"])
-    figure, axes = plt.subplots(len(modes), 1, figsize=(10, 3.2 * len(modes)), squeeze=False)
+    """Per rotation and drain mode: each request's latency at the time it ended, updates
+    shaded."""
+    runs = [(mode, drain) for mode, drains in result["modes"].items() for drain in drains]
+    figure, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False)
     marks = {"ok": ("#1b7837", "."), "aborted": ("#fdae61", "x"), "failed": ("#b2182b", "x")}
-    for axis, mode in zip(axes[:, 0], modes, strict=True):
-        for start, end in result["modes"][mode]["spans"]:
+    for axis, (mode, drain) in zip(axes[:, 0], runs, strict=True):
+        report = result["modes"][mode][drain]
+        for start, end in report["spans"]:
             axis.axvspan(start, end, color="#4393c3", alpha=0.2)
         for outcome, (color, marker) in marks.items():
-            rows = [s for s in samples[mode] if s["outcome"] == outcome]
+            rows = [s for s in samples[f"{mode}/{drain}"] if s["outcome"] == outcome]
             axis.scatter(
                 [s["ended"] for s in rows],
                 [s["ended"] - s["started"] for s in rows],
@@ -134,10 +136,10 @@ def plot_load(
                 marker=marker,
                 label=f"{outcome} ({len(rows)})",
             )
-        report = result["modes"][mode]
         axis.set_title(
-            f"{mode}: {report['failed']} failed, {report['aborted']} aborted, unavailable "
-            f"{report['unavailable_seconds']} s (shaded: updates)",
+            f"{mode}, drain {drain}: {report['failed']} failed, {report['aborted']} aborted, "
+            f"{report['kept']} kept; pause max {report['pause_s']['max']} s, landing max "
+            f"{report['landing_s']['max']} s (shaded: updates)",
             fontsize=10,
         )
         axis.set_xlabel("seconds")

@@ -106,6 +106,11 @@ ACCOUNTING = {
     "other transports' gloo sends and bucket handoffs are not counted there",
     "ratios": "each transport's median over store_compat's median, same run; store_reads: "
     "store_read_bytes over store_compat's",
+    "landing_seconds": "per update, the longest engine landing: the sum of the parts its commit "
+    "reported (result.landing: pause_s, land_and_check_s, reset_cache_s, weight_version_s, "
+    "resume_s); engines pause only for it. No traffic runs here, so no client-seen pause: "
+    "`bench load` measures that under streaming requests",
+    "commit_seconds": "the coordinator's commit phase (result.phase_seconds['commit'])",
     "verified": "updates checked (commit, legs, post-landing check, greedy output vs "
     "transformers); a failed check stops the run",
 }
@@ -131,6 +136,17 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return round(value / base, 3)
 
 
+LANDING_PARTS = ("pause_s", "land_and_check_s", "reset_cache_s", "weight_version_s", "resume_s")
+"""The parts of an engine's landing its commit reports (``UpdateResult.landing``)."""
+
+
+def landing_seconds(landing: Mapping[str, Mapping[str, float]]) -> float:
+    """The longest engine landing: the sum of its commit's parts (0 without engines)."""
+    return max(
+        (sum(parts.get(p, 0.0) for p in LANDING_PARTS) for parts in landing.values()), default=0.0
+    )
+
+
 def sample_of(result: Any, update_seconds: float, labels: Mapping[str, str]) -> dict[str, Any]:
     """The figures of one update (an ``UpdateResult``); ``labels`` maps engine URL to label."""
     legs = {
@@ -145,6 +161,8 @@ def sample_of(result: Any, update_seconds: float, labels: Mapping[str, str]) -> 
         "generation": result.generation,
         "update_seconds": update_seconds,
         "apply_seconds": float(result.phase_seconds["apply"]),
+        "landing_seconds": landing_seconds(result.landing),
+        "commit_seconds": float(result.phase_seconds.get("commit", 0.0)),
         "phase_seconds": dict(result.phase_seconds),
         "legs": dict(sorted(legs.items())),
         "store_read_bytes": int(result.store_read_bytes),
@@ -178,6 +196,8 @@ def transport_row(case: Case, samples: Sequence[Mapping[str, Any]]) -> dict[str,
         "repeats": len(samples),
         "apply_seconds": summary([s["apply_seconds"] for s in samples]),
         "update_seconds": summary([s["update_seconds"] for s in samples]),
+        "landing_seconds": summary([s.get("landing_seconds", 0.0) for s in samples]),
+        "commit_seconds": summary([s.get("commit_seconds", 0.0) for s in samples]),
         "phase_seconds_median": {
             p: round(statistics.median([s["phase_seconds"].get(p, 0.0) for s in samples]), 4)
             for p in phases
@@ -216,6 +236,9 @@ def with_ratios(
                 ),
                 "update_seconds": ratio(
                     row["update_seconds"]["median"], base["update_seconds"]["median"]
+                ),
+                "landing_seconds": ratio(
+                    row["landing_seconds"]["median"], base["landing_seconds"]["median"]
                 ),
                 "engine_bytes": ratio(row["total_engine_bytes"], base["total_engine_bytes"]),
                 "store_reads": ratio(row["store_read_bytes"], base["store_read_bytes"]),

@@ -50,6 +50,10 @@ def result(
         URLS[label]: {"transport": t, "bytes": nbytes, "seconds": apply_s / 2}
         for label, t in transports.items()
     }
+    made.landing = {  # engine e1 lands longest: 0.1 + 0.3 s
+        url: {"pause_s": 0.1, "land_and_check_s": 0.1 * (i + 2), "resume_s": 0.0}
+        for i, url in enumerate(URLS.values())
+    }
     made.store_read_bytes = store_read
     made.pushed_bytes = store_read
     made.committed = list(URLS.values())
@@ -93,6 +97,8 @@ def test_rows_take_medians_and_ratios_are_against_store_compat() -> None:
     assert compat["apply_seconds"]["median"] == 3.0 and compat["apply_seconds"]["min"] == 2.0
     assert compat["update_seconds"]["median"] == 4.0
     assert compat["phase_seconds_median"] == {"apply": 3.0, "commit": 0.5, "drain": 0.1}
+    assert compat["landing_seconds"]["median"] == 0.4  # the longest engine's landing
+    assert compat["commit_seconds"]["median"] == 0.5
     assert compat["legs"]["e1"] == {"transport": "store", "bytes": 1000, "seconds_median": 1.5}
     assert compat["engine_bytes"] == {"e0": 1000, "e1": 1000}
     assert compat["total_engine_bytes"] == 2000 and compat["verified"] == 3
@@ -102,6 +108,7 @@ def test_rows_take_medians_and_ratios_are_against_store_compat() -> None:
     assert ratios["store_compat"] == {
         "apply_seconds": 1.0,
         "update_seconds": 1.0,
+        "landing_seconds": 1.0,
         "engine_bytes": 1.0,
         "store_reads": 1.0,
     }
