@@ -45,6 +45,7 @@ from engine_ext.loading import mark_served, served_by, served_record, store_weig
 from engine_ext.placement import RegionSpec, assemble_regions
 from engine_ext.receiver import ServedRecord
 from engine_ext.shards import ShardSpec
+from engine_ext.staging import choose_staging, free_device_bytes
 from engine_ext.transport import (
     RECEIVED_REGION,
     Reception,
@@ -368,8 +369,19 @@ class UpdateWorker(ABC):
         state.drop()  # this update replaces any pending one
 
         sizes = {n: b for n, b in worker_slice.regions.items() if n not in in_place}
-        if state.arena is None or state.sizes != sizes:
-            arena, regions = allocate_arena(sizes, reuse=state.arena, device=self.device())
+        device = self.device()
+        place = choose_staging(
+            sum(sizes.values()),
+            max((b.staging_bytes for s in worker_slice.stages for b in s), default=0),
+            device,
+            state.apply.settings.staging_budget_bytes,
+            free_device_bytes(device),
+        )
+        arena_device = torch.device(place.device)
+        if state.arena is None or state.sizes != sizes or state.arena.device != arena_device:
+            arena, regions = allocate_arena(
+                sizes, reuse=state.arena, device=arena_device, pin=place.pinned
+            )
         else:
             arena, regions = state.arena, {n: state.apply.regions[n] for n in sizes}
         live_bytes = {n: t.view(-1).view(torch.uint8) for n, t in in_place.items()}
@@ -402,6 +414,7 @@ class UpdateWorker(ABC):
             "fallback_bytes": fallback_bytes,
             "in_place_bytes": in_place_bytes,
             "staged_bytes": sum(worker_slice.regions.values()) - in_place_bytes,
+            "staging": place.to_json(),
         }
 
     def _prepare_reception(self, state: _UpdateState, call: PrepareRequest) -> dict[str, Any]:
@@ -765,7 +778,7 @@ class LandingMismatch(RuntimeError):
 
 def same_bytes(live: torch.Tensor, expected: torch.Tensor) -> bool:
     """Exact equality in the live tensor's dtype (loaders cast the same way)."""
-    return live.shape == expected.shape and torch.equal(live, expected.to(live.dtype))
+    return live.shape == expected.shape and torch.equal(live, expected.to(live.device, live.dtype))
 
 
 def _kept(

@@ -133,6 +133,9 @@ class UpdateResult:
     # bytes received into staging and landed at commit (every byte in compat mode).
     in_place_bytes: int = 0
     staged_bytes: int = 0
+    # Per engine, each worker's staging place as its prepare chose it
+    # (``engine_ext.staging.StagingPlace``: device or host, and why).
+    staging: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     node_nic_bytes: dict[str, int] = field(default_factory=dict)
     # The post-landing check per worker: {"checked", "unchecked", "mismatched", "seconds"}.
     verified: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -209,6 +212,7 @@ _MERGED = (
     "legs",
     "rotation",
     "landing",
+    "staging",
 )
 
 
@@ -823,9 +827,10 @@ class Coordinator:
                 )
                 survey.encoded.clear()  # sent: up to tens of MB per engine
                 _planned(result, plan)
-                for reply in prepared.values():
+                for url, reply in prepared.items():
                     result.in_place_bytes += reply.get("in_place_bytes", 0)
                     result.staged_bytes += reply.get("staged_bytes", 0)
+                    result.staging[url] = [w["staging"] for w in reply["workers"]]
                 self._apply(session, members, plan, advertised_peers(prepared), record, result)
             else:
                 members = self._deliver(

@@ -86,6 +86,13 @@ class Settings(BaseSettings):
         description="an engine worker's staging bytes in flight; a coordinator refuses plans "
         "whose batches it cannot hold twice (reported with the worker's placement)",
     )
+    staging_budget_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="the most device memory an engine worker stages one update in; more "
+        "stages in (pinned) host memory and lands from there. Default: the device's free "
+        "memory. A budget below one batch of the plan is refused at prepare",
+    )
     rpc_timeout_s: float = Field(
         600.0,
         gt=0,

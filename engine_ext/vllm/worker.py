@@ -144,11 +144,12 @@ class VllmUpdateWorker(UpdateWorker):
         for module_name, layer in model.named_modules():
             prefix = f"{module_name}." if module_name else ""
             own = {
-                n: expected.get(prefix + n, expected.get(named.get(id(p), ""), None))
+                n: (p, expected.get(prefix + n, expected.get(named.get(id(p), ""), None)))
                 for n, p in layer._parameters.items()
                 if p is not None
             }
-            own = {n: t for n, t in own.items() if t is not None}
+            # Host staging: one layer's expected tensors on the device at a time.
+            own = {n: t.to(p.device) for n, (p, t) in own.items() if t is not None}
             if not own:
                 continue
             method = getattr(layer, "quant_method", None)

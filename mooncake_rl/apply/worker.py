@@ -36,6 +36,7 @@ def allocate_arena(
     sizes: Mapping[str, int],
     reuse: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
+    pin: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Region]]:
     """Every region in one buffer on ``device``, 64-byte aligned, in name order.
 
@@ -43,7 +44,8 @@ def allocate_arena(
     ``device``: the bytes are overwritten by every update anyway, and an unchanged arena keeps
     its registrations (no re-registration, no new memory for peers to learn about).
     Otherwise a zeroed, larger buffer is allocated. On a GPU the arena sits beside the
-    parameters it feeds, so Store reads and peer pushes land in device memory.
+    parameters it feeds, so Store reads and peer pushes land in device memory; ``pin``
+    pins a host arena (host staging for a CUDA engine).
     """
     device = torch.device(device)
     offsets, cursor = {}, 0
@@ -51,8 +53,13 @@ def allocate_arena(
         offsets[name] = cursor
         cursor += (sizes[name] + ALIGN - 1) // ALIGN * ALIGN
     needed = max(cursor, ALIGN)
-    fits = reuse is not None and reuse.numel() >= needed and reuse.device == device
-    arena = reuse if fits else torch.zeros(needed, dtype=torch.uint8, device=device)
+    fits = (
+        reuse is not None
+        and reuse.numel() >= needed
+        and reuse.device == device
+        and (not pin or reuse.is_pinned())
+    )
+    arena = reuse if fits else torch.zeros(needed, dtype=torch.uint8, device=device, pin_memory=pin)
     base = arena.data_ptr()
     return arena, {
         n: Region(n, base + offsets[n], sizes[n], str(arena.device)) for n in sorted(sizes)

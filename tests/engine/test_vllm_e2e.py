@@ -267,6 +267,10 @@ def test_compat_update_under_load_reads_each_byte_once(world: World) -> None:
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[1]
         assert engine.mooncake("GET", "status").json()["generation"] == 2
+    # CPU engines stage in host memory (their device); each worker reports it at prepare.
+    places = [p for workers in result.staging.values() for p in workers]
+    assert len(places) == 3 and {(p["where"], p["device"]) for p in places} == {("host", "cpu")}
+    assert sum(p["staged_bytes"] for p in places) == result.staged_bytes
     assert_every_parameter_checked(world, result)
     assert_metrics_follow_the_update(world, before, result)
 
