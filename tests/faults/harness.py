@@ -236,3 +236,28 @@ def wait_converged(
         converged.generations[label] = status["generation"]
         assert engine.complete(PROMPT) == reference(status), (label, status)
     return converged
+
+
+class Traffic(threading.Thread):
+    """Greedy completions against every engine, one after another, until stopped: what
+    each returned, to show an engine served (and with which output) while an update held
+    it."""
+
+    def __init__(self, engines: Mapping[str, VllmServer]) -> None:
+        super().__init__(daemon=True)
+        self.engines = engines
+        self.outputs: list[tuple[str, list[int] | str]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            for label, engine in self.engines.items():
+                try:
+                    self.outputs.append((label, engine.complete(PROMPT, timeout=30)))
+                except httpx.HTTPError as error:
+                    self.outputs.append((label, f"{type(error).__name__}: {error}"))
+
+    def stop(self) -> list[tuple[str, list[int] | str]]:
+        self._done.set()
+        self.join(60)
+        return self.outputs

@@ -25,12 +25,14 @@ from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
+from mooncake_rl.generations.keys import advert_key
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import hf_greedy, make_tiny_llama, perturbed_copy
 from tests.faults.harness import (
     TABLE,
     DroppingProxy,
+    Traffic,
     kill_engine,
     start_coordinator,
     wait_converged,
@@ -146,23 +148,46 @@ def record(scenario: str, outcome: str, seconds: float, bound_s: float) -> None:
 
 @pytest.mark.parametrize("phase", ["drain", "prepare", "stage 0", "apply"])
 def test_coordinator_killed(world: World, phase: str) -> None:
-    """The coordinator dies (SIGKILL) after the phase: the session lease runs out and each
-    engine serves its old generation again by itself; the next coordinator gets through."""
-    served = {k: s["generation"] for k, s in world.statuses().items()}
+    """The coordinator dies (SIGKILL) after the phase while clients keep both engines
+    busy: the engines staged behind that traffic and never paused (every request served,
+    by the old generation); the session lease runs out, the session's staging is released
+    (its advertisements leave the Store), each engine serves its old generation without a
+    session again by itself, and the next coordinator gets through."""
+    statuses = world.statuses()
+    served = {k: s["generation"] for k, s in statuses.items()}
+    old = {k: world.reference(s) for k, s in statuses.items()}
     world.publish()
-    run = start_coordinator(
-        world.settings,
-        world.urls(),
-        MODEL,
-        kill_at=phase,
-        session_ttl_s=SESSION_TTL_S,
-        batch_bytes=BATCH,
-    )
-    killed_at = run.killed()
-    held = world.statuses()
+    traffic = Traffic(world.engines)
+    traffic.start()
+    try:
+        run = start_coordinator(
+            world.settings,
+            world.urls(),
+            MODEL,
+            kill_at=phase,
+            session_ttl_s=SESSION_TTL_S,
+            batch_bytes=BATCH,
+        )
+        killed_at = run.killed()
+        held = world.statuses()
+        converged = wait_converged(world.engines, world.reference, killed_at, LEASE_BOUND_S)
+    finally:
+        outputs = traffic.stop()
     assert all(s["state"] != "serving" for s in held.values()), json.dumps(held, indent=1)
-    converged = wait_converged(world.engines, world.reference, killed_at, LEASE_BOUND_S)
+    assert all(s["ready"] and not s["paused"] for s in held.values()), json.dumps(held, indent=1)
     assert converged.generations == served
+    assert {label for label, _ in outputs} == set(world.engines)
+    assert all(output == old[label] for label, output in outputs), outputs
+    session = next(iter(held.values()))["session"]["id"]
+    workers = [
+        w["worker_id"]
+        for e in world.engines.values()
+        for w in e.mooncake("GET", "placement?boxes=false").json()["workers"]
+    ]
+    with world.store() as store:
+        assert store.complete_sizes([advert_key(session, w) for w in workers]) == [None] * len(
+            workers
+        )
     outcomes = {s["last_session"]["outcome"] for s in world.statuses().values()}
     assert outcomes == {"expired"}
     world.assert_nothing_lost()
