@@ -35,17 +35,22 @@ class Scheduler:
     async def resume_generation(self) -> None:
         self.paused = False
 
-    async def reset_prefix_cache(self) -> None:
-        pass
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return True
+
+    async def update_weight_version(self, version: str) -> None:
+        self.version = version
 
     async def collective_rpc(self, method: str, timeout: float, args: tuple) -> list[dict]:
         return [{"ok": True, "rank": 0}]
 
 
 async def drained(scheduler: Scheduler) -> Receiver:
+    """A session opened: it stages beside serving, so it pauses nothing yet."""
     receiver = Receiver(VllmBackend(scheduler, "e", rpc_timeout_s=5), "m", ServedRecord(1, 1))
+    paused = scheduler.paused
     await receiver.drain(DrainRequest(session=SESSION, holder="bridge"))
-    assert scheduler.paused
+    assert scheduler.paused is paused
     return receiver
 
 
@@ -66,6 +71,7 @@ async def test_commit_resumes_only_a_pause_of_its_own(host_paused: bool) -> None
     status = await receiver.commit(CommitRequest(session=SESSION, generation=2))
     assert (status["state"], status["generation"]) == ("serving", 2)
     assert scheduler.paused is host_paused
+    assert scheduler.version == "m:-:2"  # vLLM tags each output token with it
 
 
 @pytest.mark.parametrize("host_paused", [True, False])
