@@ -142,6 +142,11 @@ class WorkerBackend(ABC):
         started = time.perf_counter()
         committed = await self._rpc("commit", generation)
         parts["land_and_check_s"] = time.perf_counter() - started
+        # Of that, the slowest rank's engine reload and post-landing check.
+        parts["land_s"] = max((w.get("land_seconds", 0.0) for w in committed), default=0.0)
+        parts["check_s"] = max(
+            (w.get("verify", {}).get("seconds", 0.0) for w in committed), default=0.0
+        )
         await self._timed_part(parts, "reset_cache_s", self.reset_cache())
         await self._timed_part(parts, "weight_version_s", self.set_weight_version(weight_version))
         await self._timed_part(parts, "resume_s", self.resume())

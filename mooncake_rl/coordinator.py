@@ -160,8 +160,9 @@ class UpdateResult:
     # or "keep" them (frozen, then resumed on the new weights).
     drain_mode: str = "abort"
     # Per engine, its pause to land and the landing's parts (seconds): ``pause_s`` (the
-    # drain mode's pause), ``land_and_check_s``, ``reset_cache_s``, ``weight_version_s``,
-    # ``resume_s``.
+    # drain mode's pause), ``land_and_check_s`` (of it, the slowest rank's ``land_s``, the
+    # engine's reload, and ``check_s``, the post-landing check), ``reset_cache_s``,
+    # ``weight_version_s``, ``resume_s``.
     landing: dict[str, dict[str, float]] = field(default_factory=dict)
     legs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # With a router: per engine taken out, "readmitted", "retired" (removed meanwhile, so
