@@ -268,6 +268,7 @@ def engine_row(settings: Settings, device: str) -> dict[str, Any]:
     if not current_platform.is_cuda():
         return {"skipped": f"the installed vLLM is a {current_platform.device_type} build"}
     from bench.models import finish_family, launch_family
+    from bench.transports import landing_seconds
     from mooncake_rl.tiny_model import hf_greedy
 
     with tempfile.TemporaryDirectory() as root, StoreClient(settings) as store:
@@ -280,6 +281,11 @@ def engine_row(settings: Settings, device: str) -> dict[str, Any]:
             "seconds": round(mode.seconds, 3),
             "received_bytes": mode.received_bytes,
             "in_place_bytes": mode.in_place_bytes,
+            # The pause: the engine stops generating only to land (docs/pause.md).
+            "pause_seconds": round(landing_seconds(mode.result.landing), 4)
+            if mode.result is not None
+            else None,
+            "landing": next(iter(mode.result.landing.values()), {}) if mode.result else {},
         }
         for name, mode in (("compat", run.compat), ("direct", run.direct))
     }
