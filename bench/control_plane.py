@@ -105,6 +105,8 @@ class FakeRanks(WorkerBackend):
         self.port = port
         self.is_paused = False
         self.slices: dict[str, WorkerSlice] = {}
+        self.stage_replies: dict[str, dict[str, Any]] = {}  # what ``collect`` answers
+        self.rpc_timeout_s = 60.0
 
     async def paused(self) -> bool:
         return self.is_paused
@@ -116,6 +118,9 @@ class FakeRanks(WorkerBackend):
         self.is_paused = False
 
     async def reset_cache(self) -> None:
+        return None
+
+    async def set_weight_version(self, version: str) -> None:
         return None
 
     async def call_workers(self, method: str, *args: Any) -> list[dict[str, Any]]:
@@ -162,13 +167,16 @@ class FakeRanks(WorkerBackend):
                         "untrusted_peer",
                         f"the stage pushes to {op.peer}, which the apply body's peers do not name",
                     )
-            return {
+            self.stage_replies[worker_id] = {
                 "worker_id": worker_id,
                 "seconds": 0.0,
                 "store_read_bytes": sum(r.length for b in batches for r in b.reads),
                 "store_reread_bytes": 0,
                 "pushed_bytes": sum(p.length for b in batches for p in b.pushes),
             }
+            return {"started": stage}
+        if method == "collect":  # the stage ended as it started: nothing moves here
+            return self.stage_replies[worker_id]
         if method == "commit":
             self.slices.pop(worker_id, None)
             return {"seconds": 0.0, "land_seconds": 0.0, "verify": {}}

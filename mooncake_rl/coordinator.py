@@ -831,7 +831,7 @@ class Coordinator:
                 for url, reply in prepared.items():
                     result.in_place_bytes += reply.get("in_place_bytes", 0)
                     result.staged_bytes += reply.get("staged_bytes", 0)
-                    result.staging[url] = [w["staging"] for w in reply["workers"]]
+                    result.staging[url] = [w["staging"] for w in reply["workers"] if "staging" in w]
                 self._apply(session, members, plan, advertised_peers(prepared), record, result)
             else:
                 members = self._deliver(

@@ -164,7 +164,9 @@ def test_fake_ranks_refuse_an_apply_body_without_their_push_targets() -> None:
     assert prepared[0]["regions"] == {"w": {"base": 0, "size": 8}}
     refused = asyncio.run(ranks.call_workers("apply", {"stage": 0, "peers": {}}))
     assert refused[0]["refused"] == {"status": 422, "code": "untrusted_peer"}
-    applied = asyncio.run(ranks.call_workers("apply", {"stage": 0, "peers": {"peer": {}}}))
+    started = asyncio.run(ranks.call_workers("apply", {"stage": 0, "peers": {"peer": {}}}))
+    assert started[0]["started"] == 0
+    applied = asyncio.run(ranks.call_workers("collect"))
     assert (applied[0]["store_read_bytes"], applied[0]["pushed_bytes"]) == (8, 8)
 
 

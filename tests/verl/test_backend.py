@@ -77,7 +77,10 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "keep": 0}, "keep must be an integer >= 1"),
         ({"model": "m", "retire_grace_s": -1}, "retire_grace_s must be a number of seconds >= 0"),
         ({"model": "m", "transport": "nccl"}, "unknown transport 'nccl'; valid: store"),
-        ({"model": "m", "drain_mode": "drop"}, r"drain_mode must be one of \('abort', 'wait'\)"),
+        (
+            {"model": "m", "drain_mode": "drop"},
+            r"drain_mode must be one of \('abort', 'wait', 'keep'\)",
+        ),
         ({"model": "m", "pull": "gpu"}, r"pull must be one of \('single', 'node'\)"),
         (
             {"model": "m", "pull": "node", "transport": "broadcast"},
