@@ -692,7 +692,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench load: no figures: {error}", file=sys.stderr)
         return 1
     samples = result.pop("_samples")
-    result["plot"] = str(plot_load(result, samples, args.out))
+    try:
+        result["plot"] = str(plot_load(result, samples, args.out))
+    except ValueError as error:  # a bad --out must not cost the run's figures
+        result["plot"] = f"not drawn: {error}"
     print(json.dumps(result, indent=2))
     return 0
 
