@@ -204,6 +204,8 @@ async def test_keep_retracts_flushes_tags_the_version_then_continues(make_client
     assert set(committed["landing"]) == {
         "pause_s",
         "land_and_check_s",
+        "land_s",
+        "check_s",
         "reset_cache_s",
         "weight_version_s",
         "resume_s",
