@@ -19,7 +19,6 @@ its checkpoint engine runs) resumes it itself, once the KV cache is back: every 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from abc import ABC, abstractmethod
 from typing import Any
@@ -126,14 +125,15 @@ class WorkerBackend(ABC):
         ``rpc_timeout_s`` (a rank still running then is out of step: a timeout)."""
         await self._rpc("apply", request.model_dump(mode="json"))
         deadline = time.monotonic() + self.rpc_timeout_s
-        for attempt in itertools.count():
-            replies = await self._rpc("collect")
-            if not any(r.get("running") for r in replies):
-                return {"workers": replies}
+        attempt = 0
+        replies = await self._rpc("collect")
+        while any(r.get("running") for r in replies):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"apply stage {request.stage} ran past {self.rpc_timeout_s}s")
             await asyncio.sleep(POLL_S[min(attempt, len(POLL_S) - 1)])
-        raise AssertionError("itertools.count() ended")
+            attempt += 1
+            replies = await self._rpc("collect")
+        return {"workers": replies}
 
     async def commit(self, generation: int, weight_version: str) -> dict[str, Any]:
         """Land and check on every rank, drop caches, tag the version, resume; the parts'

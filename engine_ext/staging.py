@@ -13,6 +13,7 @@ a budget that cannot hold one batch of the plan is refused before anything is al
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,14 +48,7 @@ class StagingPlace:
         return self.where == "host" and self.free_device_bytes is not None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "where": self.where,
-            "device": self.device,
-            "pinned": self.pinned,
-            "staged_bytes": self.staged_bytes,
-            "budget_bytes": self.budget_bytes,
-            "free_device_bytes": self.free_device_bytes,
-        }
+        return {**dataclasses.asdict(self), "pinned": self.pinned}
 
 
 def choose_staging(

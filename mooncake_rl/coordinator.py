@@ -238,7 +238,7 @@ class _Options:
         return self.mode == "direct" and self.in_place
 
 
-Bracket = Callable[[Sequence[str], Callable[[], "UpdateResult"]], "UpdateResult"]
+Bracket = Callable[[Sequence[str], Callable[[], UpdateResult]], UpdateResult]
 """Runs a step with these engines out of a router's rotation (:meth:`Coordinator.bracketed`)."""
 
 
