@@ -175,6 +175,9 @@ class FakeRanks(WorkerBackend):
                 "pushed_bytes": sum(p.length for b in batches for p in b.pushes),
             }
             return {"started": stage}
+        if method == "expect":  # nothing landed to check here
+            self.stage_replies[worker_id] = {"worker_id": worker_id, "seconds": 0.0}
+            return {"started": "expect"}
         if method == "collect":  # the stage ended as it started: nothing moves here
             return self.stage_replies[worker_id]
         if method == "commit":

@@ -121,19 +121,34 @@ class WorkerBackend(ABC):
         }
 
     async def apply(self, request: ApplyRequest) -> dict[str, Any]:
-        """Start the stage on every rank, then poll until every rank finished it, within
-        ``rpc_timeout_s`` (a rank still running then is out of step: a timeout)."""
-        await self._rpc("apply", request.model_dump(mode="json"))
+        """Start the stage on every rank, then poll until every rank finished it."""
+        return {
+            "workers": await self._polled(
+                f"apply stage {request.stage}", "apply", request.model_dump(mode="json")
+            )
+        }
+
+    async def expect(self, generation: int) -> dict[str, Any]:
+        """Every rank builds its post-landing check's reference while the engine serves."""
+        replies = await self._polled("the landing check's reference", "expect", generation)
+        seconds = max((r.get("seconds", 0.0) for r in replies), default=0.0)
+        return {"workers": replies, "seconds": seconds}
+
+    async def _polled(self, what: str, method: str, *args: Any) -> list[dict[str, Any]]:
+        """Start ``method`` on every rank's stage thread, then ``collect`` until every rank
+        finished it, within ``rpc_timeout_s`` (a rank still running then is out of step: a
+        timeout)."""
+        await self._rpc(method, *args)
         deadline = time.monotonic() + self.rpc_timeout_s
         attempt = 0
         replies = await self._rpc("collect")
         while any(r.get("running") for r in replies):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"apply stage {request.stage} ran past {self.rpc_timeout_s}s")
+                raise TimeoutError(f"{what} ran past {self.rpc_timeout_s}s")
             await asyncio.sleep(POLL_S[min(attempt, len(POLL_S) - 1)])
             attempt += 1
             replies = await self._rpc("collect")
-        return {"workers": replies}
+        return replies
 
     async def commit(self, generation: int, weight_version: str) -> dict[str, Any]:
         """Land and check on every rank, drop caches, tag the version, resume; the parts'

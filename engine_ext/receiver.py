@@ -140,6 +140,10 @@ class EngineBackend(Protocol):
     async def placement(self, boxes: bool = True) -> dict[str, Any]: ...
     async def prepare(self, request: PrepareRequest) -> dict[str, Any]: ...
     async def apply(self, request: ApplyRequest) -> dict[str, Any]: ...
+    async def expect(self, generation: int) -> dict[str, Any]:
+        """Build the post-landing check's reference (before the pause); ``seconds``."""
+        ...
+
     async def commit(self, generation: int, weight_version: str) -> dict[str, Any]: ...
     async def abort(self) -> None: ...
     async def rebuild(self, model: str) -> ServedRecord:
@@ -565,17 +569,20 @@ class Receiver:
                 self._stage_done(session, applied, time.perf_counter() - started)
                 self.state = ReceiverState.APPLIED
                 return {**self.status(), **applied}
-            served = self.generation
-            await self._release("failed", f"apply stage {request.stage} failed: {error}")
-            outcome = (
-                f"the engine serves generation {served} again"
-                if self.state is ReceiverState.SERVING
-                else "live parameters were receive regions: the engine admits no request and "
-                "rebuilds itself from the Store's active generation"
-            )
-            raise ReceiverError(
-                502, "apply_failed", f"{error}; the staged generation was dropped and {outcome}"
-            ) from error
+            raise await self._staging_failed("apply_failed", f"apply stage {request.stage}", error)
+
+    async def _staging_failed(self, code: str, step: str, error: Exception) -> ReceiverError:
+        """Drop what is staged after ``step`` failed: the engine serves its old generation
+        (or rebuilds, if live parameters were receive regions); the error to raise."""
+        served = self.generation
+        await self._release("failed", f"{step} failed: {error}")
+        outcome = (
+            f"the engine serves generation {served} again"
+            if self.state is ReceiverState.SERVING
+            else "live parameters were receive regions: the engine admits no request and "
+            "rebuilds itself from the Store's active generation"
+        )
+        return ReceiverError(502, code, f"{error}; the staged generation was dropped and {outcome}")
 
     @_counted
     async def commit(self, request: CommitRequest) -> dict[str, Any]:
@@ -598,6 +605,23 @@ class Receiver:
                     f"{session.stages_done} of {session.stages} stages ran; apply the rest first",
                 )
             assert self._pending_record is not None
+            try:  # while the engine still serves (unless it received in place)
+                reference = await self._timed(
+                    "check_reference", self.backend.expect(request.generation)
+                )
+            except ReceiverError as refused:
+                if refused.status < 500:  # every rank refused: nothing changed
+                    raise
+                raise await self._staging_failed(
+                    "check_failed", "building the landing check", refused
+                ) from refused
+            except TimeoutError as failure:
+                self._out_of_step(f"the landing check of {request.generation}: {failure}")
+                raise ReceiverError(504, "worker_timeout", self.last_error or "") from failure
+            except Exception as failure:
+                raise await self._staging_failed(
+                    "check_failed", "building the landing check", failure
+                ) from failure
             try:
                 pause_s = await self._pause(session)
             except ReceiverError as refused:
@@ -636,7 +660,11 @@ class Receiver:
             self._end_session("committed")
             self.state = ReceiverState.SERVING
             self.last_error = None
-            landing = {"pause_s": pause_s, **committed.get("landing", {})}
+            landing = {
+                "check_reference_s": reference["seconds"],
+                "pause_s": pause_s,
+                **committed.get("landing", {}),
+            }
             return {**self.status(), **committed, "landing": landing}
 
     @_counted

@@ -87,6 +87,7 @@ METHODS = (
     "promote",
     "apply",
     "collect",
+    "expect",
     "commit",
     "abort",
     "rebuild",
@@ -114,6 +115,8 @@ class _UpdateState:
         self.stages = 0
         self.ran = 0
         self.peers: PeerBook | None = None
+        # The post-landing check's reference, built once every stage ran (``expect``).
+        self.check: LandingCheck | None = None
         # A broadcast or CPU-serialized delivery (instead of a routing slice); its buffer is
         # kept for the next one while the size fits.
         self.reception: Reception | None = None
@@ -142,6 +145,7 @@ class _UpdateState:
         if self.session is not None and self.slice is not None:  # a Store-path advert
             withdraw(self.apply.store, self.session, self.apply.worker_id)
         self.slice = self.generation = self.session = self.peers = self.reception = None
+        self.check = None
         self.stages = self.ran = 0
         self.in_place = {}
 
@@ -237,17 +241,20 @@ class UpdateWorker(ABC):
         """
         return live_receivers(self.model(), self.regions()[0], self.device())
 
-    def compare_live(self, expected: Mapping[str, torch.Tensor]) -> Comparison:
-        """Which live parameters differ from ``expected`` (model format), and which it could
-        not compare.
+    def expect_live(self, expected: Mapping[str, torch.Tensor]) -> Any:
+        """The reference :meth:`compare_live` takes: what the live model must hold once
+        ``expected`` (model format, staged) landed. Built before the pause, while the engine
+        serves, so the pause holds only the comparison. Engines that keep checkpoint layout
+        live (SGLang) compare bytes: the reference is ``expected`` itself; engines that
+        repack into kernel layouts override both with a fresh-load comparison."""
+        return expected
 
-        Engines that keep checkpoint layout live (SGLang) compare bytes; engines that
-        repack into kernel layouts override this with a fresh-load comparison.
-        """
+    def compare_live(self, reference: Any) -> Comparison:
+        """Which live parameters differ from the reference, and which it could not compare."""
         live = dict(self.model().named_parameters())
         return Comparison(
-            [n for n, t in expected.items() if n in live and not same_bytes(live[n], t)],
-            [n for n in expected if n not in live],
+            [n for n, t in reference.items() if n in live and not same_bytes(live[n], t)],
+            [n for n in reference if n not in live],
         )
 
     # -- the one entry point ----------------------------------------------------------
@@ -606,9 +613,8 @@ class UpdateWorker(ABC):
             **received,
         }
 
-    def _commit(self, engine_id: str, generation: int) -> dict[str, Any]:
-        """Swap the staged generation into the live model through the engine's own paths."""
-        state = self._state(engine_id)
+    def _require_landable(self, state: _UpdateState, generation: int) -> None:
+        """Refuse a check or commit of anything but the prepared generation, fully applied."""
         if state.generation != generation or not state.pending:
             raise RequestRefused(
                 409,
@@ -621,6 +627,33 @@ class UpdateWorker(ABC):
                 "stages_incomplete",
                 f"{state.ran} of {state.stages} stages ran; apply the rest first",
             )
+
+    def _expect(self, engine_id: str, generation: int) -> dict[str, Any]:
+        """Start building the post-landing check's reference on the stage thread, while the
+        engine serves; ``collect`` takes its reply. Commit then pauses only to land and
+        compare. Only after every engine's last stage (the coordinator commits then) is
+        staging final: peers push into it until their own last stage ends."""
+        state = self._state(engine_id)
+        self._require_landable(state, generation)
+        if state.running is not None and not state.running.done():
+            raise RequestRefused(
+                409, "stage_running", "an apply stage still runs; collect it first"
+            )
+        state.running = state.stage_runner.submit(self._build_check, state)
+        return {"started": "expect"}
+
+    def _build_check(self, state: _UpdateState) -> dict[str, Any]:
+        state.check = self._landing_check(state)
+        return {"worker_id": state.apply.worker_id, "seconds": state.check.seconds}
+
+    def _commit(self, engine_id: str, generation: int) -> dict[str, Any]:
+        """Swap the staged generation into the live model through the engine's own paths,
+        then compare the live model with the check's reference (built now if ``expect``
+        did not run)."""
+        state = self._state(engine_id)
+        self._require_landable(state, generation)
+        state.settle(keep=True)
+        check = state.check or self._landing_check(state)
         started = time.perf_counter()
         if state.mode == "compat":
             self.land_compat(staged_tensors(state.layout, state.buffers))
@@ -633,11 +666,11 @@ class UpdateWorker(ABC):
                 set(state.in_place),
             )
         landed = time.perf_counter()
-        check = self._verify(state)
-        if check["mismatched"]:
+        compared = self._compare(check)
+        if compared["mismatched"]:
             raise LandingMismatch(
                 f"generation {generation} did not land intact; the live model differs from a "
-                f"fresh load in {check['mismatched'][:5]}: never served, rebuild from the Store"
+                f"fresh load in {compared['mismatched'][:5]}: never served, rebuild from the Store"
             )
         # What a receiver rebuilt on this engine (and its status) starts from.
         mark_served(self.model(), state.record)
@@ -645,11 +678,11 @@ class UpdateWorker(ABC):
         return {
             "seconds": time.perf_counter() - started,
             "land_seconds": landed - started,
-            "verify": check,
+            "verify": compared,
         }
 
-    def _verify(self, state: _UpdateState) -> dict[str, Any]:
-        """Compare every live parameter with the generation's bytes for it, after landing."""
+    def _landing_check(self, state: _UpdateState) -> LandingCheck:
+        """What every live parameter must hold once the staged generation landed."""
         if state.mode == "direct":
             # Bytes received in place were checked against the generation's checksums as
             # they were read; no landing step ran on them to compare.
@@ -661,25 +694,35 @@ class UpdateWorker(ABC):
                 for r in self.regions()[0]
                 if r.name not in expected and r.name not in state.in_place
             )
-            return {**self._compare(expected, uncovered), "in_place": len(state.in_place)}
-        return self._check_full(dict(staged_tensors(state.layout, state.buffers)))
-
-    def _check_full(self, full: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """The live model against full checkpoint tensors (each rank's shards of them)."""
+            return self._reference(expected, uncovered, len(state.in_place))
         regions, shards = self.regions()
-        return self._compare(*assemble_regions(regions, shards, full))
+        full = dict(staged_tensors(state.layout, state.buffers))
+        return self._reference(*assemble_regions(regions, shards, full))
 
-    def _compare(
-        self, expected: Mapping[str, torch.Tensor], uncovered: list[str]
-    ) -> dict[str, Any]:
+    def _reference(
+        self,
+        expected: Mapping[str, torch.Tensor],
+        uncovered: Sequence[str],
+        in_place: int | None = None,
+    ) -> LandingCheck:
         started = time.perf_counter()
-        compared = self.compare_live(expected)
-        return {
-            "checked": len(expected) - len(compared.unchecked),
-            "unchecked": sorted([*uncovered, *compared.unchecked]),
+        reference = self.expect_live(expected)
+        return LandingCheck(
+            reference, len(expected), tuple(uncovered), in_place, time.perf_counter() - started
+        )
+
+    def _compare(self, check: LandingCheck) -> dict[str, Any]:
+        """The live model against ``check``; ``reference_seconds`` went to building it."""
+        started = time.perf_counter()
+        compared = self.compare_live(check.reference)
+        result = {
+            "checked": check.expected - len(compared.unchecked),
+            "unchecked": sorted([*check.uncovered, *compared.unchecked]),
             "mismatched": compared.mismatched,
             "seconds": time.perf_counter() - started,
+            "reference_seconds": check.seconds,
         }
+        return result if check.in_place is None else {**result, "in_place": check.in_place}
 
     def _abort(self, engine_id: str) -> dict[str, Any]:
         if self._update is not None:
@@ -703,7 +746,8 @@ class UpdateWorker(ABC):
         full: dict[str, torch.Tensor] = {}
         with store_weights(model_name, engine_id) as (record, tensors):
             self.land_compat(_kept(tensors, full))
-        check = self._check_full(full)
+        regions, shards = self.regions()
+        check = self._compare(self._reference(*assemble_regions(regions, shards, full)))
         if check["mismatched"]:
             raise LandingMismatch(
                 f"the rebuild of generation {record.generation} did not land intact; the live "
@@ -762,6 +806,18 @@ def live_receivers(
         taken.add(tensor.untyped_storage().data_ptr())
         found[region.name] = tensor.data
     return found
+
+
+@dataclass(frozen=True)
+class LandingCheck:
+    """The post-landing check's reference (:meth:`UpdateWorker.expect_live`), made from
+    staging; ``seconds`` went to making it."""
+
+    reference: Any
+    expected: int
+    uncovered: tuple[str, ...]
+    in_place: int | None
+    seconds: float
 
 
 @dataclass(frozen=True)

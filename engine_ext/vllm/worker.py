@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -128,48 +129,68 @@ class VllmUpdateWorker(UpdateWorker):
         else:
             self._reset_runner_caches()
 
-    def compare_live(self, expected: Mapping[str, torch.Tensor]) -> Comparison:
-        """Each layer as served against the same layer freshly loaded with ``expected``.
+    def expect_live(self, expected: Mapping[str, torch.Tensor]) -> list[LayerReference]:
+        """Each layer's expected tensors and, for a layer with a GEMM kernel, what a fresh
+        load of them outputs on a probe input.
 
         vLLM keeps derived state a byte comparison cannot see (CPU GEMMs hold packed weights
         in closures; CPU experts are prepacked), so a layer with a kernel is compared through
         it: a shadow of the layer gets the expected model-format tensors and the layer's own
-        ``process_weights_after_loading``, then both run one probe input and must agree
-        bit for bit. Tensors without a kernel are compared as bytes.
+        ``process_weights_after_loading``, and its output on the probe is kept. Building
+        that is most of the check's work, and it runs here, before the pause. Fused experts
+        are rebuilt in the pause, one layer at a time (a reference for all of them would hold
+        a second copy of every expert).
         """
         model = self.model()
         named = {id(p): n for n, p in model.named_parameters() if n in expected}
-        differ: list[str] = []
-        unchecked: list[str] = []
+        references: list[LayerReference] = []
         for module_name, layer in model.named_modules():
             prefix = f"{module_name}." if module_name else ""
             own = {
-                n: (p, expected.get(prefix + n, expected.get(named.get(id(p), ""), None)))
+                n: t
                 for n, p in layer._parameters.items()
                 if p is not None
+                and (t := expected.get(prefix + n, expected.get(named.get(id(p), "")))) is not None
             }
-            # Host staging: one layer's expected tensors on the device at a time.
-            own = {n: t.to(p.device) for n, (p, t) in own.items() if t is not None}
             if not own:
                 continue
             method = getattr(layer, "quant_method", None)
-            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-            kernel: set[str] = set()
-            if experts is not None:
-                kernel = set(own)
-                fresh = fresh_experts(layer, method, experts, own)
+            if getattr(getattr(method, "moe_kernel", None), "fused_experts", None) is not None:
+                references.append(LayerReference(prefix, layer, own, experts=True))
+            elif hasattr(method, "apply") and "weight" in own:
+                probe, output, converted = fresh_kernel(layer, method, own)
+                references.append(LayerReference(prefix, layer, own, probe, output, converted))
+            else:
+                references.append(LayerReference(prefix, layer, own))
+        return references
+
+    def compare_live(self, reference: list[LayerReference]) -> Comparison:
+        """Each layer as served against its reference: the probe through its kernel, the
+        bytes of what processing leaves as loaded, and fused experts against their own
+        prepack of the expected tensors. Tensors without a kernel are compared as bytes."""
+        differ: list[str] = []
+        unchecked: list[str] = []
+        for expected in reference:
+            layer, prefix = expected.layer, expected.prefix
+            kernel = expected.converted
+            if expected.experts:
+                method = layer.quant_method
+                # Host staging: one layer's expected tensors on the device at a time.
+                own = {n: t.to(getattr(layer, n).device) for n, t in expected.tensors.items()}
+                fresh = fresh_experts(layer, method, method.moe_kernel.fused_experts, own)
+                kernel = frozenset(own)
                 for n in own:
                     if fresh is None or n not in fresh:
                         unchecked.append(prefix + n)
                     elif not same_bytes(getattr(layer, n), fresh[n]):
                         differ.append(prefix + n)
-            elif experts is None and hasattr(method, "apply") and "weight" in own:
-                same, kernel = same_kernel(layer, method, own)
-                if not same:
-                    differ.append(prefix + "weight")
+            elif expected.probe is not None and not torch.equal(
+                layer.quant_method.apply(layer, expected.probe), expected.output
+            ):
+                differ.append(prefix + "weight")
             differ += [
                 prefix + n
-                for n, tensor in own.items()
+                for n, tensor in expected.tensors.items()
                 if n not in kernel and not same_bytes(getattr(layer, n), tensor)
             ]
         return Comparison(differ, unchecked)
@@ -333,12 +354,12 @@ def fresh_experts(
     return {"w13_weight": w13, "w2_weight": w2}
 
 
-def same_kernel(
+def fresh_kernel(
     layer: torch.nn.Module, method: Any, expected: Mapping[str, torch.Tensor]
-) -> tuple[bool, set[str]]:
-    """Whether the layer's GEMM equals a fresh one built from ``expected`` (its weight and,
-    when quantized, the scales the kernel reads), on a probe input in the layer's activation
-    dtype; and which of ``expected`` processing converts into kernel format (packed,
+) -> tuple[torch.Tensor, torch.Tensor, frozenset[str]]:
+    """A probe input in the layer's activation dtype, what a fresh GEMM built from
+    ``expected`` (its weight and, when quantized, the scales the kernel reads) outputs on
+    it, and which of ``expected`` processing converts into kernel format (packed,
     requantized), which only the probe can compare. The others (an embedding's weight, a
     block-fp8 scale the CPU kernel keeps) stay comparable as bytes. A parameter the check
     has no expected tensor for (a fused scale landed through the engine's loader) is taken
@@ -346,17 +367,31 @@ def same_kernel(
     served = {n: p for n, p in layer._parameters.items() if p is not None and n not in expected}
     shadow = shadow_layer(layer, {**served, **expected})
     method.process_weights_after_loading(shadow)
-    converted = {
+    converted = frozenset(
         name
         for name, tensor in expected.items()
         if (processed := shadow._parameters.get(name)) is None or not same_bytes(processed, tensor)
-    }
+    )
     weight = expected["weight"]
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(2, weight.shape[-1], generator=generator)
     probe = probe.to(getattr(layer, "params_dtype", None) or weight.dtype)
     probe = probe.to(layer.weight.device)
-    return torch.equal(method.apply(layer, probe), method.apply(shadow, probe)), converted
+    return probe, method.apply(shadow, probe), converted
+
+
+@dataclass(frozen=True)
+class LayerReference:
+    """One layer's side of the post-landing check: its expected tensors (by the layer's
+    own parameter names) and, for a GEMM layer, a probe and the fresh kernel's output."""
+
+    prefix: str
+    layer: torch.nn.Module
+    tensors: Mapping[str, torch.Tensor]
+    probe: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    converted: frozenset[str] = frozenset()
+    experts: bool = False
 
 
 def layer_tensors(

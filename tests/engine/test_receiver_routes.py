@@ -71,6 +71,10 @@ class RecordingBackend:
         await self._step(f"apply:{request.generation}:{request.stage}")
         return {"workers": [{"store_read_bytes": READ, "pushed_bytes": PUSHED}]}
 
+    async def expect(self, generation: int) -> dict[str, Any]:
+        await self._step(f"expect:{generation}")
+        return {"seconds": 0.0}
+
     async def commit(self, generation: int, weight_version: str) -> dict[str, Any]:
         self.weight_versions.append(weight_version)
         return await self._step(f"commit:{generation}")
@@ -204,7 +208,15 @@ async def test_full_update_cycle(make_client) -> None:
         "generation": 2,
     }
     # It paused (in the session's mode) only to land, and tagged tokens with the new record.
-    assert backend.calls == ["prepare:2", "apply:2:0", "apply:2:1", "drain:wait", "commit:2"]
+    # The check's reference is built while it still serves.
+    assert backend.calls == [
+        "prepare:2",
+        "apply:2:0",
+        "apply:2:1",
+        "expect:2",
+        "drain:wait",
+        "commit:2",
+    ]
     assert backend.weight_versions == ["m:-:2"]
     assert status["landing"]["pause_s"] >= 0
 
@@ -437,6 +449,7 @@ async def test_prepare_again_replaces_the_staged_plan(make_client) -> None:
         "abort",
         "prepare:2",
         "apply:2:0",
+        "expect:2",
         "drain:abort",
         "commit:2",
     ]
@@ -458,6 +471,23 @@ async def test_apply_failure_serves_the_old_generation(make_client) -> None:
     assert status["last_session"]["outcome"] == "failed"
     assert "apply stage 0 failed" in status["last_error"]
     assert backend.calls[-2:] == ["apply:2:0", "abort"] and "resume" not in backend.calls
+
+
+async def test_a_failed_check_reference_drops_the_update_before_any_pause(make_client) -> None:
+    """The landing check's reference is built from staging while the engine serves: if
+    that fails, nothing landed, the engine never paused, and it serves its old generation."""
+    client, backend, _ = await make_client()
+    backend.fail_on.add("expect:2")
+    async with client:
+        await run_steps(client, APPLIED)
+        response = await client.post("/mooncake/commit", json=commit_body())
+        status = (await client.get("/mooncake/status")).json()
+    assert response.status_code == 502 and response.json()["error"] == "check_failed"
+    assert "serves generation 1 again" in response.json()["detail"]
+    assert (status["state"], status["generation"], status["ready"]) == ("serving", 1, True)
+    assert status["last_session"]["outcome"] == "failed"
+    assert backend.calls[-2:] == ["expect:2", "abort"]
+    assert not any(c.startswith(("drain", "commit", "resume")) for c in backend.calls)
 
 
 async def test_abort_after_apply_serves_the_old_generation(make_client) -> None:
@@ -654,7 +684,7 @@ async def test_an_uploaded_bucket_is_one_apply_stage_and_leaves_no_file(make_cli
             response = await client.post("/mooncake/bucket", params=query, content=b"x" * 64)
             assert response.status_code == 200 and response.json()["state"] == "applied"
         await run_steps(client, [("commit", commit_body())])
-    assert backend.calls[-4:] == ["apply:2:0", "apply:2:1", "drain:abort", "commit:2"]
+    assert backend.calls[-5:] == ["apply:2:0", "apply:2:1", "expect:2", "drain:abort", "commit:2"]
     assert bucket_files() == before
 
 
@@ -770,8 +800,16 @@ async def test_metrics_count_a_known_sequence_of_calls(make_client) -> None:
     assert by_label(samples, "receiver_state") == {s: float(s == "serving") for s in STATES}
     assert by_label(samples, "served_generation") == {"m": 7}
     assert engine_sample(samples, "engine_rebuilds_total") == 1
-    # Paused twice: to land the first update, and before the in-place one's apply.
-    phases = {"pause": 2, "prepare": 3, "apply": 2, "commit": 1, "rebuild": 1}
+    # Paused twice: to land the first update, and before the in-place one's apply. Both
+    # commits built their check's reference; the second then failed to land.
+    phases = {
+        "pause": 2,
+        "prepare": 3,
+        "apply": 2,
+        "check_reference": 2,
+        "commit": 1,
+        "rebuild": 1,
+    }
     assert by_label(samples, "engine_phase_seconds_count") == phases
     for phase, count in phases.items():
         infinite = engine_sample(samples, "engine_phase_seconds_bucket", phase=phase, le="+Inf")

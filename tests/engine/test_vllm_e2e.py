@@ -482,18 +482,22 @@ def test_a_coordinator_overtaken_after_its_survey_pauses_no_engine(world: World)
         assert engine.complete(PROMPT) == world.refs[2]
 
 
-def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: World) -> None:
-    """TP=1 and TP=2: a failed commit leaves the engine broken; it reloads the Store's active
-    generation in place, through the loader's path, and serves it without a restart."""
+def test_a_landing_that_cannot_be_checked_fails_before_the_pause(world: World) -> None:
+    """TP=1 and TP=2: commit builds its check's reference from staging before it pauses; a
+    staging that does not hold the generation fails there, so nothing lands and the engine
+    serves its generation on, never paused, with no rebuild. (A landing that fails its
+    check after landing rebuilds from the Store: tests/engine/test_model_families.py.)"""
     generation = world.publish(2)
     record = GenerationRegistry(world.store, MODEL).active()
     assert record is not None and record.generation == generation
     for engine in world.engines.values():
+        before = engine.mooncake("GET", "status").json()
+        served = engine.complete(PROMPT)
         session = uuid.uuid4().hex
         drained = engine.mooncake("POST", "drain", {"session": session, "holder": "test"})
         assert drained.status_code == 200, drained.text
         # Direct mode staging one region per worker and reading nothing: apply has nothing
-        # to do, and commit finds parameters never staged (it fails before landing any).
+        # to do, and the check finds parameters never staged.
         workers = engine.mooncake("GET", "placement").json()["workers"]
         routing = {
             w["worker_id"]: {
@@ -510,18 +514,20 @@ def test_an_engine_whose_commit_failed_rebuilds_itself_from_the_store(world: Wor
         assert engine.mooncake("POST", "apply", apply).status_code == 200
         commit = {"session": session, "generation": generation}
         failed = engine.mooncake("POST", "commit", commit)
-        assert (failed.status_code, failed.json()["error"]) == (500, "commit_failed")
+        assert (failed.status_code, failed.json()["error"]) == (502, "check_failed")
         assert "direct commit lacks staged parameters" in failed.json()["detail"]
-    for engine in world.engines.values():
-        deadline = time.monotonic() + 120
-        while (status := engine.mooncake("GET", "status").json())["state"] != "serving":
-            assert time.monotonic() < deadline, f"{engine.url} did not rebuild: {status}"
-            time.sleep(0.5)
-        assert (status["generation"], status["fence"], status["rebuilds"]) == (
-            generation,
-            record.fence,
-            1,
+        status = engine.mooncake("GET", "status").json()
+        assert (status["state"], status["generation"], status["paused"]) == (
+            "serving",
+            before["generation"],
+            False,
         )
+        assert status["rebuilds"] == before["rebuilds"]
+        assert status["last_session"]["outcome"] == "failed"
+        assert engine.complete(PROMPT) == served
+    with world.coordinator(*world.engines) as coordinator:
+        coordinator.update(MODEL)
+    for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[2]
 
 

@@ -116,6 +116,7 @@ class RecordingTokenizerManager:
         steps = {
             "prepare": lambda: f"prepare:{args[0]['generation']}",
             "apply": lambda: f"apply:{args[0]['generation']}:{args[0]['stage']}",
+            "expect": lambda: f"expect:{args[0]}",
             "commit": lambda: f"commit:{args[0]}",
             "abort": lambda: "abort",
             "rebuild": lambda: f"rebuild:{args[0]}",
