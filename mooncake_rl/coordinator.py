@@ -611,7 +611,9 @@ class Coordinator:
         spare = len(self.engines) - needed
         for group in groups:
             needed_now = max(1, len(group) - spare)
-            bracket = functools.partial(self.bracketed, rotation, tag)
+            bracket = functools.partial(
+                self.bracketed, rotation, tag, leave_last=drain_mode == "keep"
+            )
             try:
                 survey = self._survey(model, group, record, needed_now, options)
                 if options.pauses_at_prepare:  # out of rotation for the whole sync
@@ -644,8 +646,11 @@ class Coordinator:
         tag: str,
         engines: Sequence[str],
         sync: Callable[[], UpdateResult],
+        *,
+        leave_last: bool = False,
     ) -> UpdateResult:
-        """Take ``engines`` out of rotation, sync, and re-admit in the ``finally``.
+        """Take ``engines`` out of rotation, sync, and re-admit in the ``finally``
+        (``leave_last``: :meth:`Rotation.take_out`'s, for keep mode).
 
         Only engines still held out for this update (``tag``) come back: one retired
         meanwhile stays out. The sync's error wins over a failed re-admission; after a
@@ -656,7 +661,7 @@ class Coordinator:
         taken: list[str] = []
         outcome: dict[str, str] = {}
         try:
-            rotation.take_out(engines, tag, taken)
+            rotation.take_out(engines, tag, taken, leave_last=leave_last)
             result = sync()
         except UpdateFailed as failed:
             failed.result.rotation = outcome  # filled in by the finally below

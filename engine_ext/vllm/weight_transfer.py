@@ -43,8 +43,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from engine_ext.admission import RequestRefused, check_generation, parsed
 from engine_ext.leases import loader_engine_id
-from engine_ext.loading import mark_served, served_by
+from engine_ext.loading import mark_served, served_by, served_record
 from engine_ext.ranks import gather_json
+from engine_ext.receiver import weight_version
 from engine_ext.vllm.worker import VllmUpdateWorker
 from mooncake_rl.coordinator import advertised_peers
 from mooncake_rl.errors import InvariantViolation
@@ -469,7 +470,8 @@ class MooncakeStoreTrainerEngine(TrainerWeightTransferEngine[MooncakeStoreTraine
         """Publish the source as the next generation, then start, update and finish.
 
         A failed publish raises before any engine is called (the previous generation stays
-        active); the engines' weight version becomes the generation number.
+        active); the engines' weight version becomes ``name:incarnation:generation``, as on
+        the coordinator's path.
         """
         assert self.source is not None
         if not self.is_sender:
@@ -483,7 +485,9 @@ class MooncakeStoreTrainerEngine(TrainerWeightTransferEngine[MooncakeStoreTraine
         )
         self.client.start_weight_update()
         self.client.update_weights(MooncakeStoreUpdateInfo.of(record).model_dump(mode="json"))
-        self.client.finish_weight_update(weight_version=str(record.generation))
+        self.client.finish_weight_update(
+            weight_version=weight_version(info.model, served_record(record))
+        )
         self.record = record
 
     def shutdown(self) -> None:

@@ -114,16 +114,24 @@ class Rotation:
             claim.release()
 
     # -- the bracket ------------------------------------------------------------------------
-    def take_out(self, engines: Sequence[str], update: str, taken: list[str]) -> None:
+    def take_out(
+        self, engines: Sequence[str], update: str, taken: list[str], *, leave_last: bool = False
+    ) -> None:
         """Remove the listed ``engines`` from rotation for ``update``; each engine is appended
         to ``taken`` once its entry is recorded, so a failure part-way leaves ``taken``
-        naming exactly what :meth:`readmit` must bring back."""
+        naming exactly what :meth:`readmit` must bring back.
+
+        ``leave_last`` (keep mode): if removing them would leave the router no worker, none
+        is removed. A paused vLLM or SGLang engine queues the requests it is sent until it
+        resumes, so they wait out the landing, as the requests it froze do, where the
+        router would answer 503 with no worker at all."""
         with self._locked():
             listed = set(self.router.workers())
+            leaving = [e for e in map(engine_url, engines) if e in listed]
+            if leave_last and not listed - set(leaving):
+                return
             entries = self.held_out()
-            for engine in map(engine_url, engines):
-                if engine not in listed:
-                    continue
+            for engine in leaving:
                 entries[engine] = OutEntry(update, self.holder, time.time())
                 self._write(entries)
                 taken.append(engine)

@@ -6,7 +6,6 @@ Two engines on two node labels: ``a`` (TP=1, bearer token) and ``b`` (TP=2).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ from mooncake_rl.transport.source import Source, read_buckets
 from mooncake_rl.transport.topology import TopologyError
 from tests.conftest import settings_for
 from tests.engine.route_fuzz import calls
+from tests.engine.streams import TokenStream, generate
 from tests.engine.test_receiver_routes import Samples, by_label, samples_of
 from tests.faults.harness import DroppingProxy, start_coordinator, wait_converged
 
@@ -833,48 +833,6 @@ def test_a_compat_update_pulled_per_node_reads_once_per_node_and_crosses_no_nic(
     with world.coordinator() as coordinator, not_the_store:
         coordinator.update(MODEL, pull="node", transport="cpu_serialize")
     assert world.engines["a"].mooncake("GET", "status").json()["generation"] == generation
-
-
-class TokenStream(threading.Thread):
-    """One greedy streamed request on vLLM's ``/inference/v1/generate``: its token ids as
-    they arrive, then its finish reason and ``weight_versions`` spans (final chunk)."""
-
-    def __init__(self, engine: VllmServer, prompt: list[int], max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.engine, self.prompt, self.max_tokens = engine, prompt, max_tokens
-        self.tokens: list[int] = []
-        self.started_tokens = threading.Event()
-        self.final: dict[str, Any] = {}
-
-    def run(self) -> None:
-        body = {
-            "token_ids": self.prompt,
-            "sampling_params": {
-                "max_tokens": self.max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            "stream": True,
-        }
-        url = f"{self.engine.url}/inference/v1/generate"
-        with httpx.stream("POST", url, json=body, headers=self.engine.headers(), timeout=300) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choice = json.loads(line.removeprefix("data: "))["choices"][0]
-                self.tokens += choice.get("token_ids") or []
-                if len(self.tokens) >= 8:
-                    self.started_tokens.set()
-                if choice.get("finish_reason") is not None:
-                    self.final = choice
-        self.started_tokens.set()
-
-
-def generate(engine: VllmServer, prompt: list[int], max_tokens: int) -> list[int]:
-    stream = TokenStream(engine, prompt, max_tokens)
-    stream.run()
-    return stream.tokens
 
 
 def test_a_request_kept_across_an_update_carries_both_weight_versions(world: World) -> None:

@@ -33,6 +33,7 @@ from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from tests.conftest import settings_for
+from tests.engine.streams import TokenStream, generate
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-native"
@@ -90,6 +91,7 @@ def native(
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM mounts its RL routes only then
         extra_args=[
             "--enforce-eager",
+            "--enable-scale-out",  # /inference/v1/generate, with weight_versions spans
             "--weight-transfer-config",
             json.dumps({"backend": "mooncake_store"}),
         ],
@@ -104,7 +106,7 @@ def test_trainer_factory_lands_generations_through_native_routes(native: Native)
         record = native.send(index, mode)
         assert native.server.complete(PROMPT) == native.refs[index], mode
         version = httpx.get(f"{native.server.url}/weight_info").json()["weight_version"]
-        assert version == str(record.generation)
+        assert version == f"{MODEL}:{record.incarnation}:{record.generation}"
 
 
 def test_refused_infos_change_nothing(native: Native) -> None:
@@ -134,4 +136,33 @@ def test_refused_infos_change_nothing(native: Native) -> None:
     # Still updatable after the refusals.
     index = 1 - native.refs.index(before)
     native.send(index, "direct")
+    assert native.server.complete(PROMPT) == native.refs[index]
+
+
+def test_keep_through_native_routes_resumes_requests_on_the_new_weights(native: Native) -> None:
+    """vLLM's own keep pause around a native send, then the prefix reset the docs name: a
+    request streaming across it finishes, its spans cut from the old version to the new,
+    and its tokens after the cut are what the new weights give for its prefix."""
+    max_tokens = 200
+    served = native.server.complete(PROMPT)
+    index = 1 - native.refs.index(served)
+    old_version = httpx.get(f"{native.server.url}/weight_info").json()["weight_version"]
+    stream = TokenStream(native.server, PROMPT, max_tokens)
+    stream.start()
+    assert stream.started_tokens.wait(120)
+    assert native.post("pause?mode=keep").status_code == 200
+    record = native.send(index, "direct")
+    reset = native.post("reset_prefix_cache?reset_running_requests=true")
+    assert reset.status_code == 200 and reset.json() == {"success": True}
+    assert native.post("resume").status_code == 200
+    stream.join(300)
+    assert stream.final["finish_reason"] == "length" and len(stream.tokens) == max_tokens
+    spans = stream.final["weight_versions"]
+    new_version = f"{MODEL}:{record.incarnation}:{record.generation}"
+    assert [s["version"] for s in spans] == [old_version, new_version], spans
+    cut = spans[0]["end"]
+    assert (spans[0]["start"], spans[1]["start"], spans[1]["end"]) == (0, cut, max_tokens)
+    assert 8 <= cut < max_tokens
+    after = generate(native.server, PROMPT + stream.tokens[:cut], max_tokens - cut)
+    assert stream.tokens[cut:] == after
     assert native.server.complete(PROMPT) == native.refs[index]

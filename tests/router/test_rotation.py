@@ -93,6 +93,25 @@ def test_engines_leave_rotation_before_the_sync_and_all_come_back(bracket: Brack
     assert bracket.rotation.held_out() == {}
 
 
+def test_keep_leaves_the_last_workers_in_rotation_and_takes_out_the_rest(
+    bracket: Bracket,
+) -> None:
+    """Keep mode: a wave of every worker stays in rotation (paused engines queue what they
+    are sent; with no worker the router answers 503); a wave that leaves another worker in
+    rotation still goes out."""
+    seen: list[tuple[list[str], list[str]]] = []
+
+    def sync() -> UpdateResult:
+        seen.append((sorted(bracket.router.workers()), sorted(bracket.rotation.held_out())))
+        return bracket.result()
+
+    for wave in (bracket.urls, bracket.urls[:1]):
+        bracket.coordinator.bracketed(bracket.rotation, "u1", wave, sync, leave_last=True)
+    assert seen == [(sorted(bracket.urls), []), (bracket.urls[1:], bracket.urls[:1])]
+    assert sorted(bracket.router.workers()) == sorted(bracket.urls)
+    assert bracket.rotation.held_out() == {}
+
+
 def test_a_failed_sync_still_readmits_every_engine(bracket: Bracket) -> None:
     def sync() -> UpdateResult:
         raise UpdateFailed(bracket.result("apply stage 0 failed: injected"))
