@@ -179,14 +179,23 @@ async def test_wait_drain_times_out_and_reopens_admission(make_client) -> None:
         response = await client.post("/mooncake/commit", json=commit_body())
     assert response.status_code == 409 and response.json()["error"] == "drain_timeout"
     assert (receiver.state.value, receiver.generation, manager.is_pause) == ("serving", 1, False)
-    assert manager.calls == ["prepare:2", "apply:2:0", "apply:2:1", "drain:wait", "resume", "abort"]
+    assert manager.calls == [
+        "prepare:2",
+        "apply:2:0",
+        "apply:2:1",
+        "expect:2",
+        "drain:wait",
+        "resume",
+        "abort",
+    ]
     await manager.model_update_lock.release_reader()
 
 
 async def test_keep_retracts_flushes_tags_the_version_then_continues(make_client) -> None:
-    """Keep is SGLang's retract pause, taken at commit; between it and the continue, in
-    this order: land, flush (retracted requests hold no KV, so it succeeds), and the new
-    weight version (SGLang closes the old span of every retracted request)."""
+    """Keep is SGLang's retract pause, taken at commit once the check's reference is built;
+    between it and the continue, in this order: land, flush (retracted requests hold no KV,
+    so it succeeds), and the new weight version (SGLang closes the old span of every
+    retracted request)."""
     client, manager, _ = await make_client()
     async with client:
         await run_steps(client, [("drain", drain_body(mode="keep")), *APPLIED[1:]])
@@ -196,6 +205,8 @@ async def test_keep_retracts_flushes_tags_the_version_then_continues(make_client
     version = weight_version("m", ServedRecord(2))
     assert committed["state"] == "serving" and committed["generation"] == 2
     assert manager.messages[since:] == [
+        "expect",
+        "collect",
         PauseGenerationReqInput(mode="retract"),
         "commit",
         "flush_cache",
@@ -203,6 +214,7 @@ async def test_keep_retracts_flushes_tags_the_version_then_continues(make_client
         ContinueGenerationReqInput(),
     ]
     assert set(committed["landing"]) == {
+        "check_reference_s",
         "pause_s",
         "land_and_check_s",
         "land_s",
