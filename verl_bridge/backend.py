@@ -55,6 +55,7 @@ from mooncake_rl.transport.rendezvous import SlotLauncher, close_slot, serve_slo
 from verl_bridge import BACKEND_NAME
 from verl_bridge.config import BridgeConfig
 from verl_bridge.discovery import discover_engine_urls
+from verl_bridge.manager import resume_replicas_after_failure
 from verl_bridge.publish import Collective, SyncOutcome, TrainerSync, sync_key, wait_outcome
 
 TRAINER, ROLLOUT = "trainer", "rollout"
@@ -85,6 +86,9 @@ class _LoopPull:
             if item is _END:
                 return
             yield cast(tuple[str, torch.Tensor], item)
+
+
+resume_replicas_after_failure()  # VeRL imports this module in the driver, then syncs
 
 
 @CheckpointEngineRegistry.register(BACKEND_NAME)

@@ -254,3 +254,46 @@ assert not shared, shared
     path = [str(p) for p in (vllm_alias(tmp_path / "alias"), repo_root()) if p is not None]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root(), env=env, timeout=300)
+
+
+class _Replica:
+    """The replica calls a manager makes around a sync; its abort fails on demand."""
+
+    def __init__(self, abort_fails: bool) -> None:
+        self.abort_fails = abort_fails
+        self.calls: list[str] = []
+
+    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+        if self.abort_fails:
+            raise RuntimeError("abort failed: injected")
+        return {}
+
+    async def resume_kv_cache(self) -> None:
+        self.calls.append("resume_kv_cache")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume_generation")
+
+
+class _FailingActors:
+    def update_weights(self, **_: Any) -> None:
+        raise RuntimeError("actor sync failed: injected")
+
+
+@pytest.mark.parametrize("backend", ["mooncake_store", "naive"])
+def test_a_raising_sync_resumes_the_replicas_of_this_backend_only(backend: str) -> None:
+    """VeRL's own ``update_weights`` raises past its resume steps; with the backend loaded
+    (as VeRL loads it in the driver) a ``mooncake_store`` manager runs them first."""
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+
+    from verl_bridge.manager import resume_replicas_after_failure
+
+    import_external_libs("verl_bridge.backend")
+    resume_replicas_after_failure()  # installed once: a second call wraps nothing again
+    manager = CheckpointEngineManager.__new__(CheckpointEngineManager)
+    replica = _Replica(abort_fails=True)
+    manager.backend, manager.replicas, manager.actor_wg = backend, [replica], _FailingActors()
+    with pytest.raises(RuntimeError, match="injected"):
+        manager.update_weights(global_steps=1)
+    resumed = ["resume_kv_cache", "resume_generation"] if backend == "mooncake_store" else []
+    assert replica.calls == resumed
