@@ -717,7 +717,7 @@ class UpdateWorker(ABC):
         compared = self.compare_live(check.reference)
         result = {
             "checked": check.expected - len(compared.unchecked),
-            "unchecked": sorted([*check.uncovered, *compared.unchecked]),
+            "unchecked": sorted({*check.uncovered, *compared.unchecked}),
             "mismatched": compared.mismatched,
             "seconds": time.perf_counter() - started,
             "reference_seconds": check.seconds,

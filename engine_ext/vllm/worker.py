@@ -159,7 +159,14 @@ class VllmUpdateWorker(UpdateWorker):
                 references.append(LayerReference(prefix, layer, own, experts=True))
             elif hasattr(method, "apply") and "weight" in own:
                 probe, output, converted = fresh_kernel(layer, method, own)
-                references.append(LayerReference(prefix, layer, own, probe, output, converted))
+                # A parameter with no expected tensor (a fused scale landed through the
+                # engine's loader) feeds the fresh kernel as served: it is not checked.
+                taken = frozenset(n for n, p in layer._parameters.items() if p is not None) - set(
+                    own
+                )
+                references.append(
+                    LayerReference(prefix, layer, own, probe, output, converted, taken)
+                )
             else:
                 references.append(LayerReference(prefix, layer, own))
         return references
@@ -188,6 +195,7 @@ class VllmUpdateWorker(UpdateWorker):
                 layer.quant_method.apply(layer, expected.probe), expected.output
             ):
                 differ.append(prefix + "weight")
+            unchecked += sorted(prefix + n for n in expected.unchecked)
             differ += [
                 prefix + n
                 for n, tensor in expected.tensors.items()
@@ -362,8 +370,8 @@ def fresh_kernel(
     it, and which of ``expected`` processing converts into kernel format (packed,
     requantized), which only the probe can compare. The others (an embedding's weight, a
     block-fp8 scale the CPU kernel keeps) stay comparable as bytes. A parameter the check
-    has no expected tensor for (a fused scale landed through the engine's loader) is taken
-    as served."""
+    has no expected tensor for (a fused scale landed through the engine's loader) enters the
+    fresh kernel as served, and the caller reports it unchecked."""
     served = {n: p for n, p in layer._parameters.items() if p is not None and n not in expected}
     shadow = shadow_layer(layer, {**served, **expected})
     method.process_weights_after_loading(shadow)
@@ -391,6 +399,7 @@ class LayerReference:
     probe: torch.Tensor | None = None
     output: torch.Tensor | None = None
     converted: frozenset[str] = frozenset()
+    unchecked: frozenset[str] = frozenset()
     experts: bool = False
 
 

@@ -95,6 +95,12 @@ def test_vllm_cpu_serves_an_fp8_generation_from_the_store_or_names_why_not(
             with Coordinator(store, [engine.url]) as coordinator:
                 direct = coordinator.update(MODEL, mode="direct")
             assert (direct.generation, direct.committed) == (2, [engine.url])
+            # q, k and v start inside a scale block: their fused scale lands through the
+            # loader, feeds the landing check as served, and is reported unchecked.
+            (check,) = direct.verified.values()
+            assert check["mismatched"] == [] and check["unchecked"] == [
+                f"model.layers.{i}.self_attn.qkv_proj.weight_scale_inv" for i in (0, 1)
+            ]
             updated = engine.complete(PROMPT)
         for checkpoint, expected in ((served, from_store), (nxt, updated)):
             plain = VllmServer(checkpoint, settings, plain=True, log_dir=tmp_path / "logs", **BF16)
@@ -126,6 +132,7 @@ def test_block_aligned_fp8_engine_takes_compat_then_direct_updates(
             direct = coordinator.update("aligned-fp8", mode="direct")
             assert (direct.generation, direct.committed) == (3, [engine.url])
             assert not any(direct.fallback_bytes.values())  # no tensor took the loader
+            assert all(c["unchecked"] == [] for c in direct.verified.values())
             assert engine.complete(PROMPT) == first
     plain = VllmServer(nxt, settings, plain=True, log_dir=tmp_path / "logs", **BF16)
     with plain:
