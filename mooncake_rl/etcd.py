@@ -20,6 +20,7 @@ from mooncake_rl.errors import ConfigurationError
 ETCD_SCHEME = "etcd://"
 VIEW_PREFIX = "mooncake-store/"
 VIEW_SUFFIX = "/master_view"
+OPLOG_PREFIX = "/oplog/"
 
 
 def parse_endpoints(endpoints: str) -> tuple[str, ...]:
@@ -112,6 +113,13 @@ def clusters(endpoints: str, timeout_s: float = 2.0) -> tuple[str, ...]:
         for key in keys
         if key.endswith(VIEW_SUFFIX)
     )
+
+
+def has_log(endpoints: str, cluster_id: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``cluster_id`` has an operation log here (its masters ran, maybe mid-election)."""
+    prefix = f"{OPLOG_PREFIX}{cluster_id}/"
+    body = {"key": _b64(prefix), "range_end": _prefix_end(prefix), "count_only": True}
+    return int(_ask(endpoints, "/v3/kv/range", body, timeout_s).get("count", 0)) > 0
 
 
 @dataclass(frozen=True)
