@@ -330,15 +330,21 @@ class StopSignals:
 
 
 def serve_until_stopped(
-    services: Sequence[_Service], stop: StopSignals, poll_s: float = 0.1
+    services: Sequence[_Service],
+    stop: StopSignals,
+    poll_s: float = 0.1,
+    tick: Callable[[], None] | None = None,
 ) -> int:
     """Keep services in the foreground until a stop signal (returns 0).
 
     Polls with a short sleep instead of blocking in ``waitpid``, so a signal is seen within
     ``poll_s`` and the caller stops the services in ordinary code. A service that exits on its
     own raises :class:`ServiceError` naming its log; the caller's ``with`` stops the others.
+    ``tick`` runs every poll (a durable Store replaces its dead masters there).
     """
     while stop.signum is None:
+        if tick is not None:
+            tick()
         for service in services:
             code = service.poll()
             if code is not None:
@@ -632,6 +638,28 @@ class DurableStore:
             needed.append(self.etcd._process)
         wait_for(serving, f"leader of Store cluster {self.cluster_id!r}", timeout_s, needed)
         return found[0]
+
+    def replace_dead_masters(self) -> list[str]:
+        """Start a fresh standby for each master that died; what happened, for the log.
+
+        A killed leader's standby takes over by itself; starting a new standby in its place
+        keeps the Store able to survive the next loss too.
+        """
+        events = []
+        for index, master in enumerate(self.masters):
+            code = master.poll()
+            if code is None:
+                continue
+            log = master.log_path
+            master.stop()
+            fresh = EmbeddedMaster(self.config.master_config(self.endpoints))
+            self.masters[index] = fresh
+            fresh.start()
+            events.append(
+                f"mooncake_master {master.rpc_address} exited with code {code} (see {log}); "
+                f"standby {fresh.rpc_address} started in its place"
+            )
+        return events
 
     def stop(self) -> None:
         """Masters first (their clients' leases in etcd lapse), then etcd; always all."""
