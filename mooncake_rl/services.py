@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import http.client
+import json
 import os
 import re
 import shutil
@@ -402,6 +403,10 @@ class EmbeddedMaster(_Service):
         self._process = None
 
     @property
+    def cluster_id(self) -> str:
+        return self.config.cluster_id
+
+    @property
     def rpc_address(self) -> str:
         """This process's own RPC endpoint (what an HA leader writes into etcd)."""
         return f"{self.config.host}:{self.rpc_port}"
@@ -431,6 +436,22 @@ class EmbeddedMaster(_Service):
             f"--http_metadata_server_port={self.metadata_port}",
         ]
 
+    def serves(self) -> bool:
+        """An HA member that leads and has left its warm-up (its ``/health`` says so).
+
+        A new leader accepts RPCs during a warm-up of one etcd lease (5 s) before it serves;
+        what a client mounts or writes in that time is not all in the operation log.
+        """
+        connection = http.client.HTTPConnection(self.config.host, self.metrics_port, timeout=1)
+        try:
+            connection.request("GET", "/health")
+            health = json.loads(connection.getresponse().read())
+        except (OSError, ValueError):
+            return False
+        finally:
+            connection.close()
+        return health.get("role") == "leader" and health.get("service_ready") is True
+
     def _ready(self) -> bool:
         if self.config.etcd:
             return True
@@ -457,7 +478,8 @@ class EmbeddedMaster(_Service):
             f"--client_ttl={self.config.client_ttl_s}",
         ]
         log = _log_dir(self.config.log_dir) / f"mooncake_master.{self.rpc_port}.log"
-        self._process = ManagedProcess(args, log)
+        # Its own file: INFO there (elections, log replay) whatever level the caller's env asks.
+        self._process = ManagedProcess(args, log, {"GLOG_minloglevel": "0"})
         try:
             self._process.spawn()
             self._process.wait_until(self._ready, "mooncake_master", timeout_s)
@@ -627,15 +649,16 @@ class DurableStore:
         found: list[EmbeddedMaster] = []
 
         def serving() -> bool:
+            if not any(master.is_running() for master in self.masters):
+                logs = ", ".join(str(master.log_path) for master in self.masters)
+                raise ServiceError(f"every master of {self.cluster_id!r} exited; see {logs}")
             leader = self.leader()
             if leader is None or not leader.is_running():
                 return False
             found[:] = [leader]
-            return _accepts(leader.config.host, leader.rpc_port)
+            return leader.serves()
 
-        needed = [m._process for m in self.masters if m.is_running() and m._process]
-        if self.etcd is not None and self.etcd._process is not None:
-            needed.append(self.etcd._process)
+        needed = [self.etcd._process] if self.etcd and self.etcd._process else []
         wait_for(serving, f"leader of Store cluster {self.cluster_id!r}", timeout_s, needed)
         return found[0]
 

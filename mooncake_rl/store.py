@@ -82,6 +82,9 @@ LEADER_LOST = frozenset({-900, -901})
 SETTLING = frozenset({-101, -103, -200, -703})
 """SEGMENT_NOT_FOUND, CLIENT_NOT_FOUND, NO_AVAILABLE_HANDLE, REPLICA_IS_NOT_READY: a new
 leader before the clients have remounted their segments (seen for ~1 s after it leads)."""
+SETTLE_S = 5.0
+"""How long settling codes are repeated when this client saw no lost leader: the native
+client can ride out the election inside one blocked call and surface only these."""
 BACKOFF_S = (0.1, 0.5)  # first and longest pause between attempts while the leader changes
 
 
@@ -157,8 +160,8 @@ class StoreClient:
         loopback_transport_env(settings)
         self.durable = settings.master.startswith(etcd.ETCD_SCHEME)
         if self.durable:
-            _set_cluster_env(settings.cluster_id)
             _require_cluster(settings)
+            _set_cluster_env(settings.cluster_id)
         else:
             _require_reachable(settings.master)
         from mooncake.store import MooncakeDistributedStore
@@ -349,8 +352,9 @@ class StoreClient:
 
         Only a durable Store's client rides: its standby takes over with every object. A
         lone master that died comes back empty (if at all), so its errors surface at once.
-        Settling codes are repeated only within ``failover_s`` of a lost leader, so a full
-        Store still fails at once. Past ``failover_s`` the last error is raised, saying so.
+        Settling codes are repeated for ``failover_s`` after a lost leader, else for
+        ``SETTLE_S`` (a full Store fails that much later). Past its window the last error
+        is raised, saying so.
         """
         if getattr(self._riding, "active", False):  # an outer ride repeats the whole call
             return call(0)
@@ -373,9 +377,10 @@ class StoreClient:
                     raise
                 if error.code in LEADER_LOST:
                     self._leader_lost_at = now
-                elif error.code not in SETTLING or now - self._leader_lost_at > self.failover_s:
+                elif error.code not in SETTLING:
                     raise
-                deadline = deadline or now + self.failover_s
+                settling = now - self._leader_lost_at > self.failover_s
+                deadline = deadline or now + (SETTLE_S if settling else self.failover_s)
                 if now >= deadline:
                     error.add_note(
                         f"{operation}: no Store master led for {self.failover_s:.0f}s "

@@ -1,0 +1,148 @@
+"""The durable Store (issue 50): etcd, two HA masters with the operation log, real SIGKILLs.
+
+One Store serves the module (its start costs ~6 s: the first leader waits out one etcd
+lease before it serves). The smoke kills its leader; the standby leads afterwards, so the
+tests after it run on one master. Slower variants are marked ``faults``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from mooncake_rl import etcd
+from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.generations.commands import verify_generation
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import GenerationRegistry, Incarnation
+from mooncake_rl.generations.weights import active_weights
+from mooncake_rl.services import DurableConfig, DurableStore, EmbeddedMaster, SegmentHolder
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
+from tests.conftest import TEST_LEASE_TTL_MS, trainer_settings
+
+SEGMENT = 64 << 20
+FAILOVER_BOUND_S = 20.0
+"""Kill to first successful call: ~10 s here (one 5 s etcd lease, then the clients' pings)."""
+
+
+@pytest.fixture(scope="module")
+def durable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DurableStore]:
+    log_dir = tmp_path_factory.mktemp("durable-logs")
+    config = DurableConfig(masters=2, lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=log_dir)
+    with DurableStore(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def holder(durable: DurableStore) -> Iterator[SegmentHolder]:
+    """The node's segment holder: it outlives the leader and remounts on the standby."""
+    config = durable.config
+    running = SegmentHolder(
+        durable.master_address,
+        durable.metadata_url,
+        SEGMENT,
+        log_dir=config.log_dir,
+        cluster_id=durable.cluster_id,
+    )
+    with running.start():
+        yield running
+
+
+def tensors(scale: float) -> list[tuple[str, torch.Tensor]]:
+    return [
+        ("embed", torch.arange(4096, dtype=torch.float32) * scale),
+        ("norm", torch.ones(64) * scale),
+    ]
+
+
+def kill(master: EmbeddedMaster) -> None:
+    assert master.pid is not None
+    os.kill(master.pid, signal.SIGKILL)
+    assert master.wait(10) == -signal.SIGKILL
+
+
+def loaded_bytes(store: StoreClient, model: str) -> dict[str, bytes]:
+    _, loading = active_weights(store, model)
+    return {name: tensor.numpy().tobytes() for name, tensor in loading}
+
+
+def test_generation_survives_a_leader_sigkill(durable: DurableStore, holder: SegmentHolder) -> None:
+    """Leader SIGKILLed after a publish: a call made at once succeeds once the standby leads,
+    and the generation, its records and the Store's incarnation are all intact."""
+    model = "durable-smoke"
+    with StoreClient(trainer_settings(durable, holder, "node0")) as store:
+        first = publish_local(store, model, tensors(1.0), dtype="float32")
+        incarnation = Incarnation.read(store)
+        before = loaded_bytes(store, model)
+        leader = durable.leader()
+        assert leader is not None and incarnation is not None
+
+        kill(leader)
+        killed = time.monotonic()
+        assert GenerationRegistry(store, model).active() == first  # rides the failover
+        took = time.monotonic() - killed
+        assert took < FAILOVER_BOUND_S, f"first call after the kill took {took:.1f}s"
+        assert durable.wait_for_leader() is not leader
+
+        assert Incarnation.read(store) == incarnation
+        assert loaded_bytes(store, model) == before
+        assert verify_generation(store, model)["ok"]
+        second = publish_local(store, model, tensors(2.0), dtype="float32")
+        assert (second.generation, second.incarnation) == (2, incarnation.id)
+
+
+def test_a_cluster_id_the_masters_do_not_run_is_named_at_connect(durable: DurableStore) -> None:
+    settings = Settings(master=durable.master_address, cluster_id="not-ours", segment_bytes=0)
+    started = time.monotonic()
+    with pytest.raises(ConfigurationError, match=r"'not-ours'.*'mooncake_cluster'"):
+        StoreClient(settings)
+    assert time.monotonic() - started < 5
+
+
+def test_etcd_at_a_dead_endpoint_fails_fast_naming_it(tmp_path: Path) -> None:
+    """`mooncake-rl master --etcd` at nothing, and a client pointed at it."""
+    from mooncake_rl.services import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "mooncake_rl.cli", "master", "--etcd", endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert done.returncode == 2 and f"no etcd answers at {endpoint}" in done.stderr, done.stderr
+    assert time.monotonic() - started < 15  # the interpreter's start included
+    started = time.monotonic()
+    with pytest.raises(ConfigurationError, match=f"no etcd answers at {endpoint}"):
+        StoreClient(Settings(master=f"etcd://{endpoint}", segment_bytes=0))
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.faults
+def test_every_master_restarted_replays_the_log(
+    durable: DurableStore, holder: SegmentHolder
+) -> None:
+    """Both masters SIGKILLed, fresh ones started against the same etcd: the new leader
+    replays the operation log and the generation is served unchanged."""
+    model = "durable-replay"
+    with StoreClient(trainer_settings(durable, holder, "node0")) as store:
+        record = publish_local(store, model, tensors(3.0), dtype="float32")
+        before = loaded_bytes(store, model)
+        durable.replace_dead_masters()  # an earlier test's kill
+        for master in list(durable.masters):
+            kill(master)
+        assert len(durable.replace_dead_masters()) == len(durable.masters)
+        assert GenerationRegistry(store, model).active() == record
+        assert loaded_bytes(store, model) == before
+        assert etcd.leader(durable.endpoints, durable.cluster_id) is not None
