@@ -609,7 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "bench",
         help="benchmarks side by side (JSON + PNG); `bench simulate` estimates 1T-scale updates; "
-        "`bench scale` plans for up to 1,000 engines; `bench control-plane` drives fake ones",
+        "`bench scale` plans for up to 1,000 engines; `bench control-plane` drives fake ones; "
+        "`bench failover` SIGKILLs the durable Store's leader",
         add_help=False,
     )
 
