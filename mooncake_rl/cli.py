@@ -10,6 +10,7 @@ import re
 import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         status = generation_status(store, args.name)
+        usage = store.etcd_usage()
+    if usage is not None:
+        status["etcd"] = {**asdict(usage), "quota_fraction": round(usage.quota_fraction, 4)}
     if status["problem"]:
         print(f"mooncake-rl: {status['problem']}", file=sys.stderr)
     if args.json:
@@ -190,6 +194,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"model {status['model']}: active generation {status['active']} "
         f"(Store incarnation {status['incarnation']})"
     )
+    if usage is not None:
+        print(
+            f"etcd: {usage.db_bytes / 2**20:.1f} MiB of its {usage.quota_bytes / 2**30:.0f} GiB "
+            f"quota ({usage.quota_fraction:.1%}), {usage.keys} keys; see docs/deployment.md#etcd"
+        )
     for row in status["generations"]:  # type: ignore[union-attr]
         mark = "*" if row["active"] else " "
         readable = "" if row["readable"] else f", UNREADABLE: {row['unreadable_objects'][0]}"

@@ -597,6 +597,12 @@ class StoreClient:
         pattern = "^" + re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", prefix)
         return _check(self._store.remove_by_regex(pattern, force), "remove_by_regex", pattern)
 
+    def etcd_usage(self) -> etcd.Usage | None:
+        """How full a durable Store's etcd is (its operation log is never pruned)."""
+        if not self.durable:
+            return None
+        return etcd.usage(self.settings.master.removeprefix(etcd.ETCD_SCHEME))
+
     def close(self) -> None:
         if self._closed:
             return

@@ -2,11 +2,14 @@
 
 One Store serves the module (its start costs ~6 s: the first leader waits out one etcd
 lease before it serves). The smoke kills its leader; the standby leads afterwards, so the
-tests after it run on one master. Slower variants are marked ``faults``.
+tests after it run on one master. Slower variants are marked ``faults``. Every in-process
+client of a durable Store costs ~30 s at close (the pinned wheel's leader monitor thread
+waits out a hard-coded 30 s view-change wait before it joins), so tests open few.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,6 +31,7 @@ from mooncake_rl.services import DurableConfig, DurableStore, EmbeddedMaster, Se
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import TEST_LEASE_TTL_MS, trainer_settings
+from tests.test_cli_generations import cli
 
 SEGMENT = 64 << 20
 FAILOVER_BOUND_S = 20.0
@@ -98,6 +102,16 @@ def test_generation_survives_a_leader_sigkill(durable: DurableStore, holder: Seg
         assert verify_generation(store, model)["ok"]
         second = publish_local(store, model, tensors(2.0), dtype="float32")
         assert (second.generation, second.incarnation) == (2, incarnation.id)
+        usage = store.etcd_usage()
+        assert usage is not None and 0 < usage.db_bytes < usage.quota_bytes and usage.keys > 0
+
+
+@pytest.mark.faults
+def test_status_reports_how_full_etcd_is(durable: DurableStore, holder: SegmentHolder) -> None:
+    done = cli(durable, holder.segment, "status", "--name", "durable-smoke", "--json")  # type: ignore[arg-type]
+    usage = json.loads(done.stdout)["etcd"]
+    assert usage["quota_bytes"] == 2 << 30 and 0 < usage["db_bytes"] < usage["quota_bytes"]
+    assert usage["keys"] > 0 and 0 <= usage["quota_fraction"] < 0.01
 
 
 def test_a_cluster_id_the_masters_do_not_run_is_named_at_connect(durable: DurableStore) -> None:
