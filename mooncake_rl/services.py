@@ -1,8 +1,12 @@
-"""Embedded ``mooncake_master`` with its HTTP metadata server, on free loopback ports.
+"""The Store's processes on free loopback ports: etcd, ``mooncake_master``s, segment holders.
 
-One class serves ``mooncake-rl master`` (foreground) and the pytest fixture. The child runs
+Durable Store (:class:`DurableStore`, the default of ``mooncake-rl master``): an etcd
+(:class:`EmbeddedEtcd`, unless given one) → N HA masters logging every change to it
+(:class:`EmbeddedMaster` with ``etcd``) → one of them leads, named in etcd → clients dial
+``etcd://...`` and follow the leader. A plain master (:class:`EmbeddedMaster` alone) keeps
+its state in memory and serves HTTP metadata; the pytest fixtures use it. Each child runs
 in its own process group and receives SIGTERM if its parent dies (``PR_SET_PDEATHSIG``), so
-neither a failed test nor a killed CLI leaves a master behind. Foreground commands stop on
+neither a failed test nor a killed CLI leaves one behind. Foreground commands stop on
 SIGTERM/SIGINT through :class:`StopSignals` and :func:`serve_until_stopped`: the signal handler
 only records the signal, and the main thread stops the children outside it.
 """
