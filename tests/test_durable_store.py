@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,3 +161,43 @@ def test_every_master_restarted_replays_the_log(
         assert GenerationRegistry(store, model).active() == record
         assert loaded_bytes(store, model) == before
         assert etcd.leader(durable.endpoints, durable.cluster_id) is not None
+
+
+@pytest.mark.faults
+def test_a_publish_cut_by_a_leader_sigkill_completes_or_reruns(
+    durable: DurableStore, holder: SegmentHolder
+) -> None:
+    """The leader dies while a publish of many objects runs: the publish rides through, or
+    fails naming the cause and a plain rerun completes; either way exactly one complete,
+    verified generation is active, and its claim stands."""
+    model = "durable-mid-publish"
+    durable.replace_dead_masters()  # a standby for this kill
+    many = [(f"layer{i}", torch.full((8192,), float(i))) for i in range(200)]
+    outcome: list[object] = []
+    with StoreClient(trainer_settings(durable, holder, "node0")) as store:
+
+        def publish() -> None:
+            try:
+                outcome.append(
+                    publish_local(store, model, many, dtype="float32", pack_bytes=1 << 16)
+                )
+            except Exception as error:  # the outcome under test
+                outcome.append(error)
+
+        worker = threading.Thread(target=publish)
+        worker.start()
+        time.sleep(0.05)
+        leader = durable.leader()
+        assert leader is not None and worker.is_alive(), "the publish ended before the kill"
+        kill(leader)
+        worker.join(120)
+        assert not worker.is_alive() and len(outcome) == 1
+        if isinstance(outcome[0], Exception):
+            assert str(outcome[0]), "a failed publish names its cause"
+            outcome[0] = publish_local(store, model, many, dtype="float32", pack_bytes=1 << 16)
+        record = outcome[0]
+        registry = GenerationRegistry(store, model)
+        assert registry.active() == record
+        assert verify_generation(store, model)["ok"]
+        claim = registry.claim(record.generation)  # type: ignore[union-attr]
+        assert claim is not None and claim.aborted_at is None
