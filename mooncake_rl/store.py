@@ -382,20 +382,21 @@ class StoreClient:
                 settling = now - self._leader_lost_at > self.failover_s
                 deadline = deadline or now + (SETTLE_S if settling else self.failover_s)
                 if now >= deadline:
-                    error.add_note(self._gave_up(operation, error.code in LEADER_LOST))
+                    window = SETTLE_S if settling else self.failover_s
+                    error.add_note(self._gave_up(operation, error.code in LEADER_LOST, window))
                     raise
             time.sleep(min(BACKOFF_S[0] * 2**attempt, BACKOFF_S[1]))
             attempt += 1
 
-    def _gave_up(self, operation: str, leaderless: bool) -> str:
+    def _gave_up(self, operation: str, leaderless: bool, window_s: float) -> str:
         if leaderless:
             return (
-                f"{operation}: no Store master led for {self.failover_s:.0f}s "
+                f"{operation}: no Store master led for {window_s:.0f}s "
                 f"(MOONCAKE_RL_FAILOVER_S); check the masters and etcd at "
                 f"{self.settings.master} (`mooncake-rl status`)"
             )
         return (
-            f"{operation}: repeated for up to {self.failover_s:.0f}s in case the Store's leader "
+            f"{operation}: repeated for {window_s:.0f}s in case the Store's leader "
             "had just changed; the error stayed"
         )
 
