@@ -79,10 +79,14 @@ def cmd_master(args: argparse.Namespace) -> int:
             exports = {"MOONCAKE_RL_MASTER": store.master_address}
         else:
             durable = DurableConfig(
-                host=args.host, masters=args.masters, etcd=args.etcd, cluster_id=args.cluster_id
+                host=args.host,
+                masters=args.masters,
+                etcd=args.etcd,
+                etcd_members=args.etcd_members,
+                cluster_id=args.cluster_id,
             )
             store = running.enter_context(DurableStore(durable))
-            services = [store.etcd] if store.etcd else []
+            services = list(store.etcd)
             exports = {
                 "MOONCAKE_RL_MASTER": store.master_address,
                 "MOONCAKE_RL_CLUSTER_ID": store.cluster_id,
@@ -399,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     master.add_argument(
         "--etcd", help="endpoints of an existing etcd (h:p;h:p); default: start one embedded"
+    )
+    master.add_argument(
+        "--etcd-members",
+        type=int,
+        default=1,
+        help="members of the embedded etcd (odd; 3 survives one loss)",
     )
     master.add_argument(
         "--cluster-id",

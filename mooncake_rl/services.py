@@ -503,47 +503,89 @@ class EmbeddedMaster(_Service):
             connection.close()
 
 
-class EmbeddedEtcd(_Service):
-    """A one-member etcd on free loopback ports; its data lives in a temp dir removed at stop."""
+@dataclass(frozen=True)
+class EtcdMember:
+    """One member of an etcd cluster on ``host``: its name and its client and peer ports."""
 
-    name = "etcd"
-
-    def __init__(self, host: str = "127.0.0.1", log_dir: Path | None = None) -> None:
-        self.host = host
-        self.log_dir = log_dir
-        self.client_port = 0
-        self.data_dir: Path | None = None
-        self._process = None
+    name: str
+    host: str
+    client_port: int
+    peer_port: int
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
-    def start(self, timeout_s: float = 20.0) -> EmbeddedEtcd:
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+
+def etcd_members(count: int, host: str = "127.0.0.1") -> tuple[EtcdMember, ...]:
+    """``count`` members on free ports (an odd count: a quorum survives ``count // 2`` losses)."""
+    if count < 1 or count % 2 == 0:
+        raise ValueError(f"an etcd cluster needs an odd number of members, got {count}")
+    ports = free_ports(2 * count, host)
+    return tuple(
+        EtcdMember(f"mooncake-rl-{index}", host, ports[2 * index], ports[2 * index + 1])
+        for index in range(count)
+    )
+
+
+class EmbeddedEtcd(_Service):
+    """One etcd member of ``cluster``; its data lives in a temp dir removed at stop.
+
+    :meth:`spawn` starts it and :meth:`wait_ready` waits for it: the members of a cluster
+    are all spawned before any is waited for, since none answers before a quorum runs.
+    """
+
+    name = "etcd"
+
+    def __init__(
+        self, member: EtcdMember, cluster: Sequence[EtcdMember], log_dir: Path | None = None
+    ) -> None:
+        self.member = member
+        self.cluster = tuple(cluster)
+        self.log_dir = log_dir
+        self.data_dir: Path | None = None
+        self._process = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.member.endpoint
+
+    def spawn(self) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             raise ConfigurationError(
                 f"the durable Store needs etcd; install it: {ETCD_INSTALL_HINT} (or `make sysdeps`)"
             )
-        self.client_port, peer_port = free_ports(2, self.host)
         self.data_dir = Path(tempfile.mkdtemp(prefix="mooncake-rl-etcd-"))
         client_url = f"http://{self.endpoint}"
-        peer_url = f"http://{self.host}:{peer_port}"
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.cluster)
         args = [
             binary,
-            "--name=mooncake-rl",
+            f"--name={self.member.name}",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client_url}",
             f"--advertise-client-urls={client_url}",
-            f"--listen-peer-urls={peer_url}",
-            f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=mooncake-rl={peer_url}",
+            f"--listen-peer-urls={self.member.peer_url}",
+            f"--initial-advertise-peer-urls={self.member.peer_url}",
+            f"--initial-cluster={initial}",
         ]
-        log = _log_dir(self.log_dir) / f"etcd.{self.client_port}.log"
+        log = _log_dir(self.log_dir) / f"etcd.{self.member.client_port}.log"
         self._process = ManagedProcess(args, log)
+        self._process.spawn()
+
+    def wait_ready(self, timeout_s: float = 20.0) -> None:
+        if self._process is None:
+            raise ServiceError("etcd not spawned")
+        self._process.wait_until(lambda: etcd.healthy(self.endpoint), "etcd", timeout_s)
+
+    def start(self, timeout_s: float = 20.0) -> EmbeddedEtcd:
         try:
-            self._process.spawn()
-            self._process.wait_until(lambda: etcd.healthy(self.endpoint), "etcd", timeout_s)
+            self.spawn()
+            self.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -564,11 +606,13 @@ ETCD_CONNECT_S = 3.0
 
 @dataclass(frozen=True)
 class DurableConfig:
-    """The durable Store: ``masters`` HA masters logging to ``etcd`` (``None``: start one)."""
+    """The durable Store: ``masters`` HA masters logging to ``etcd`` (``None``: start an
+    ``etcd_members``-member cluster on loopback)."""
 
     host: str = "127.0.0.1"
     masters: int = 2
     etcd: str | None = None
+    etcd_members: int = 1
     cluster_id: str = DEFAULT_CLUSTER_ID
     lease_ttl_ms: int = 10_000
     client_ttl_s: int = 10
@@ -577,6 +621,8 @@ class DurableConfig:
     def __post_init__(self) -> None:
         if self.masters < 1:
             raise ValueError(f"masters must be at least 1, got {self.masters}")
+        if self.etcd_members < 1 or self.etcd_members % 2 == 0:
+            raise ValueError(f"etcd_members must be odd, got {self.etcd_members}")
         self.master_config()  # validates the rest
 
     def master_config(self, endpoints: str | None = None) -> MasterConfig:
@@ -600,7 +646,7 @@ class DurableStore:
 
     def __init__(self, config: DurableConfig | None = None) -> None:
         self.config = config or DurableConfig()
-        self.etcd: EmbeddedEtcd | None = None
+        self.etcd: list[EmbeddedEtcd] = []
         self.endpoints = ""
         self.masters: list[EmbeddedMaster] = []
 
@@ -619,13 +665,12 @@ class DurableStore:
     @property
     def services(self) -> list[_Service]:
         """Every process this object runs (for :func:`serve_until_stopped`)."""
-        return [*([self.etcd] if self.etcd else []), *self.masters]
+        return [*self.etcd, *self.masters]
 
     def start(self, timeout_s: float = 30.0) -> Self:
         try:
             if self.config.etcd is None:
-                self.etcd = EmbeddedEtcd(self.config.host, self.config.log_dir).start()
-                self.endpoints = self.etcd.endpoint
+                self._start_etcd()
             else:
                 self.endpoints = self.config.etcd
                 require_etcd(self.endpoints)
@@ -638,6 +683,15 @@ class DurableStore:
             self.stop()
             raise
         return self
+
+    def _start_etcd(self) -> None:
+        cluster = etcd_members(self.config.etcd_members, self.config.host)
+        self.etcd = [EmbeddedEtcd(member, cluster, self.config.log_dir) for member in cluster]
+        for member in self.etcd:
+            member.spawn()
+        for member in self.etcd:
+            member.wait_ready()
+        self.endpoints = ";".join(member.endpoint for member in self.etcd)
 
     def leader_address(self) -> str | None:
         """The RPC endpoint etcd names as leader, ``None`` mid-election."""
@@ -662,7 +716,7 @@ class DurableStore:
             found[:] = [leader]
             return leader.serves()
 
-        needed = [self.etcd._process] if self.etcd and self.etcd._process else []
+        needed = [m._process for m in self.etcd if m._process and len(self.etcd) == 1]
         wait_for(serving, f"leader of Store cluster {self.cluster_id!r}", timeout_s, needed)
         return found[0]
 
@@ -694,8 +748,8 @@ class DurableStore:
             for master in reversed(self.masters):
                 master.stop()
         finally:
-            if self.etcd is not None:
-                self.etcd.stop()
+            for member in self.etcd:
+                member.stop()
 
     def __enter__(self) -> Self:
         return self.start() if not self.masters else self
