@@ -11,13 +11,16 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_LOCK := requirements/sglang.txt
 SYSTEM_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
-APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
+SYSTEM_BINARIES := etcd
+APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 etcd-server
 
 .PHONY: test envs demo lint sysdeps venv verl-deps sglang-venv sglang-test bench models faults load fp8 gpu-wheels gpu-deps gpu-check clean
 
 sysdeps:
 	@missing=""; for lib in $(SYSTEM_LIBS); do \
 	  ldconfig -p | grep -q "$$lib" || missing="$$missing $$lib"; done; \
+	for bin in $(SYSTEM_BINARIES); do \
+	  command -v "$$bin" >/dev/null || missing="$$missing $$bin"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages for:$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

@@ -6,6 +6,7 @@ python -m bench transports [--hidden 512 --layers 4 --repeats 3 --batch 8MiB --r
 python -m bench load [--updates 5 --modes rolling all_at_once --drain abort wait keep --hidden 1024]
 python -m bench control-plane [--engines 1000 --tp 1 --mode direct]
 python -m bench scale [--model llama-70b --engines 16,128,1000 --tp 8 --dtype fp8]
+python -m bench failover [--masters 2 --kills 3 --generations 20]
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.control_plane import main as control_plane
 
         return control_plane(args[1:])
+    if args[:1] == ["failover"]:
+        from bench.failover import main as failover
+
+        return failover(args[1:])
     if args[:1] == ["scale"]:
         from bench.scale import main as scale
 

@@ -7,8 +7,10 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,10 @@ from mooncake_rl.progress import progress
 from mooncake_rl.protocol import PAUSE_MODES
 from mooncake_rl.router import KINDS, Rotation, Router, RouterSpec, open_router
 from mooncake_rl.services import (
+    DEFAULT_CLUSTER_ID,
+    DurableConfig,
+    DurableStore,
+    EmbeddedEtcd,
     EmbeddedMaster,
     MasterConfig,
     SegmentHolder,
@@ -40,7 +46,10 @@ EXIT_OUT_OF_ROTATION = 4
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--master", help="host:port of mooncake_master (MOONCAKE_RL_MASTER)")
+    parser.add_argument(
+        "--master", help="host:port of mooncake_master or etcd://h:p;h:p (MOONCAKE_RL_MASTER)"
+    )
+    parser.add_argument("--cluster-id", help="durable Store's cluster id (MOONCAKE_RL_CLUSTER_ID)")
     parser.add_argument("--metadata", help="metadata URL or P2PHANDSHAKE (MOONCAKE_RL_METADATA)")
     parser.add_argument("--protocol", choices=["tcp", "rdma"], help="(MOONCAKE_RL_PROTOCOL)")
     parser.add_argument("--hostname", help="this client's address (MOONCAKE_RL_HOSTNAME)")
@@ -49,35 +58,78 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    keys = ("master", "metadata", "protocol", "hostname", "node", "local_segment")
+    keys = ("master", "cluster_id", "metadata", "protocol", "hostname", "node", "local_segment")
     return Settings().with_overrides(**{k: getattr(args, k, None) for k in keys})
 
 
 def cmd_master(args: argparse.Namespace) -> int:
-    """Master (and holder) in the foreground; SIGTERM/SIGINT stop both and exit 0."""
+    """The Store (and a holder) in the foreground; SIGTERM/SIGINT stop all and exit 0.
+
+    Durable by default: etcd (embedded unless ``--etcd``) and ``--masters`` HA masters, a
+    dead one replaced by a fresh standby; ``--plain``: one in-memory master, HTTP metadata.
+    """
     with StopSignals() as stop, contextlib.ExitStack() as running:
-        master = running.enter_context(
-            EmbeddedMaster(
-                MasterConfig(host=args.host, rpc_port=args.port, metadata_port=args.metadata_port)
+        store: DurableStore | EmbeddedMaster
+        if args.plain:
+            config = MasterConfig(
+                host=args.host, rpc_port=args.port, metadata_port=args.metadata_port
             )
-        )
-        services: list[EmbeddedMaster | SegmentHolder] = [master]
-        exports = {
-            "MOONCAKE_RL_MASTER": master.master_address,
-            "MOONCAKE_RL_METADATA": master.metadata_url,
-        }
+            store = running.enter_context(EmbeddedMaster(config))
+            services: list[EmbeddedEtcd | EmbeddedMaster | SegmentHolder] = [store]
+            exports = {"MOONCAKE_RL_MASTER": store.master_address}
+        else:
+            durable = DurableConfig(
+                host=args.host,
+                masters=args.masters,
+                etcd=args.etcd,
+                etcd_members=args.etcd_members,
+                cluster_id=args.cluster_id,
+            )
+            store = running.enter_context(DurableStore(durable))
+            services = list(store.etcd)
+            exports = {
+                "MOONCAKE_RL_MASTER": store.master_address,
+                "MOONCAKE_RL_CLUSTER_ID": store.cluster_id,
+            }
+        exports["MOONCAKE_RL_METADATA"] = store.metadata_url
         if args.segment_bytes > 0:
             holder = running.enter_context(
                 SegmentHolder(
-                    master.master_address, master.metadata_url, args.segment_bytes, args.host
+                    store.master_address,
+                    store.metadata_url,
+                    args.segment_bytes,
+                    args.host,
+                    cluster_id=args.cluster_id,
                 )
             )
             services.append(holder)
             exports["MOONCAKE_RL_LOCAL_SEGMENT"] = holder.segment
-        print(json.dumps({**exports, "pid": master.pid}), flush=True)
-        print("export " + " ".join(f"{k}={v}" for k, v in exports.items()), flush=True)
-        return serve_until_stopped(services, stop)
+        print(json.dumps({**exports, **_pids(store)}), flush=True)
+        print(_export_line(exports), flush=True)
+        tick = None if isinstance(store, EmbeddedMaster) else _replacing(store)
+        return serve_until_stopped(services, stop, tick=tick)
     return 0  # stopped while starting
+
+
+def _pids(store: DurableStore | EmbeddedMaster) -> dict[str, object]:
+    """The master's pid; a durable Store's leader and every master (what a test kills)."""
+    if isinstance(store, EmbeddedMaster):
+        return {"pid": store.pid}
+    leader = store.leader()
+    return {"pid": leader.pid if leader else None, "masters": [m.pid for m in store.masters]}
+
+
+def _replacing(store: DurableStore) -> Callable[[], None]:
+    def tick() -> None:
+        for event in store.replace_dead_masters():
+            print(event, file=sys.stderr, flush=True)
+
+    return tick
+
+
+def _export_line(exports: dict[str, str]) -> str:
+    """A shell line; values quoted (``etcd://h:p;h:p`` holds a semicolon)."""
+    return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items())
 
 
 def cmd_holder(args: argparse.Namespace) -> int:
@@ -87,12 +139,18 @@ def cmd_holder(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     with StopSignals() as stop, contextlib.ExitStack() as running:
         holder = running.enter_context(
-            SegmentHolder(settings.master, settings.metadata, args.segment_bytes, settings.hostname)
+            SegmentHolder(
+                settings.master,
+                settings.metadata,
+                args.segment_bytes,
+                settings.hostname,
+                cluster_id=settings.cluster_id,
+            )
         )
         exports = {"MOONCAKE_RL_LOCAL_SEGMENT": holder.segment}
         line = {**exports, "segment": holder.segment, "segment_bytes": args.segment_bytes}
         print(json.dumps({**line, "pid": holder.pid}), flush=True)
-        print("export " + " ".join(f"{k}={v}" for k, v in exports.items()), flush=True)
+        print(_export_line(exports), flush=True)
         return serve_until_stopped([holder], stop)
     return 0  # stopped while starting
 
@@ -128,6 +186,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with _store(args) as store:
         status = generation_status(store, args.name)
+        usage = store.etcd_usage()
+    if usage is not None:
+        status["etcd"] = {**asdict(usage), "quota_fraction": round(usage.quota_fraction, 4)}
     if status["problem"]:
         print(f"mooncake-rl: {status['problem']}", file=sys.stderr)
     if args.json:
@@ -137,6 +198,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"model {status['model']}: active generation {status['active']} "
         f"(Store incarnation {status['incarnation']})"
     )
+    if usage is not None:
+        print(
+            f"etcd: {usage.db_bytes / 2**20:.1f} MiB of its {usage.quota_bytes / 2**30:.0f} GiB "
+            f"quota ({usage.quota_fraction:.1%}), {usage.keys} keys; see docs/deployment.md#etcd"
+        )
     for row in status["generations"]:  # type: ignore[union-attr]
         mark = "*" if row["active"] else " "
         readable = "" if row["readable"] else f", UNREADABLE: {row['unreadable_objects'][0]}"
@@ -325,11 +391,41 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     master = commands.add_parser(
-        "master", help="run mooncake_master with HTTP metadata (foreground)"
+        "master",
+        help="run the Store (foreground): durable (etcd + HA masters) unless --plain",
     )
     master.add_argument("--host", default="127.0.0.1")
-    master.add_argument("--port", type=int, default=50051, help="RPC port (0 = any free port)")
-    master.add_argument("--metadata-port", type=int, default=8080, help="HTTP metadata port")
+    master.add_argument(
+        "--masters",
+        type=int,
+        default=2,
+        help="HA masters (default 2: a standby takes over when the leader dies)",
+    )
+    master.add_argument(
+        "--etcd", help="endpoints of an existing etcd (h:p;h:p); default: start one embedded"
+    )
+    master.add_argument(
+        "--etcd-members",
+        type=int,
+        default=1,
+        help="members of the embedded etcd (odd; 3 survives one loss)",
+    )
+    master.add_argument(
+        "--cluster-id",
+        default=DEFAULT_CLUSTER_ID,
+        help="the masters' cluster id in etcd (clients: MOONCAKE_RL_CLUSTER_ID)",
+    )
+    master.add_argument(
+        "--plain",
+        action="store_true",
+        help="one in-memory master with HTTP metadata (loses every object when it dies)",
+    )
+    master.add_argument(
+        "--port", type=int, default=50051, help="--plain: RPC port (0 = any free port)"
+    )
+    master.add_argument(
+        "--metadata-port", type=int, default=8080, help="--plain: HTTP metadata port"
+    )
     master.add_argument(
         "--segment-bytes",
         type=int,
@@ -344,8 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     holder.add_argument(
         "--segment-bytes", type=int, default=1 << 30, help="memory to lend (default 1 GiB)"
     )
-    holder.add_argument("--master", help="host:port of mooncake_master (MOONCAKE_RL_MASTER)")
+    holder.add_argument(
+        "--master", help="host:port of mooncake_master or etcd://h:p;h:p (MOONCAKE_RL_MASTER)"
+    )
     holder.add_argument("--metadata", help="metadata URL (MOONCAKE_RL_METADATA)")
+    holder.add_argument("--cluster-id", help="durable Store's cluster id (MOONCAKE_RL_CLUSTER_ID)")
     holder.add_argument(
         "--hostname", help="address clients reach this holder at (MOONCAKE_RL_HOSTNAME)"
     )
@@ -529,7 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "bench",
         help="benchmarks side by side (JSON + PNG); `bench simulate` estimates 1T-scale updates; "
-        "`bench scale` plans for up to 1,000 engines; `bench control-plane` drives fake ones",
+        "`bench scale` plans for up to 1,000 engines; `bench control-plane` drives fake ones; "
+        "`bench failover` SIGKILLs the durable Store's leader",
         add_help=False,
     )
 

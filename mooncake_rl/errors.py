@@ -57,6 +57,10 @@ class InvariantViolation(MooncakeRLError):
     """A plan, manifest or request breaks one of the project's invariants."""
 
 
+class FailoverAmbiguous(MooncakeRLError):
+    """A non-idempotent Store call cut by a master failover whose outcome cannot be read."""
+
+
 class MooncakeError(MooncakeRLError):
     """A negative return code from Mooncake Store or Transfer Engine."""
 

@@ -1,8 +1,12 @@
-"""Embedded ``mooncake_master`` with its HTTP metadata server, on free loopback ports.
+"""The Store's processes on free loopback ports: etcd, ``mooncake_master``s, segment holders.
 
-One class serves ``mooncake-rl master`` (foreground) and the pytest fixture. The child runs
+Durable Store (:class:`DurableStore`, the default of ``mooncake-rl master``): an etcd
+(:class:`EmbeddedEtcd`, unless given one) → N HA masters logging every change to it
+(:class:`EmbeddedMaster` with ``etcd``) → one of them leads, named in etcd → clients dial
+``etcd://...`` and follow the leader. A plain master (:class:`EmbeddedMaster` alone) keeps
+its state in memory and serves HTTP metadata; the pytest fixtures use it. Each child runs
 in its own process group and receives SIGTERM if its parent dies (``PR_SET_PDEATHSIG``), so
-neither a failed test nor a killed CLI leaves a master behind. Foreground commands stop on
+neither a failed test nor a killed CLI leaves one behind. Foreground commands stop on
 SIGTERM/SIGINT through :class:`StopSignals` and :func:`serve_until_stopped`: the signal handler
 only records the signal, and the main thread stops the children outside it.
 """
@@ -12,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import http.client
+import json
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,10 +31,13 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Self
 
+from mooncake_rl import etcd
 from mooncake_rl.errors import ConfigurationError, ServiceError
 
 SYSTEM_LIBRARIES = ("libibverbs.so.1", "librdmacm.so.1", "libnuma.so.1")
 INSTALL_HINT = "apt-get install -y libibverbs1 librdmacm1 libnuma1"
+ETCD_INSTALL_HINT = "apt-get install -y etcd-server"
+P2P_HANDSHAKE = "P2PHANDSHAKE"
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> tuple[int, ...]:
@@ -138,15 +147,7 @@ class ManagedProcess:
 
     def wait_until(self, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
         """Poll ``ready``; raise :class:`Stopped` once a stop signal was recorded."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            StopSignals.raise_if_stopped()
-            if not self.is_running():
-                raise ServiceError(f"{what} exited early; see {self.log_path}")
-            if ready():
-                return
-            time.sleep(0.05)
-        raise ServiceError(f"{what} not healthy after {timeout_s}s; see {self.log_path}")
+        wait_for(ready, what, timeout_s, [self])
 
     def poll(self) -> int | None:
         """The exit code once the child has exited (it is then reaped), else ``None``."""
@@ -194,6 +195,25 @@ class ManagedProcess:
         finally:
             if process.returncode is not None:
                 self.returncode, self._process = process.returncode, None
+
+
+def wait_for(
+    ready: Callable[[], bool], what: str, timeout_s: float, needed: Sequence[ManagedProcess]
+) -> None:
+    """Poll ``ready`` while every ``needed`` child runs; :class:`Stopped` on a stop signal."""
+    deadline = time.monotonic() + timeout_s
+    logs = ", ".join(str(process.log_path) for process in needed)
+    while time.monotonic() < deadline:
+        StopSignals.raise_if_stopped()
+        for process in needed:
+            if not process.is_running():
+                raise ServiceError(
+                    f"{what}: {process.args[0]} exited early; see {process.log_path}"
+                )
+        if ready():
+            return
+        time.sleep(0.05)
+    raise ServiceError(f"{what} not healthy after {timeout_s}s; see {logs}")
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -315,15 +335,21 @@ class StopSignals:
 
 
 def serve_until_stopped(
-    services: Sequence[_Service], stop: StopSignals, poll_s: float = 0.1
+    services: Sequence[_Service],
+    stop: StopSignals,
+    poll_s: float = 0.1,
+    tick: Callable[[], None] | None = None,
 ) -> int:
     """Keep services in the foreground until a stop signal (returns 0).
 
     Polls with a short sleep instead of blocking in ``waitpid``, so a signal is seen within
     ``poll_s`` and the caller stops the services in ordinary code. A service that exits on its
     own raises :class:`ServiceError` naming its log; the caller's ``with`` stops the others.
+    ``tick`` runs every poll (a durable Store replaces its dead masters there).
     """
     while stop.signum is None:
+        if tick is not None:
+            tick()
         for service in services:
             code = service.poll()
             if code is not None:
@@ -334,8 +360,16 @@ def serve_until_stopped(
     return 0
 
 
+_CLUSTER_ID = re.compile(r"[A-Za-z0-9_-]+")
+DEFAULT_CLUSTER_ID = "mooncake_cluster"
+"""Mooncake's own default (masters' ``--cluster_id``, clients' ``MC_STORE_CLUSTER_ID``): a
+master restarted against the same etcd with the same id replays the operation log."""
+
+
 @dataclass(frozen=True)
 class MasterConfig:
+    """One ``mooncake_master``: in memory with HTTP metadata, or HA with its log in ``etcd``."""
+
     host: str = "127.0.0.1"
     rpc_port: int = 0
     metadata_port: int = 0
@@ -343,14 +377,27 @@ class MasterConfig:
     lease_ttl_ms: int = 10_000
     client_ttl_s: int = 10
     log_dir: Path | None = None
+    etcd: str | None = None
+    cluster_id: str = DEFAULT_CLUSTER_ID
 
     def __post_init__(self) -> None:
         if self.lease_ttl_ms <= 0 or self.client_ttl_s <= 0:
             raise ValueError("lease_ttl_ms and client_ttl_s must be positive")
+        if self.etcd is not None:
+            etcd.parse_endpoints(self.etcd)
+        if not _CLUSTER_ID.fullmatch(self.cluster_id):
+            raise ValueError(
+                f"cluster_id must be letters, digits, - and _; got {self.cluster_id!r}"
+            )
 
 
 class EmbeddedMaster(_Service):
-    """A running ``mooncake_master`` with its HTTP metadata server."""
+    """A running ``mooncake_master``: with its HTTP metadata server, or as an HA member.
+
+    An HA member (``config.etcd`` set) keeps every object's metadata in etcd's operation log
+    and serves no metadata itself (it would die with it): its clients use P2PHANDSHAKE. It is
+    "started" once it runs; whether it leads is :class:`DurableStore`'s question.
+    """
 
     name = "mooncake_master"
 
@@ -360,12 +407,59 @@ class EmbeddedMaster(_Service):
         self._process = None
 
     @property
-    def master_address(self) -> str:
+    def cluster_id(self) -> str:
+        return self.config.cluster_id
+
+    @property
+    def rpc_address(self) -> str:
+        """This process's own RPC endpoint (what an HA leader writes into etcd)."""
         return f"{self.config.host}:{self.rpc_port}"
 
     @property
+    def master_address(self) -> str:
+        """What clients dial: this process, or the HA cluster's etcd."""
+        return f"{etcd.ETCD_SCHEME}{self.config.etcd}" if self.config.etcd else self.rpc_address
+
+    @property
     def metadata_url(self) -> str:
+        if self.config.etcd:
+            return P2P_HANDSHAKE
         return f"http://{self.config.host}:{self.metadata_port}/metadata"
+
+    def _mode_args(self) -> list[str]:
+        if self.config.etcd:
+            return [
+                "--enable_ha=true",
+                "--enable_oplog=true",
+                f"--ha_backend_connstring={self.config.etcd}",
+                f"--cluster_id={self.config.cluster_id}",
+            ]
+        return [
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={self.config.host}",
+            f"--http_metadata_server_port={self.metadata_port}",
+        ]
+
+    def serves(self) -> bool:
+        """An HA member that leads and has left its warm-up (its ``/health`` says so).
+
+        A new leader accepts RPCs during a warm-up of one etcd lease (5 s) before it serves;
+        what a client mounts or writes in that time is not all in the operation log.
+        """
+        connection = http.client.HTTPConnection(self.config.host, self.metrics_port, timeout=1)
+        try:
+            connection.request("GET", "/health")
+            health = json.loads(connection.getresponse().read())
+        except (OSError, ValueError):
+            return False
+        finally:
+            connection.close()
+        return health.get("role") == "leader" and health.get("service_ready") is True
+
+    def _ready(self) -> bool:
+        if self.config.etcd:
+            return True
+        return _accepts(self.config.host, self.rpc_port) and self._metadata_answers()
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedMaster:
         if self._process is not None:
@@ -381,23 +475,18 @@ class EmbeddedMaster(_Service):
             str(binary),
             f"--rpc_port={self.rpc_port}",
             f"--rpc_address={host}",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_host={host}",
-            f"--http_metadata_server_port={self.metadata_port}",
+            *self._mode_args(),
             f"--metrics_host={host}",
             f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={self.config.lease_ttl_ms}",
             f"--client_ttl={self.config.client_ttl_s}",
         ]
         log = _log_dir(self.config.log_dir) / f"mooncake_master.{self.rpc_port}.log"
-        self._process = ManagedProcess(args, log)
+        # Its own file: INFO there (elections, log replay) whatever level the caller's env asks.
+        self._process = ManagedProcess(args, log, {"GLOG_minloglevel": "0"})
         try:
             self._process.spawn()
-            self._process.wait_until(
-                lambda: _accepts(host, self.rpc_port) and self._metadata_answers(),
-                "mooncake_master",
-                timeout_s,
-            )
+            self._process.wait_until(self._ready, "mooncake_master", timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -412,6 +501,279 @@ class EmbeddedMaster(_Service):
             return False
         finally:
             connection.close()
+
+
+@dataclass(frozen=True)
+class EtcdMember:
+    """One member of an etcd cluster on ``host``: its name and its client and peer ports."""
+
+    name: str
+    host: str
+    client_port: int
+    peer_port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+
+def etcd_members(count: int, host: str = "127.0.0.1") -> tuple[EtcdMember, ...]:
+    """``count`` members on free ports (an odd count: a quorum survives ``count // 2`` losses)."""
+    if count < 1 or count % 2 == 0:
+        raise ValueError(f"an etcd cluster needs an odd number of members, got {count}")
+    ports = free_ports(2 * count, host)
+    return tuple(
+        EtcdMember(f"mooncake-rl-{index}", host, ports[2 * index], ports[2 * index + 1])
+        for index in range(count)
+    )
+
+
+class EmbeddedEtcd(_Service):
+    """One etcd member of ``cluster``; its data lives in a temp dir removed at stop.
+
+    :meth:`spawn` starts it and :meth:`wait_ready` waits for it: the members of a cluster
+    are all spawned before any is waited for, since none answers before a quorum runs.
+    """
+
+    name = "etcd"
+
+    def __init__(
+        self, member: EtcdMember, cluster: Sequence[EtcdMember], log_dir: Path | None = None
+    ) -> None:
+        self.member = member
+        self.cluster = tuple(cluster)
+        self.log_dir = log_dir
+        self.data_dir: Path | None = None
+        self._process = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.member.endpoint
+
+    def spawn(self) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise ConfigurationError(
+                f"the durable Store needs etcd; install it: {ETCD_INSTALL_HINT} (or `make sysdeps`)"
+            )
+        self.data_dir = Path(tempfile.mkdtemp(prefix="mooncake-rl-etcd-"))
+        client_url = f"http://{self.endpoint}"
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.cluster)
+        args = [
+            binary,
+            f"--name={self.member.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={self.member.peer_url}",
+            f"--initial-advertise-peer-urls={self.member.peer_url}",
+            f"--initial-cluster={initial}",
+        ]
+        log = _log_dir(self.log_dir) / f"etcd.{self.member.client_port}.log"
+        self._process = ManagedProcess(args, log)
+        self._process.spawn()
+
+    def wait_ready(self, timeout_s: float = 20.0) -> None:
+        if self._process is None:
+            raise ServiceError("etcd not spawned")
+        self._process.wait_until(lambda: etcd.healthy(self.endpoint), "etcd", timeout_s)
+
+    def start(self, timeout_s: float = 20.0) -> EmbeddedEtcd:
+        try:
+            self.spawn()
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            data_dir, self.data_dir = self.data_dir, None
+            if data_dir is not None:
+                shutil.rmtree(data_dir, ignore_errors=True)
+
+
+ETCD_CONNECT_S = 3.0
+"""How long ``--etcd`` may take to answer before the start fails naming it."""
+
+
+@dataclass(frozen=True)
+class DurableConfig:
+    """The durable Store: ``masters`` HA masters logging to ``etcd`` (``None``: start an
+    ``etcd_members``-member cluster on loopback)."""
+
+    host: str = "127.0.0.1"
+    masters: int = 2
+    etcd: str | None = None
+    etcd_members: int = 1
+    cluster_id: str = DEFAULT_CLUSTER_ID
+    lease_ttl_ms: int = 10_000
+    client_ttl_s: int = 10
+    log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.masters < 1:
+            raise ValueError(f"masters must be at least 1, got {self.masters}")
+        if self.etcd_members < 1 or self.etcd_members % 2 == 0:
+            raise ValueError(f"etcd_members must be odd, got {self.etcd_members}")
+        self.master_config()  # validates the rest
+
+    def master_config(self, endpoints: str | None = None) -> MasterConfig:
+        return MasterConfig(
+            host=self.host,
+            lease_ttl_ms=self.lease_ttl_ms,
+            client_ttl_s=self.client_ttl_s,
+            log_dir=self.log_dir,
+            etcd=endpoints or self.etcd,
+            cluster_id=self.cluster_id,
+        )
+
+
+class DurableStore:
+    """etcd (embedded unless given) and ``masters`` HA masters, one of which leads.
+
+    Clients dial ``etcd://<endpoints>`` with ``MC_STORE_CLUSTER_ID`` set to ``cluster_id``
+    and follow the leader themselves; a standby that takes over replays the operation log,
+    so every object survives the leader's death. Started means a leader serves.
+    """
+
+    def __init__(self, config: DurableConfig | None = None) -> None:
+        self.config = config or DurableConfig()
+        self.etcd: list[EmbeddedEtcd] = []
+        self.endpoints = ""
+        self.masters: list[EmbeddedMaster] = []
+
+    @property
+    def master_address(self) -> str:
+        return f"{etcd.ETCD_SCHEME}{self.endpoints}"
+
+    @property
+    def metadata_url(self) -> str:
+        return P2P_HANDSHAKE
+
+    @property
+    def cluster_id(self) -> str:
+        return self.config.cluster_id
+
+    @property
+    def services(self) -> list[_Service]:
+        """Every process this object runs (for :func:`serve_until_stopped`)."""
+        return [*self.etcd, *self.masters]
+
+    def start(self, timeout_s: float = 30.0) -> Self:
+        try:
+            if self.config.etcd is None:
+                self._start_etcd()
+            else:
+                self.endpoints = self.config.etcd
+                require_etcd(self.endpoints)
+            for _ in range(self.config.masters):
+                master = EmbeddedMaster(self.config.master_config(self.endpoints))
+                self.masters.append(master)
+                master.start()
+            self.wait_for_leader(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_etcd(self) -> None:
+        cluster = etcd_members(self.config.etcd_members, self.config.host)
+        self.etcd = [EmbeddedEtcd(member, cluster, self.config.log_dir) for member in cluster]
+        for member in self.etcd:
+            member.spawn()
+        for member in self.etcd:
+            member.wait_ready()
+        self.endpoints = ";".join(member.endpoint for member in self.etcd)
+
+    def leader_address(self) -> str | None:
+        """The RPC endpoint etcd names as leader, ``None`` mid-election."""
+        return etcd.leader(self.endpoints, self.cluster_id)
+
+    def leader(self) -> EmbeddedMaster | None:
+        """Which of our masters leads (``None`` mid-election or when another process does)."""
+        address = self.leader_address()
+        return next((m for m in self.masters if m.rpc_address == address), None)
+
+    def wait_for_leader(self, timeout_s: float = 30.0) -> EmbeddedMaster:
+        """The leader of our masters, once etcd names a live one that accepts calls."""
+        found: list[EmbeddedMaster] = []
+
+        def serving() -> bool:
+            if not any(master.is_running() for master in self.masters):
+                logs = ", ".join(str(master.log_path) for master in self.masters)
+                raise ServiceError(f"every master of {self.cluster_id!r} exited; see {logs}")
+            leader = self.leader()
+            if leader is None or not leader.is_running():
+                return False
+            found[:] = [leader]
+            return leader.serves()
+
+        needed = [m._process for m in self.etcd if m._process and len(self.etcd) == 1]
+        wait_for(serving, f"leader of Store cluster {self.cluster_id!r}", timeout_s, needed)
+        return found[0]
+
+    def replace_dead_masters(self) -> list[str]:
+        """Start a fresh standby for each master that died; what happened, for the log.
+
+        A killed leader's standby takes over by itself; starting a new standby in its place
+        keeps the Store able to survive the next loss too.
+        """
+        events = []
+        for index, master in enumerate(self.masters):
+            code = master.poll()
+            if code is None:
+                continue
+            log = master.log_path
+            master.stop()
+            fresh = EmbeddedMaster(self.config.master_config(self.endpoints))
+            self.masters[index] = fresh
+            fresh.start()
+            events.append(
+                f"mooncake_master {master.rpc_address} exited with code {code} (see {log}); "
+                f"standby {fresh.rpc_address} started in its place"
+            )
+        return events
+
+    def stop(self) -> None:
+        """Masters first (their clients' leases in etcd lapse), then etcd; always all."""
+        try:
+            for master in reversed(self.masters):
+                master.stop()
+        finally:
+            for member in self.etcd:
+                member.stop()
+
+    def __enter__(self) -> Self:
+        return self.start() if not self.masters else self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def require_etcd(endpoints: str, timeout_s: float = ETCD_CONNECT_S) -> None:
+    """Fail within ``timeout_s`` naming the endpoints when no member of them answers."""
+    members = etcd.parse_endpoints(endpoints)
+    deadline = time.monotonic() + timeout_s
+    while not any(etcd.healthy(member, timeout_s=0.5) for member in members):
+        if time.monotonic() >= deadline:
+            raise ConfigurationError(
+                f"no etcd answers at {endpoints} after {timeout_s:.0f}s; start etcd there, or "
+                "leave --etcd out to run one embedded"
+            )
+        time.sleep(0.1)
 
 
 _SEGMENT_PORT = re.compile(rb"Successfully created client on port (\d+)")
@@ -434,9 +796,11 @@ class SegmentHolder(_Service):
         segment_bytes: int,
         host: str = "127.0.0.1",
         log_dir: Path | None = None,
+        cluster_id: str = DEFAULT_CLUSTER_ID,
     ) -> None:
         if segment_bytes <= 0:
             raise ValueError("segment_bytes must be positive")
+        self.cluster_id = cluster_id
         self.master_address = master_address
         self.metadata_url = metadata_url
         self.segment_bytes = segment_bytes
@@ -465,6 +829,7 @@ class SegmentHolder(_Service):
             "MC_TCP_BIND_ADDRESS": self.host,
             "GLOG_minloglevel": "0",
             "MC_LOG_LEVEL": "INFO",
+            "MC_STORE_CLUSTER_ID": self.cluster_id,
         }
         log = _log_dir(self.log_dir) / f"mooncake_client.{port}.log"
         self._process = ManagedProcess(args, log, env)

@@ -1,6 +1,7 @@
 """One settings object, read from ``MOONCAKE_RL_*`` environment variables; flags override.
 
-Defaults work on loopback with an embedded master; a real cluster sets the master address,
+Defaults work on loopback with an embedded master; a real cluster sets the master address
+(``etcd://...`` and the cluster id for a durable Store),
 an HTTP/etcd metadata URL (or ``P2PHANDSHAKE``), ``rdma`` and this host's reachable address.
 """
 
@@ -12,6 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mooncake_rl.etcd import ETCD_SCHEME, parse_endpoints
+
 MiB = 1 << 20
 
 
@@ -20,7 +23,21 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MOONCAKE_RL_", frozen=True, extra="forbid")
 
-    master: str = Field("127.0.0.1:50051", description="host:port of mooncake_master")
+    master: str = Field(
+        "127.0.0.1:50051",
+        description="host:port of mooncake_master, or etcd://h:p;h:p of a durable Store's etcd",
+    )
+    cluster_id: str = Field(
+        "mooncake_cluster",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="the durable Store's cluster id (the masters' --cluster_id); the native "
+        "client reads it as MC_STORE_CLUSTER_ID",
+    )
+    failover_s: float = Field(
+        30.0,
+        ge=0,
+        description="how long a Store call keeps retrying while the master's leader changes",
+    )
     metadata: str = Field(
         "P2PHANDSHAKE",
         description="metadata URL (http://host:port/metadata, etcd://...) or P2PHANDSHAKE",
@@ -135,15 +152,18 @@ class Settings(BaseSettings):
     @field_validator("master")
     @classmethod
     def _host_port(cls, value: str) -> str:
+        if value.startswith(ETCD_SCHEME):
+            parse_endpoints(value)
+            return value
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"master must be host:port, got {value!r}")
+            raise ValueError(f"master must be host:port or etcd://h:p;h:p, got {value!r}")
         return value
 
     def client_env(self) -> dict[str, str]:
         """The ``MOONCAKE_RL_*`` variables that give a child process this Store client's
         settings (the secret token stays out: children need no route access)."""
-        keys = ("master", "metadata", "protocol", "hostname", "node", "rdma_devices")
+        keys = ("master", "cluster_id", "metadata", "protocol", "hostname", "node", "rdma_devices")
         env = {f"MOONCAKE_RL_{k.upper()}": str(getattr(self, k)) for k in keys}
         if self.local_segment:
             env["MOONCAKE_RL_LOCAL_SEGMENT"] = self.local_segment

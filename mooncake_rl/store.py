@@ -6,32 +6,40 @@ key; successful reads and puts add to :data:`mooncake_rl.counters.COUNTERS`.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
 import socket
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from mooncake_rl import etcd
 from mooncake_rl.affinity import unpinned_native_threads
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import (
     ConfigurationError,
+    FailoverAmbiguous,
     InvariantViolation,
     MooncakeError,
+    ObjectAlreadyExists,
     ObjectNotFound,
     mooncake_error,
 )
 from mooncake_rl.native_logs import native_setup
-from mooncake_rl.services import check_system_libraries
+from mooncake_rl.services import check_system_libraries, require_etcd
 from mooncake_rl.settings import Settings
+
+T = TypeVar("T")
 
 
 def loopback_transport_env(settings: Settings) -> None:
@@ -68,6 +76,16 @@ READ_ATTEMPTS = 6  # ranged reads repeated after LEASE_EXPIRED
 LEASE_EXPIRED = -707
 UPSERT_ATTEMPTS = 8  # upserts repeated after a concurrent upsert of the same key
 ILLEGAL_CLIENT = -601
+CLUSTER_ENV = "MC_STORE_CLUSTER_ID"
+LEADER_LOST = frozenset({-900, -901})
+"""RPC_FAIL, RPC_TIMEOUT: the leader died and no standby leads yet (seen for ~9 s here)."""
+SETTLING = frozenset({-101, -103, -200, -703})
+"""SEGMENT_NOT_FOUND, CLIENT_NOT_FOUND, NO_AVAILABLE_HANDLE, REPLICA_IS_NOT_READY: a new
+leader before the clients have remounted their segments (seen for ~1 s after it leads)."""
+SETTLE_S = 5.0
+"""How long settling codes are repeated when this client saw no lost leader: the native
+client can ride out the election inside one blocked call and surface only these."""
+BACKOFF_S = (0.1, 0.5)  # first and longest pause between attempts while the leader changes
 
 
 def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
@@ -82,10 +100,56 @@ def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
         ) from error
 
 
+def _require_cluster(settings: Settings) -> None:
+    """A durable Store's etcd answers and leads ``cluster_id`` (waiting out an election).
+
+    Mooncake's client waits for a leader of its cluster id forever; a client whose id differs
+    from the masters' would hang, so an id nobody leads or logged under is refused at once,
+    naming the ids that etcd does lead.
+    """
+    endpoints = settings.master.removeprefix(etcd.ETCD_SCHEME)
+    require_etcd(endpoints)
+    wanted = settings.cluster_id
+    deadline = time.monotonic() + settings.failover_s
+    while etcd.leader(endpoints, wanted) is None:
+        if not etcd.has_log(endpoints, wanted):
+            others = ", ".join(repr(c) for c in etcd.clusters(endpoints)) or "none"
+            raise ConfigurationError(
+                f"no Store master runs cluster id {wanted!r} in etcd {endpoints} (clusters "
+                f"there: {others}); set MOONCAKE_RL_CLUSTER_ID to the masters' --cluster_id"
+            )
+        if time.monotonic() >= deadline:
+            raise ConfigurationError(
+                f"no master of cluster {wanted!r} has led for {settings.failover_s:.0f}s "
+                f"(etcd {endpoints}): start `mooncake-rl master --etcd {endpoints}`"
+            )
+        time.sleep(0.2)
+
+
+def _set_cluster_env(cluster_id: str) -> None:
+    """The native client reads its cluster id from the environment, once per process."""
+    given = os.environ.setdefault(CLUSTER_ENV, cluster_id)
+    if given != cluster_id:
+        raise ConfigurationError(
+            f"{CLUSTER_ENV}={given} disagrees with the cluster id {cluster_id!r} of these "
+            f"settings; set MOONCAKE_RL_CLUSTER_ID={given} or unset {CLUSTER_ENV}"
+        )
+
+
 def _check(code: int, operation: str, context: str = "") -> int:
     if code < 0:
         raise mooncake_error(code, operation, context)
     return code
+
+
+def rides_failover(method: Callable[..., T]) -> Callable[..., T]:
+    """A :class:`StoreClient` method repeated while a durable Store's leader changes."""
+
+    @functools.wraps(method)
+    def riding(self: StoreClient, *args: Any, **kwargs: Any) -> T:
+        return self._ride(method.__name__, lambda _attempt: method(self, *args, **kwargs))
+
+    return riding
 
 
 class StoreClient:
@@ -94,7 +158,12 @@ class StoreClient:
     def __init__(self, settings: Settings) -> None:
         check_system_libraries()
         loopback_transport_env(settings)
-        _require_reachable(settings.master)
+        self.durable = settings.master.startswith(etcd.ETCD_SCHEME)
+        if self.durable:
+            _require_cluster(settings)
+            _set_cluster_env(settings.cluster_id)
+        else:
+            _require_reachable(settings.master)
         from mooncake.store import MooncakeDistributedStore
 
         self.settings = settings
@@ -122,6 +191,9 @@ class StoreClient:
         )
         self._registered: dict[int, int] = {}
         self._closed = False
+        self.failover_s = settings.failover_s
+        self._leader_lost_at = -float("inf")
+        self._riding = threading.local()  # .active: this thread is inside a ride
 
     # -- registration -------------------------------------------------------------------
     def register(self, ptr: int, size: int) -> None:
@@ -147,6 +219,7 @@ class StoreClient:
         config.with_hard_pin = hard_pin
         return config
 
+    @rides_failover
     def put_from(
         self,
         key: str,
@@ -192,6 +265,7 @@ class StoreClient:
         finally:
             self.unregister(ptr)
 
+    @rides_failover
     def put_bytes(self, key: str, data: bytes, *, preferred_segments: Sequence[str] = ()) -> None:
         """A record (``RECORD_REPLICAS`` copies); a put to an existing key is ignored."""
         config = self._config(RECORD_REPLICAS, preferred_segments, True)
@@ -203,6 +277,7 @@ class StoreClient:
         _check(code, "put", f"key={key}")
         COUNTERS.add(put=len(data))
 
+    @rides_failover
     def upsert_bytes(self, key: str, data: bytes) -> None:
         """Insert or replace a small record; readers see the old or the new value.
 
@@ -225,7 +300,24 @@ class StoreClient:
         COUNTERS.add(put=len(data))
 
     def create_exclusive(self, key: str, data: bytes) -> None:
-        """Create ``key`` only if absent (a fence): raises ObjectAlreadyExists otherwise."""
+        """Create ``key`` only if absent (a fence): raises ObjectAlreadyExists otherwise.
+
+        Safe to repeat across a failover: a repeat that finds ``key`` holding exactly ``data``
+        is this call's own create that the old leader logged before dying (never a lost
+        announce); anything else there is another writer's (never a double claim). A create
+        the dying leader left half-done raises :class:`FailoverAmbiguous`.
+        """
+
+        def create(attempt: int) -> None:
+            try:
+                self._create_once(key, data)
+            except ObjectAlreadyExists:
+                if attempt == 0 or not self._holds(key, data):
+                    raise
+
+        self._ride("create_exclusive", create)
+
+    def _create_once(self, key: str, data: bytes) -> None:
         size = len(data)
         config = self._config(RECORD_REPLICAS, (), True)
         started = self._store.batch_put_session_start([key], [size], config)[0]
@@ -239,6 +331,74 @@ class StoreClient:
                 raise mooncake_error(written[0] if written[0] < 0 else -800, "put_session", key)
             _check(self._store.batch_put_session_end([key])[0], "put_session_end", key)
         COUNTERS.add(put=size)
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """Whether ``key`` holds ``data``; ambiguous when it stays unreadable (half-created)."""
+        try:
+            return self.get_bytes(key) == data
+        except ObjectNotFound:
+            return False
+        except MooncakeError as error:
+            if error.code in LEADER_LOST:
+                raise  # the ride repeats the create and this check
+            raise FailoverAmbiguous(
+                f"create of {key} was cut by a master failover and the object it left is "
+                f"unreadable ({error.name}); whether this call created it is unknown: rerun "
+                "the command (it claims afresh), or remove the key"
+            ) from error
+
+    def _ride(self, operation: str, call: Callable[[int], T]) -> T:
+        """``call(attempt)``, repeated while a durable Store's leader changes.
+
+        Only a durable Store's client rides: its standby takes over with every object. A
+        lone master that died comes back empty (if at all), so its errors surface at once.
+        Settling codes are repeated for ``failover_s`` after a lost leader, else for
+        ``SETTLE_S`` (a full Store fails that much later). Past its window the last error
+        is raised, saying so.
+        """
+        if getattr(self._riding, "active", False):  # an outer ride repeats the whole call
+            return call(0)
+        self._riding.active = True
+        try:
+            return self._ride_loop(operation, call)
+        finally:
+            self._riding.active = False
+
+    def _ride_loop(self, operation: str, call: Callable[[int], T]) -> T:
+        """The loop of :meth:`_ride`: a deadline from the first failover error on."""
+        deadline: float | None = None
+        attempt = 0
+        while True:
+            try:
+                return call(attempt)
+            except MooncakeError as error:
+                now = time.monotonic()
+                if not self.durable:
+                    raise
+                if error.code in LEADER_LOST:
+                    self._leader_lost_at = now
+                elif error.code not in SETTLING:
+                    raise
+                settling = now - self._leader_lost_at > self.failover_s
+                deadline = deadline or now + (SETTLE_S if settling else self.failover_s)
+                if now >= deadline:
+                    window = SETTLE_S if settling else self.failover_s
+                    error.add_note(self._gave_up(operation, error.code in LEADER_LOST, window))
+                    raise
+            time.sleep(min(BACKOFF_S[0] * 2**attempt, BACKOFF_S[1]))
+            attempt += 1
+
+    def _gave_up(self, operation: str, leaderless: bool, window_s: float) -> str:
+        if leaderless:
+            return (
+                f"{operation}: no Store master led for {window_s:.0f}s "
+                f"(MOONCAKE_RL_FAILOVER_S); check the masters and etcd at "
+                f"{self.settings.master} (`mooncake-rl status`)"
+            )
+        return (
+            f"{operation}: repeated for {window_s:.0f}s in case the Store's leader "
+            "had just changed; the error stayed"
+        )
 
     def _write_record(
         self, data: bytes, staged: Callable[[], int], from_buffer: Callable[[int], int]
@@ -262,6 +422,7 @@ class StoreClient:
             self.unregister(buffer.data_ptr())
 
     # -- reads --------------------------------------------------------------------------
+    @rides_failover
     def size(self, key: str) -> int:
         return _check(self._store.get_size(key), "get_size", f"key={key}")
 
@@ -269,6 +430,7 @@ class StoreClient:
         """Whole small object (records, manifests), read into a registered buffer."""
         return self.get_array(key).tobytes()
 
+    @rides_failover
     def get_array(self, key: str) -> np.ndarray:
         """Whole object as the uint8 array it was read into: a large one (a cached routing
         table) is used in place, not copied again.
@@ -289,7 +451,7 @@ class StoreClient:
         raise AssertionError("unreachable")
 
     def _get_once(self, key: str) -> np.ndarray:
-        size = self.size(key)
+        size = _check(self._store.get_size(key), "get_size", f"key={key}")
         buffer = torch.empty(max(size, 1), dtype=torch.uint8)
         self.register(buffer.data_ptr(), buffer.numel())
         try:
@@ -307,6 +469,7 @@ class StoreClient:
         """Ranged reads into one registered buffer; every byte count is verified."""
         return self.read_into({buffer_ptr: reads})
 
+    @rides_failover
     def read_into(self, buffers: Mapping[int, Sequence[RangeRead]]) -> int:
         """Ranged reads into several registered buffers (each read's destination is an
         offset from its buffer's base and lies inside that registration) in one native
@@ -359,6 +522,7 @@ class StoreClient:
                 for read, count in zip(reads, counts, strict=True):
                     yield base, read, count
 
+    @rides_failover
     def exists(self, keys: Iterable[str]) -> list[bool]:
         keys = list(keys)
         if not keys:
@@ -372,6 +536,7 @@ class StoreClient:
         """Each key's size from a complete memory replica, or None; few RPCs for many keys."""
         return [None if found is None else found[0] for found in self.complete_replicas(keys)]
 
+    @rides_failover
     def complete_replicas(self, keys: Sequence[str]) -> list[tuple[int, str] | None]:
         """Each key's (size, segment) of its first complete memory replica, or None; few
         RPCs for many keys. The segment is the replica's transport endpoint (segment name).
@@ -391,6 +556,7 @@ class StoreClient:
             replies = list(pool.map(self._store.batch_get_replica_desc, map(list, chunks)))
         found_all: list[tuple[int, str] | None] = []
         for chunk, found in zip(chunks, replies, strict=True):
+            self._check_absent([key for key in chunk if key not in found])
             replicas_of = found.get
             for key in chunk:
                 held = None
@@ -402,10 +568,19 @@ class StoreClient:
                 found_all.append(held)
         return found_all
 
+    def _check_absent(self, keys: Sequence[str]) -> None:
+        """Descriptor calls answer "nothing" both for absent keys and for a lost leader;
+        the existence check returns the error code that tells them apart."""
+        if keys:
+            for key, code in zip(keys, self._store.batch_is_exist(list(keys)), strict=True):
+                _check(code, "batch_is_exist", f"key={key}")
+
+    @rides_failover
     def replica_segments(self, key: str) -> tuple[str, ...]:
         """Transport endpoints (segment names) holding ``key``'s memory replicas."""
         replicas = self._store.get_replica_desc(key)
         if not replicas:
+            self._check_absent([key])
             raise mooncake_error(-704, "get_replica_desc", f"key={key}")
         return tuple(
             r.get_memory_descriptor().buffer_descriptor.transport_endpoint
@@ -414,17 +589,28 @@ class StoreClient:
         )
 
     # -- removal ------------------------------------------------------------------------
+    @rides_failover
     def remove(self, keys: Sequence[str], *, force: bool = False) -> dict[str, int]:
         """Remove keys; returns the keys that failed with their codes (missing keys are fine)."""
         if not keys:
             return {}
         codes = self._store.batch_remove(list(keys), force)
+        lost = next((c for c in codes if c in LEADER_LOST), None)
+        if lost is not None:  # repeated whole: keys already removed answer OBJECT_NOT_FOUND
+            raise mooncake_error(lost, "batch_remove", f"{len(keys)} keys")
         return {k: c for k, c in zip(keys, codes, strict=True) if c < 0 and c != -704}
 
+    @rides_failover
     def remove_prefix(self, prefix: str, *, force: bool = False) -> int:
         """Remove every key starting with ``prefix``, including ones nobody listed."""
         pattern = "^" + re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", prefix)
         return _check(self._store.remove_by_regex(pattern, force), "remove_by_regex", pattern)
+
+    def etcd_usage(self) -> etcd.Usage | None:
+        """How full a durable Store's etcd is (its operation log is never pruned)."""
+        if not self.durable:
+            return None
+        return etcd.usage(self.settings.master.removeprefix(etcd.ETCD_SCHEME))
 
     def close(self) -> None:
         if self._closed:

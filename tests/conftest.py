@@ -13,7 +13,7 @@ from mooncake.reshard.weight import StoredFragment
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 from mooncake_rl.generations.keys import payload_key
 from mooncake_rl.generations.packing import pack_name
-from mooncake_rl.services import EmbeddedMaster, MasterConfig, SegmentHolder
+from mooncake_rl.services import DurableStore, EmbeddedMaster, MasterConfig, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 
@@ -31,10 +31,14 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedMaster]
         yield running
 
 
-def settings_for(master: EmbeddedMaster, node: str = "node0", **overrides: object) -> Settings:
-    """Client settings pointing at the embedded master; small segments to keep tests light."""
+def settings_for(
+    master: EmbeddedMaster | DurableStore, node: str = "node0", **overrides: object
+) -> Settings:
+    """Client settings pointing at the embedded master or durable Store; small segments to
+    keep tests light."""
     values: dict[str, object] = {
         "master": master.master_address,
+        "cluster_id": master.cluster_id,
         "metadata": master.metadata_url,
         "node": node,
         "segment_bytes": 64 << 20,
@@ -68,7 +72,9 @@ def holders(
             running.stop()
 
 
-def trainer_settings(master: EmbeddedMaster, holder: SegmentHolder, node: str) -> Settings:
+def trainer_settings(
+    master: EmbeddedMaster | DurableStore, holder: SegmentHolder, node: str
+) -> Settings:
     """A trainer rank that lends no memory and prefers its node's segment holder."""
     return settings_for(master, node, segment_bytes=0, local_segment=holder.segment)
 

@@ -93,16 +93,24 @@ def cli_children(cli: subprocess.Popen, expected: int) -> list[psutil.Process]:
     return children
 
 
+PLAIN = ["master", "--plain", "--port", "0", "--metadata-port", "0"]
+
+
 @pytest.mark.parametrize(
-    "segment_bytes,signum,expected",
-    [(64 << 20, signal.SIGINT, 2), (0, signal.SIGTERM, 1)],
-    ids=["with-holder-sigint", "no-holder-sigterm"],
+    "args,signum,expected",
+    [
+        ([*PLAIN, "--segment-bytes", str(64 << 20)], signal.SIGINT, 2),
+        ([*PLAIN, "--segment-bytes", "0"], signal.SIGTERM, 1),
+        (["master", "--segment-bytes", str(64 << 20)], signal.SIGTERM, 4),
+    ],
+    ids=["with-holder-sigint", "no-holder-sigterm", "durable-sigterm"],
 )
 def test_master_stops_with_its_holder(
-    tmp_path: Path, segment_bytes: int, signum: int, expected: int
+    tmp_path: Path, args: list[str], signum: int, expected: int
 ) -> None:
+    """The durable Store's children: etcd, two masters and the holder."""
     log = tmp_path / "cli.log"
-    args = ["master", "--port", "0", "--metadata-port", "0", "--segment-bytes", str(segment_bytes)]
+    segment_bytes = int(args[-1])
     with subreaper() as tracked:
         cli = start_cli(args, log, {"TMPDIR": str(tmp_path)})
         try:
@@ -119,7 +127,7 @@ def test_master_stops_with_its_holder(
 def test_master_exits_when_its_master_dies(tmp_path: Path) -> None:
     """A service that dies on its own ends the command with an error; the holder stops too."""
     log = tmp_path / "cli.log"
-    args = ["master", "--port", "0", "--metadata-port", "0", "--segment-bytes", str(64 << 20)]
+    args = [*PLAIN, "--segment-bytes", str(64 << 20)]
     with subreaper() as tracked:
         cli = start_cli(args, log, {"TMPDIR": str(tmp_path)})
         try:
@@ -129,6 +137,33 @@ def test_master_exits_when_its_master_dies(tmp_path: Path) -> None:
             assert cli.wait(timeout=STOP_WITHIN_S + 10) == 2
             assert "mooncake_master exited with code -9" in log.read_text()
             assert not [p for p in tracked if p.is_running()]
+        finally:
+            cli.kill()
+            cli.wait()
+
+
+def test_durable_master_replaces_a_killed_master_and_cleans_up(tmp_path: Path) -> None:
+    """The durable Store outlives its leader: a fresh standby takes the dead one's place, and
+    a stop leaves no child and no etcd data directory behind."""
+    log = tmp_path / "cli.log"
+    with subreaper() as tracked:
+        cli = start_cli(
+            ["master", "--segment-bytes", str(64 << 20)], log, {"TMPDIR": str(tmp_path)}
+        )
+        try:
+            line = first_json_line(cli, log)
+            assert line["MOONCAKE_RL_MASTER"].startswith("etcd://")
+            assert line["pid"] in line["masters"] and len(line["masters"]) == 2
+            tracked.extend(cli_children(cli, 4))
+            os.kill(line["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while "started in its place" not in log.read_text():
+                assert time.monotonic() < deadline and cli.poll() is None, log.read_text()
+                time.sleep(0.1)
+            tracked.extend(cli_children(cli, 4))
+            assert list(tmp_path.glob("mooncake-rl-etcd-*"))
+            stop_and_check(cli, signal.SIGTERM, tracked, log)
+            assert not list(tmp_path.glob("mooncake-rl-etcd-*"))
         finally:
             cli.kill()
             cli.wait()

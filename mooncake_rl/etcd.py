@@ -1,0 +1,151 @@
+"""What the durable Store keeps in etcd, read through etcd's JSON gateway (``/v3/kv/range``).
+
+Endpoints string (``h:p;h:p``) → :func:`parse_endpoints` → one HTTP POST per question to the
+first member that answers → decoded keys and values. Mooncake's HA masters elect a leader by
+holding ``mooncake-store/<cluster_id>/master_view`` (its RPC ``host:port``) on an etcd lease,
+and write their operation log under ``/oplog/<cluster_id>/``; nothing else here writes etcd.
+Used by the services that start the Store (is etcd up, who leads), by the Store client (does
+the cluster it was told to use exist) and by ``mooncake-rl status`` (how big the log grew).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+from dataclasses import dataclass
+
+from mooncake_rl.errors import ConfigurationError
+
+ETCD_SCHEME = "etcd://"
+VIEW_PREFIX = "mooncake-store/"
+VIEW_SUFFIX = "/master_view"
+OPLOG_PREFIX = "/oplog/"
+
+
+def parse_endpoints(endpoints: str) -> tuple[str, ...]:
+    """``h:p;h:p`` (an ``etcd://`` prefix allowed) as ``("h:p", ...)``; refuses anything else."""
+    body = endpoints.removeprefix(ETCD_SCHEME)
+    parsed = tuple(part.strip() for part in body.split(";") if part.strip())
+    for endpoint in parsed:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigurationError(
+                f"etcd endpoint {endpoint!r} in {endpoints!r} is not host:port; "
+                "give them as host:port;host:port"
+            )
+    if not parsed:
+        raise ConfigurationError(f"no etcd endpoint in {endpoints!r}; give host:port;host:port")
+    return parsed
+
+
+def view_key(cluster_id: str) -> str:
+    return f"{VIEW_PREFIX}{cluster_id}{VIEW_SUFFIX}"
+
+
+def _b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    """The exclusive end of the key range starting with ``prefix`` (etcd's convention)."""
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+def _post(endpoint: str, path: str, body: dict[str, object], timeout_s: float) -> dict:
+    host, _, port = endpoint.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        payload = response.read()
+        if response.status != 200:
+            raise OSError(f"HTTP {response.status}: {payload[:200]!r}")
+        return json.loads(payload)
+    finally:
+        connection.close()
+
+
+def _ask(endpoints: str, path: str, body: dict[str, object], timeout_s: float) -> dict:
+    """The first member's answer; names every endpoint when none answers."""
+    failures = []
+    for endpoint in parse_endpoints(endpoints):
+        try:
+            return _post(endpoint, path, body, timeout_s)
+        except (OSError, ValueError) as error:
+            failures.append(f"{endpoint}: {error}")
+    raise ConfigurationError(
+        f"no etcd member answers at {endpoints} ({'; '.join(failures)}); start etcd there "
+        "or point --etcd / MOONCAKE_RL_MASTER=etcd://... at a running cluster"
+    )
+
+
+def healthy(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Whether one member serves reads (its gateway answers a range request)."""
+    try:
+        _post(endpoint, "/v3/kv/range", {"key": _b64("health")}, timeout_s)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def get(endpoints: str, key: str, timeout_s: float = 2.0) -> str | None:
+    """The value of ``key``, or ``None`` when it is absent."""
+    reply = _ask(endpoints, "/v3/kv/range", {"key": _b64(key)}, timeout_s)
+    kvs = reply.get("kvs") or []
+    return base64.b64decode(kvs[0].get("value", "")).decode() if kvs else None
+
+
+def leader(endpoints: str, cluster_id: str) -> str | None:
+    """The RPC ``host:port`` of the master leading ``cluster_id``; ``None`` mid-election."""
+    return get(endpoints, view_key(cluster_id))
+
+
+def clusters(endpoints: str, timeout_s: float = 2.0) -> tuple[str, ...]:
+    """Every cluster id that has a leader in this etcd right now."""
+    body = {"key": _b64(VIEW_PREFIX), "range_end": _prefix_end(VIEW_PREFIX), "keys_only": True}
+    reply = _ask(endpoints, "/v3/kv/range", body, timeout_s)
+    keys = (base64.b64decode(kv["key"]).decode() for kv in reply.get("kvs") or [])
+    return tuple(
+        key.removeprefix(VIEW_PREFIX).removesuffix(VIEW_SUFFIX)
+        for key in keys
+        if key.endswith(VIEW_SUFFIX)
+    )
+
+
+def has_log(endpoints: str, cluster_id: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``cluster_id`` has an operation log here (its masters ran, maybe mid-election)."""
+    prefix = f"{OPLOG_PREFIX}{cluster_id}/"
+    body = {"key": _b64(prefix), "range_end": _prefix_end(prefix), "count_only": True}
+    return int(_ask(endpoints, "/v3/kv/range", body, timeout_s).get("count", 0)) > 0
+
+
+@dataclass(frozen=True)
+class Usage:
+    """How much of etcd the Store uses: the whole database and the keys of one cluster."""
+
+    db_bytes: int
+    quota_bytes: int
+    keys: int
+
+    def __post_init__(self) -> None:
+        if self.db_bytes < 0 or self.quota_bytes <= 0 or self.keys < 0:
+            raise ValueError(f"invalid etcd usage {self}")
+
+    @property
+    def quota_fraction(self) -> float:
+        return self.db_bytes / self.quota_bytes
+
+
+ETCD_DEFAULT_QUOTA = 2 << 30
+"""etcd's default backend quota (``--quota-backend-bytes`` unset); its status does not say."""
+
+
+def usage(endpoints: str, quota_bytes: int = ETCD_DEFAULT_QUOTA, timeout_s: float = 2.0) -> Usage:
+    """The database size (``/v3/maintenance/status``) and the number of keys in etcd."""
+    status = _ask(endpoints, "/v3/maintenance/status", {}, timeout_s)
+    everything = {"key": _b64(b"\0"), "range_end": _b64(b"\0"), "count_only": True}
+    counted = _ask(endpoints, "/v3/kv/range", everything, timeout_s)
+    return Usage(int(status.get("dbSize", 0)), quota_bytes, int(counted.get("count", 0)))
