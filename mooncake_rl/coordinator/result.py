@@ -146,6 +146,7 @@ class ReadmitFailed(MooncakeRLError):
 
 
 def left_out(result: UpdateResult, failed: Mapping[str, EngineRequestFailed]) -> None:
+    """Report the engines whose call failed in ``result.failed`` and ``failure_codes``."""
     result.failed.update({url: str(error) for url, error in failed.items()})
     result.failure_codes.update(
         {
@@ -168,6 +169,7 @@ def require_enough(result: UpdateResult, members: Sequence[str], needed: int, st
 
 
 def planned(result: UpdateResult, plan: UpdatePlan) -> None:
+    """Record what ``plan`` (the Store transport's) reads, pushes and delivers."""
     result.planned_read_bytes = plan.store_read_bytes
     result.planned_pushed_bytes = plan.pushed_bytes
     result.unique_demand_bytes = plan.unique_demand_bytes
