@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         described = described_engines(specs, parts, nodes, args.nodes_per_engine)
     else:
         described = simulated_engines(specs, [(node, args.tp) for node in nodes], "direct")
-    # As a coordinator holds them (``Coordinator._survey``): every engine's reply without
+    # As a coordinator holds them (``coordinator.survey``): every engine's reply without
     # boxes, and the boxes of one engine per distinct placement, here the first (the others
     # report its digests). Every engine with its boxes would leave the plan a heap 16x the
     # size to pass the collector over when its hold ends.
