@@ -35,7 +35,7 @@ from mooncake_rl.services import (
     serve_until_stopped,
 )
 from mooncake_rl.settings import Settings
-from mooncake_rl.store import StoreClient
+from mooncake_rl.store import StoreClient, exit_process
 from mooncake_rl.transport.modes import TransportMode
 from mooncake_rl.units import parse_size
 
@@ -155,10 +155,19 @@ def cmd_holder(args: argparse.Namespace) -> int:
     return 0  # stopped while starting
 
 
-def _store(args: argparse.Namespace, *, lends_memory: bool = False) -> StoreClient:
-    """A CLI process is short-lived: it lends no memory, so nothing it writes dies with it."""
-    settings = settings_from(args)
-    return StoreClient(settings if lends_memory else settings.with_overrides(segment_bytes=0))
+@contextlib.contextmanager
+def _store(args: argparse.Namespace) -> Iterator[StoreClient]:
+    """A CLI process is short-lived: it lends no memory, so nothing it writes dies with it;
+    run as the program, its client of a durable Store is left to end with the process
+    (:meth:`StoreClient.close_before_exit`)."""
+    store = StoreClient(settings_from(args).with_overrides(segment_bytes=0))
+    try:
+        yield store
+    finally:
+        if args.as_program:
+            store.close_before_exit()
+        else:
+            store.close()
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -644,10 +653,19 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``mooncake-rl`` program. Run as the program (``argv`` from ``sys.argv``), it ends
+    the process at once after a command that used a durable Store (:func:`exit_process`);
+    called with ``argv`` (tests, scripts) it returns the exit code."""
+    if argv is not None:
+        return _run(list(argv), as_program=False)
+    return exit_process(_run(sys.argv[1:], as_program=True))
+
+
+def _run(argv: list[str], *, as_program: bool) -> int:
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
+    args.as_program = as_program  # its Store clients may be left to end with the process
     if args.verbose:  # before any settings are read; children inherit it
         os.environ["MOONCAKE_RL_LOG_LEVEL"] = "info"
     try:

@@ -7,10 +7,12 @@ key; successful reads and puts add to :data:`mooncake_rl.counters.COUNTERS`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import re
 import socket
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -620,8 +622,41 @@ class StoreClient:
             self.unregister(ptr)
         self._store.close()
 
+    def close_before_exit(self) -> None:
+        """Close for a process about to end (:func:`exit_process`).
+
+        The pinned wheel's client of a durable Store joins a leader-monitor thread that
+        sleeps out a hard-coded 30 s wait, at ``close`` and at interpreter exit: a CLI
+        command would pay 30 s after its work. A client that lends no memory holds nothing
+        the Store needs, so it is left open here and dies with the process (the master drops
+        it after its TTL). Any other client closes as usual.
+        """
+        if self._closed or not self.durable or self.settings.segment_bytes:
+            self.close()
+            return
+        self._closed = True
+        for ptr in list(self._registered):
+            self.unregister(ptr)
+        _LEFT_OPEN.append(self._store)
+
     def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_LEFT_OPEN: list[object] = []
+"""Durable-Store native clients left open by :meth:`StoreClient.close_before_exit`; kept
+referenced so no destructor joins their threads before the process ends."""
+
+
+def exit_process(code: int) -> int:
+    """``code``, or, if a client was left open, end the process with it at once: the
+    interpreter's teardown would run those clients' destructors, 30 s each."""
+    if _LEFT_OPEN:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -4,7 +4,8 @@ One Store serves the module (its start costs ~6 s: the first leader waits out on
 lease before it serves). The smoke kills its leader; the standby leads afterwards, so the
 tests after it run on one master. Slower variants are marked ``faults``. Every in-process
 client of a durable Store costs ~30 s at close (the pinned wheel's leader monitor thread
-waits out a hard-coded 30 s view-change wait before it joins), so tests open few.
+waits out a hard-coded 30 s view-change wait before it joins), so tests open few; the CLI
+program leaves its client to end with the process instead.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from mooncake_rl.services import DurableConfig, DurableStore, EmbeddedMaster, Se
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from tests.conftest import TEST_LEASE_TTL_MS, trainer_settings
-from tests.test_cli_generations import cli
 
 SEGMENT = 64 << 20
 FAILOVER_BOUND_S = 20.0
@@ -107,9 +107,21 @@ def test_generation_survives_a_leader_sigkill(durable: DurableStore, holder: Seg
         assert usage is not None and 0 < usage.db_bytes < usage.quota_bytes and usage.keys > 0
 
 
-@pytest.mark.faults
-def test_status_reports_how_full_etcd_is(durable: DurableStore, holder: SegmentHolder) -> None:
-    done = cli(durable, holder.segment, "status", "--name", "durable-smoke", "--json")  # type: ignore[arg-type]
+def test_status_reports_how_full_etcd_is_and_the_program_ends_at_once(
+    durable: DurableStore, holder: SegmentHolder
+) -> None:
+    """The real program: its durable client is left to end with the process, which would
+    otherwise sit 30 s in the pinned wheel's close (``StoreClient.close_before_exit``)."""
+    env = {
+        **os.environ,
+        "MOONCAKE_RL_MASTER": durable.master_address,
+        "MOONCAKE_RL_CLUSTER_ID": durable.cluster_id,
+        "MOONCAKE_RL_METADATA": durable.metadata_url,
+        "MOONCAKE_RL_LOCAL_SEGMENT": holder.segment,
+    }
+    command = [sys.executable, "-m", "mooncake_rl.cli", "status", "--name", "durable-smoke"]
+    done = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=25, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
     usage = json.loads(done.stdout)["etcd"]
     assert usage["quota_bytes"] == 2 << 30 and 0 < usage["db_bytes"] < usage["quota_bytes"]
     assert usage["keys"] > 0 and 0 <= usage["quota_fraction"] < 0.01
