@@ -241,12 +241,16 @@ class UpdateWorker(ABC):
         """
         return live_receivers(self.model(), self.regions()[0], self.device())
 
-    def expect_live(self, expected: Mapping[str, torch.Tensor]) -> Any:
+    def expect_live(
+        self, expected: Mapping[str, torch.Tensor], received: Collection[str] = ()
+    ) -> Any:
         """The reference :meth:`compare_live` takes: what the live model must hold once
-        ``expected`` (model format, staged) landed. Built before the pause, while the engine
-        serves, so the pause holds only the comparison. Engines that keep checkpoint layout
-        live (SGLang) compare bytes: the reference is ``expected`` itself; engines that
-        repack into kernel layouts override both with a fresh-load comparison."""
+        ``expected`` (model format, staged) landed; ``received``: parameters received in
+        place, already checked against the generation's checksums as they were read.
+        Built before the pause, while the engine serves, so the pause holds only the
+        comparison. Engines that keep checkpoint layout live (SGLang) compare bytes: the
+        reference is ``expected`` itself; engines that repack into kernel layouts override
+        both with a fresh-load comparison."""
         return expected
 
     def compare_live(self, reference: Any) -> Comparison:
@@ -653,7 +657,10 @@ class UpdateWorker(ABC):
         state = self._state(engine_id)
         self._require_landable(state, generation)
         state.settle(keep=True)
-        check = state.check or self._landing_check(state)
+        # The reference and the comparison run on the stage thread alike: a CPU GEMM's
+        # result can depend on the thread that runs it (its OpenMP team), and the check
+        # compares outputs bit for bit.
+        check = state.check or state.stage_runner.submit(self._landing_check, state).result()
         started = time.perf_counter()
         if state.mode == "compat":
             self.land_compat(staged_tensors(state.layout, state.buffers))
@@ -666,7 +673,7 @@ class UpdateWorker(ABC):
                 set(state.in_place),
             )
         landed = time.perf_counter()
-        compared = self._compare(check)
+        compared = state.stage_runner.submit(self._compare, check).result()
         if compared["mismatched"]:
             raise LandingMismatch(
                 f"generation {generation} did not land intact; the live model differs from a "
@@ -694,7 +701,7 @@ class UpdateWorker(ABC):
                 for r in self.regions()[0]
                 if r.name not in expected and r.name not in state.in_place
             )
-            return self._reference(expected, uncovered, len(state.in_place))
+            return self._reference(expected, uncovered, set(state.in_place))
         regions, shards = self.regions()
         full = dict(staged_tensors(state.layout, state.buffers))
         return self._reference(*assemble_regions(regions, shards, full))
@@ -703,12 +710,16 @@ class UpdateWorker(ABC):
         self,
         expected: Mapping[str, torch.Tensor],
         uncovered: Sequence[str],
-        in_place: int | None = None,
+        in_place: Collection[str] | None = None,
     ) -> LandingCheck:
         started = time.perf_counter()
-        reference = self.expect_live(expected)
+        reference = self.expect_live(expected, in_place or ())
         return LandingCheck(
-            reference, len(expected), tuple(uncovered), in_place, time.perf_counter() - started
+            reference,
+            frozenset(expected),
+            tuple(uncovered),
+            None if in_place is None else len(in_place),
+            time.perf_counter() - started,
         )
 
     def _compare(self, check: LandingCheck) -> dict[str, Any]:
@@ -716,7 +727,8 @@ class UpdateWorker(ABC):
         started = time.perf_counter()
         compared = self.compare_live(check.reference)
         result = {
-            "checked": check.expected - len(compared.unchecked),
+            # Of the expected tensors; a parameter with none is unchecked beside them.
+            "checked": len(check.expected - set(compared.unchecked)),
             "unchecked": sorted({*check.uncovered, *compared.unchecked}),
             "mismatched": compared.mismatched,
             "seconds": time.perf_counter() - started,
@@ -814,7 +826,7 @@ class LandingCheck:
     staging; ``seconds`` went to making it."""
 
     reference: Any
-    expected: int
+    expected: frozenset[str]
     uncovered: tuple[str, ...]
     in_place: int | None
     seconds: float

@@ -129,7 +129,9 @@ class VllmUpdateWorker(UpdateWorker):
         else:
             self._reset_runner_caches()
 
-    def expect_live(self, expected: Mapping[str, torch.Tensor]) -> list[LayerReference]:
+    def expect_live(
+        self, expected: Mapping[str, torch.Tensor], received: Collection[str] = ()
+    ) -> list[LayerReference]:
         """Each layer's expected tensors and, for a layer with a GEMM kernel, what a fresh
         load of them outputs on a probe input.
 
@@ -159,10 +161,13 @@ class VllmUpdateWorker(UpdateWorker):
                 references.append(LayerReference(prefix, layer, own, experts=True))
             elif hasattr(method, "apply") and "weight" in own:
                 probe, output, converted = fresh_kernel(layer, method, own)
-                # A parameter with no expected tensor (a fused scale landed through the
-                # engine's loader) feeds the fresh kernel as served: it is not checked.
-                taken = frozenset(n for n, p in layer._parameters.items() if p is not None) - set(
-                    own
+                # A parameter with no expected tensor that was not received in place (a
+                # fused scale landed through the engine's loader) feeds the fresh kernel as
+                # served: it is not checked.
+                taken = frozenset(
+                    n
+                    for n, p in layer._parameters.items()
+                    if p is not None and n not in own and prefix + n not in received
                 )
                 references.append(
                     LayerReference(prefix, layer, own, probe, output, converted, taken)
