@@ -657,9 +657,8 @@ class UpdateWorker(ABC):
         state = self._state(engine_id)
         self._require_landable(state, generation)
         state.settle(keep=True)
-        # The reference and the comparison run on the stage thread alike: a CPU GEMM's
-        # result can depend on the thread that runs it (its OpenMP team), and the check
-        # compares outputs bit for bit.
+        # The reference and the comparison run on one thread (the stage thread): the check
+        # compares GEMM outputs bit for bit, so nothing but the weights may differ.
         check = state.check or state.stage_runner.submit(self._landing_check, state).result()
         started = time.perf_counter()
         if state.mode == "compat":

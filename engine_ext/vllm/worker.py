@@ -390,7 +390,9 @@ def fresh_kernel(
     probe = torch.randn(2, weight.shape[-1], generator=generator)
     probe = probe.to(getattr(layer, "params_dtype", None) or weight.dtype)
     probe = probe.to(layer.weight.device)
-    return probe, method.apply(shadow, probe), converted
+    # A copy: a CPU GEMM may return a view of a buffer it reuses for the next call of the
+    # same shape, and the engine serves (a decode of two sequences) before the comparison.
+    return probe, method.apply(shadow, probe).clone(), converted
 
 
 @dataclass(frozen=True)
