@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -132,16 +132,14 @@ class VllmUpdateWorker(UpdateWorker):
     def expect_live(
         self, expected: Mapping[str, torch.Tensor], received: Collection[str] = ()
     ) -> list[LayerReference]:
-        """Each layer's expected tensors and, for a layer with a GEMM kernel, what a fresh
-        load of them outputs on a probe input.
+        """Each layer's expected tensors, by the layer's own parameter names, and how it is
+        compared (see :meth:`compare_live`); ``received``: names received in place.
 
-        vLLM keeps derived state a byte comparison cannot see (CPU GEMMs hold packed weights
-        in closures; CPU experts are prepacked), so a layer with a kernel is compared through
-        it: a shadow of the layer gets the expected model-format tensors and the layer's own
-        ``process_weights_after_loading``, and its output on the probe is kept. Building
-        that is most of the check's work, and it runs here, before the pause. Fused experts
-        are rebuilt in the pause, one layer at a time (a reference for all of them would hold
-        a second copy of every expert).
+        Only the grouping runs before the pause. The fresh kernels stay in the pause:
+        built while the engine served, a fresh CPU GEMM's probe output differed from the
+        landed layer's now and then (about one update in ten under ``bench load``, with
+        staging verified unchanged), and a bit-exact check cannot take a reference whose
+        bits depend on when it was made.
         """
         model = self.model()
         named = {id(p): n for n, p in model.named_parameters() if n in expected}
@@ -158,9 +156,8 @@ class VllmUpdateWorker(UpdateWorker):
                 continue
             method = getattr(layer, "quant_method", None)
             if getattr(getattr(method, "moe_kernel", None), "fused_experts", None) is not None:
-                references.append(LayerReference(prefix, layer, own, experts=True))
+                references.append(LayerReference(prefix, layer, own, "experts"))
             elif hasattr(method, "apply") and "weight" in own:
-                probe, output, converted = fresh_kernel(layer, method, own)
                 # A parameter with no expected tensor that was not received in place (a
                 # fused scale landed through the engine's loader) feeds the fresh kernel as
                 # served: it is not checked.
@@ -169,26 +166,31 @@ class VllmUpdateWorker(UpdateWorker):
                     for n, p in layer._parameters.items()
                     if p is not None and n not in own and prefix + n not in received
                 )
-                references.append(
-                    LayerReference(prefix, layer, own, probe, output, converted, taken)
-                )
+                references.append(LayerReference(prefix, layer, own, "kernel", taken))
             else:
-                references.append(LayerReference(prefix, layer, own))
+                references.append(LayerReference(prefix, layer, own, "bytes"))
         return references
 
     def compare_live(self, reference: list[LayerReference]) -> Comparison:
-        """Each layer as served against its reference: the probe through its kernel, the
-        bytes of what processing leaves as loaded, and fused experts against their own
-        prepack of the expected tensors. Tensors without a kernel are compared as bytes."""
+        """Each layer as served against the same layer freshly loaded with the expected
+        tensors.
+
+        vLLM keeps derived state a byte comparison cannot see (CPU GEMMs hold packed weights
+        in closures; CPU experts are prepacked), so a layer with a kernel is compared through
+        it: a shadow of the layer gets the expected model-format tensors and the layer's own
+        ``process_weights_after_loading``, then both run one probe input and must agree
+        bit for bit. Fused experts are compared with their own prepack of the expected
+        tensors; tensors without a kernel are compared as bytes.
+        """
         differ: list[str] = []
         unchecked: list[str] = []
         for expected in reference:
             layer, prefix = expected.layer, expected.prefix
-            kernel = expected.converted
-            if expected.experts:
-                method = layer.quant_method
-                # Host staging: one layer's expected tensors on the device at a time.
-                own = {n: t.to(getattr(layer, n).device) for n, t in expected.tensors.items()}
+            method = getattr(layer, "quant_method", None)
+            # Host staging: one layer's expected tensors on the device at a time.
+            own = {n: t.to(getattr(layer, n).device) for n, t in expected.tensors.items()}
+            kernel: frozenset[str] = frozenset()
+            if expected.kind == "experts":
                 fresh = fresh_experts(layer, method, method.moe_kernel.fused_experts, own)
                 kernel = frozenset(own)
                 for n in own:
@@ -196,14 +198,14 @@ class VllmUpdateWorker(UpdateWorker):
                         unchecked.append(prefix + n)
                     elif not same_bytes(getattr(layer, n), fresh[n]):
                         differ.append(prefix + n)
-            elif expected.probe is not None and not torch.equal(
-                layer.quant_method.apply(layer, expected.probe), expected.output
-            ):
-                differ.append(prefix + "weight")
+            elif expected.kind == "kernel":
+                probe, output, kernel = fresh_kernel(layer, method, own)
+                if not torch.equal(method.apply(layer, probe), output):
+                    differ.append(prefix + "weight")
             unchecked += sorted(prefix + n for n in expected.unchecked)
             differ += [
                 prefix + n
-                for n, tensor in expected.tensors.items()
+                for n, tensor in own.items()
                 if n not in kernel and not same_bytes(getattr(layer, n), tensor)
             ]
         return Comparison(differ, unchecked)
@@ -390,24 +392,19 @@ def fresh_kernel(
     probe = torch.randn(2, weight.shape[-1], generator=generator)
     probe = probe.to(getattr(layer, "params_dtype", None) or weight.dtype)
     probe = probe.to(layer.weight.device)
-    # A copy: a CPU GEMM may return a view of a buffer it reuses for the next call of the
-    # same shape, and the engine serves (a decode of two sequences) before the comparison.
-    return probe, method.apply(shadow, probe).clone(), converted
+    return probe, method.apply(shadow, probe), converted
 
 
 @dataclass(frozen=True)
 class LayerReference:
     """One layer's side of the post-landing check: its expected tensors (by the layer's
-    own parameter names) and, for a GEMM layer, a probe and the fresh kernel's output."""
+    own parameter names), how it is compared, and its parameters left unchecked."""
 
     prefix: str
     layer: torch.nn.Module
     tensors: Mapping[str, torch.Tensor]
-    probe: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    converted: frozenset[str] = frozenset()
+    kind: Literal["bytes", "kernel", "experts"]
     unchecked: frozenset[str] = frozenset()
-    experts: bool = False
 
 
 def layer_tensors(
