@@ -288,7 +288,8 @@ def test_trainer_publishes_then_runs_one_round(master: EmbeddedMaster, holders) 
         assert MooncakeStoreUpdateInfo.model_validate(client.calls[2][1]) == (
             MooncakeStoreUpdateInfo.of(record)
         )
-        assert client.calls[3][1] == str(record.generation)
+        # The weight version, as on the coordinator's path: name:incarnation:generation.
+        assert client.calls[3][1] == f"{MODEL}:{record.incarnation}:{record.generation}"
 
         trainer.source = Broken()
         with pytest.raises(PublishFailed):
