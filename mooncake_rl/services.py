@@ -620,9 +620,12 @@ class DurableConfig:
 
     def __post_init__(self) -> None:
         if self.masters < 1:
-            raise ValueError(f"masters must be at least 1, got {self.masters}")
+            raise ConfigurationError(f"--masters must be at least 1, got {self.masters}")
         if self.etcd_members < 1 or self.etcd_members % 2 == 0:
-            raise ValueError(f"etcd_members must be odd, got {self.etcd_members}")
+            raise ConfigurationError(
+                f"--etcd-members must be odd (1, 3, 5: a majority survives), got "
+                f"{self.etcd_members}"
+            )
         self.master_config()  # validates the rest
 
     def master_config(self, endpoints: str | None = None) -> MasterConfig:

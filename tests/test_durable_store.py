@@ -249,3 +249,26 @@ def test_a_three_member_etcd_loses_one_member_and_the_leader(tmp_path: Path) -> 
             kill(leader)
             assert GenerationRegistry(store, model).active() == second
             assert verify_generation(store, model)["ok"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--masters", "0"], "--masters must be at least 1, got 0"),
+        (["--etcd-members", "2"], "--etcd-members must be odd"),
+    ],
+)
+def test_bad_master_flags_are_refused_before_anything_starts(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mooncake_rl.cli import main
+
+    assert main(["master", *flags]) == 2
+    assert says in capsys.readouterr().err
+    assert not etcd_children()
+
+
+def etcd_children() -> list[str]:
+    import psutil
+
+    return [p.name() for p in psutil.Process().children(recursive=True) if "etcd" in p.name()]
