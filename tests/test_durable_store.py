@@ -263,12 +263,13 @@ def test_bad_master_flags_are_refused_before_anything_starts(
 ) -> None:
     from mooncake_rl.cli import main
 
+    before = etcd_children()  # the module's own durable Store may be running
     assert main(["master", *flags]) == 2
     assert says in capsys.readouterr().err
-    assert not etcd_children()
+    assert etcd_children() == before
 
 
-def etcd_children() -> list[str]:
+def etcd_children() -> set[int]:
     import psutil
 
-    return [p.name() for p in psutil.Process().children(recursive=True) if "etcd" in p.name()]
+    return {p.pid for p in psutil.Process().children(recursive=True) if "etcd" in p.name()}
