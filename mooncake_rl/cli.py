@@ -208,10 +208,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"(Store incarnation {status['incarnation']})"
     )
     if usage is not None:
-        print(
-            f"etcd: {usage.db_bytes / 2**20:.1f} MiB of its {usage.quota_bytes / 2**30:.0f} GiB "
-            f"quota ({usage.quota_fraction:.1%}), {usage.keys} keys; see docs/deployment.md#etcd"
-        )
+        print(f"etcd: {usage.describe()}; see docs/deployment.md#etcd-growth")
+        if (warning := usage.warning()) is not None:
+            print(f"WARNING: {warning}")
     for row in status["generations"]:  # type: ignore[union-attr]
         mark = "*" if row["active"] else " "
         readable = "" if row["readable"] else f", UNREADABLE: {row['unreadable_objects'][0]}"

@@ -61,6 +61,11 @@ class FailoverAmbiguous(MooncakeRLError):
     """A non-idempotent Store call cut by a master failover whose outcome cannot be read."""
 
 
+class EtcdOutOfSpace(MooncakeRLError):
+    """A durable Store's etcd reached its quota (NOSPACE alarm): the masters can no longer
+    log changes, yet Mooncake still answers puts with success, so a failover would lose them."""
+
+
 class MooncakeError(MooncakeRLError):
     """A negative return code from Mooncake Store or Transfer Engine."""
 
@@ -128,6 +133,18 @@ class RpcFailed(MooncakeError):
     codes = (-900, -901)
 
 
+class NotLogged(MooncakeError):
+    """UNAVAILABLE_IN_CURRENT_STATUS: seen here as a durable master's answer to a remove it
+    could not log because etcd refused the write (out of space); the object is then gone
+    from this leader only and returns after a failover."""
+
+    codes = (-1010,)
+    hint = (
+        "a durable Store's master could not log this change in etcd: `mooncake-rl status` "
+        "says whether etcd is out of space (docs/deployment.md#etcd-growth)"
+    )
+
+
 _BY_CODE: dict[int, type[MooncakeError]] = {
     code: cls
     for cls in (
@@ -139,6 +156,7 @@ _BY_CODE: dict[int, type[MooncakeError]] = {
         InvalidParams,
         TransferFailed,
         RpcFailed,
+        NotLogged,
     )
     for code in cls.codes
 }

@@ -5,7 +5,8 @@ first member that answers → decoded keys and values. Mooncake's HA masters ele
 holding ``mooncake-store/<cluster_id>/master_view`` (its RPC ``host:port``) on an etcd lease,
 and write their operation log under ``/oplog/<cluster_id>/``; nothing else here writes etcd.
 Used by the services that start the Store (is etcd up, who leads), by the Store client (does
-the cluster it was told to use exist) and by ``mooncake-rl status`` (how big the log grew).
+the cluster it was told to use exist, is etcd out of space) and by ``mooncake-rl status`` (how
+big the log grew).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import http.client
 import json
 from dataclasses import dataclass
 
-from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.errors import ConfigurationError, EtcdOutOfSpace
 
 ETCD_SCHEME = "etcd://"
 VIEW_PREFIX = "mooncake-store/"
@@ -138,6 +139,41 @@ class Usage:
     def quota_fraction(self) -> float:
         return self.db_bytes / self.quota_bytes
 
+    def warning(self) -> str | None:
+        """What ``mooncake-rl status`` says once etcd nears its quota; ``None`` before."""
+        if self.quota_fraction < ATTENTION_FRACTION:
+            return None
+        return (
+            f"etcd is {self.quota_fraction:.0%} full: at its quota it refuses writes and the "
+            f"Store's masters stop logging changes (a failover would lose them). {WAY_OUT}"
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.db_bytes:,} bytes of its {self.quota_bytes:,}-byte quota "
+            f"({self.quota_fraction:.1%}), {self.keys:,} keys"
+        )
+
+
+ATTENTION_FRACTION = 0.8
+"""Past this share of its quota, ``mooncake-rl status`` warns: etcd stops taking writes at it."""
+WAY_OUT = (
+    "restart each etcd member with a larger --quota-backend-bytes (and MOONCAKE_RL_ETCD_QUOTA_"
+    "BYTES to match), then clear the alarm (etcdctl alarm disarm); or move to a fresh Store "
+    "(a new --cluster-id, or a fresh etcd), republish there, and delete the old /oplog/<id>/ "
+    "prefix. Compaction and defragmentation free little: the log's keys stay live. See "
+    "docs/deployment.md#etcd-growth"
+)
+
+
+def out_of_space_error(endpoints: str, used: Usage, what: str) -> EtcdOutOfSpace:
+    """The error a write refused for lack of etcd space raises: the quota and the way out."""
+    return EtcdOutOfSpace(
+        f"{what}: etcd at {endpoints} is out of space (NOSPACE alarm; {used.describe()}): its "
+        "database reached --quota-backend-bytes, so the Store's masters can no longer log "
+        f"changes and a master failover would lose them. Way out: {WAY_OUT}"
+    )
+
 
 ETCD_DEFAULT_QUOTA = 2 << 30
 """etcd's default backend quota (``--quota-backend-bytes`` unset); its status does not say."""
@@ -149,3 +185,22 @@ def usage(endpoints: str, quota_bytes: int = ETCD_DEFAULT_QUOTA, timeout_s: floa
     everything = {"key": _b64(b"\0"), "range_end": _b64(b"\0"), "count_only": True}
     counted = _ask(endpoints, "/v3/kv/range", everything, timeout_s)
     return Usage(int(status.get("dbSize", 0)), quota_bytes, int(counted.get("count", 0)))
+
+
+def log_size(endpoints: str, cluster_id: str, timeout_s: float = 10.0) -> tuple[int, int]:
+    """Keys and bytes (keys plus values) of ``cluster_id``'s operation log: what no
+    compaction frees, since every key of it stays live."""
+    prefix = f"{OPLOG_PREFIX}{cluster_id}/"
+    body = {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
+    kvs = _ask(endpoints, "/v3/kv/range", body, timeout_s).get("kvs") or []
+    sizes = (
+        len(base64.b64decode(kv["key"])) + len(base64.b64decode(kv.get("value", ""))) for kv in kvs
+    )
+    return len(kvs), sum(sizes)
+
+
+def out_of_space(endpoints: str, timeout_s: float = 2.0) -> bool:
+    """Whether etcd raised its NOSPACE alarm: its database reached ``--quota-backend-bytes``
+    and it refuses every write until the alarm is cleared."""
+    reply = _ask(endpoints, "/v3/maintenance/alarm", {"action": "GET"}, timeout_s)
+    return any(alarm.get("alarm") == "NOSPACE" for alarm in reply.get("alarms") or [])

@@ -542,11 +542,16 @@ class EmbeddedEtcd(_Service):
     name = "etcd"
 
     def __init__(
-        self, member: EtcdMember, cluster: Sequence[EtcdMember], log_dir: Path | None = None
+        self,
+        member: EtcdMember,
+        cluster: Sequence[EtcdMember],
+        log_dir: Path | None = None,
+        quota_bytes: int | None = None,
     ) -> None:
         self.member = member
         self.cluster = tuple(cluster)
         self.log_dir = log_dir
+        self.quota_bytes = quota_bytes
         self.data_dir: Path | None = None
         self._process = None
 
@@ -572,6 +577,7 @@ class EmbeddedEtcd(_Service):
             f"--listen-peer-urls={self.member.peer_url}",
             f"--initial-advertise-peer-urls={self.member.peer_url}",
             f"--initial-cluster={initial}",
+            *([f"--quota-backend-bytes={self.quota_bytes}"] if self.quota_bytes else []),
         ]
         log = _log_dir(self.log_dir) / f"etcd.{self.member.client_port}.log"
         self._process = ManagedProcess(args, log)
@@ -617,6 +623,7 @@ class DurableConfig:
     lease_ttl_ms: int = 10_000
     client_ttl_s: int = 10
     log_dir: Path | None = None
+    etcd_quota_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.masters < 1:
@@ -689,7 +696,10 @@ class DurableStore:
 
     def _start_etcd(self) -> None:
         cluster = etcd_members(self.config.etcd_members, self.config.host)
-        self.etcd = [EmbeddedEtcd(member, cluster, self.config.log_dir) for member in cluster]
+        self.etcd = [
+            EmbeddedEtcd(member, cluster, self.config.log_dir, self.config.etcd_quota_bytes)
+            for member in cluster
+        ]
         for member in self.etcd:
             member.spawn()
         for member in self.etcd:

@@ -38,6 +38,12 @@ class Settings(BaseSettings):
         ge=0,
         description="how long a Store call keeps retrying while the master's leader changes",
     )
+    etcd_quota_bytes: int = Field(
+        2 << 30,
+        gt=0,
+        description="the durable Store's etcd --quota-backend-bytes (etcd does not report it): "
+        "what status and the out-of-space error measure against",
+    )
     metadata: str = Field(
         "P2PHANDSHAKE",
         description="metadata URL (http://host:port/metadata, etcd://...) or P2PHANDSHAKE",

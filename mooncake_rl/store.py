@@ -612,7 +612,22 @@ class StoreClient:
         """How full a durable Store's etcd is (its operation log is never pruned)."""
         if not self.durable:
             return None
-        return etcd.usage(self.settings.master.removeprefix(etcd.ETCD_SCHEME))
+        return etcd.usage(self._etcd_endpoints, self.settings.etcd_quota_bytes)
+
+    @property
+    def _etcd_endpoints(self) -> str:
+        return self.settings.master.removeprefix(etcd.ETCD_SCHEME)
+
+    def require_log_space(self, what: str) -> None:
+        """Raise :class:`EtcdOutOfSpace` when a durable Store's etcd refuses writes.
+
+        Mooncake answers puts with success when it cannot log them (it only warns in its
+        own log), so a write that must survive a failover (an announce) asks etcd first.
+        """
+        if self.durable and etcd.out_of_space(self._etcd_endpoints):
+            usage = self.etcd_usage()
+            assert usage is not None
+            raise etcd.out_of_space_error(self._etcd_endpoints, usage, what)
 
     def close(self) -> None:
         if self._closed:

@@ -17,6 +17,7 @@ import torch
 
 from engine_ext.leases import ENGINE_ID_ENV, LeaseNotTaken, lease_active, loader_engine_id
 from engine_ext.loading import store_weights
+from mooncake_rl.counters import COUNTERS
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
 from mooncake_rl.generations.keys import group_id, manifest_key
 from mooncake_rl.generations.packing import object_extents
@@ -124,6 +125,10 @@ def test_gc_spares_leased_and_recently_retired_generations(settings: Settings) -
         # Everything retired moments ago stays while the grace lasts.
         assert collect_garbage(store, model, keep=1, grace_s=3600).deleted == ()
         assert listed(store, model) == [1, 2, 3, 4, 5]
+        # Run again, nothing changes: no write (each is a never-pruned etcd log entry).
+        before = COUNTERS.snapshot()
+        assert collect_garbage(store, model, keep=1, grace_s=3600).deleted == ()
+        assert (COUNTERS.snapshot() - before).store_put_bytes == 0, "unchanged index rewritten"
         report = collect_garbage(store, model, keep=1, grace_s=0)
         assert report.deleted == (1, 3, 4) and report.kept == (2, 5), report
         assert store.exists([manifest_key(group_id(model, 2))])[0]

@@ -179,7 +179,8 @@ def collect_garbage(
     grace_s: float | None = None,
 ) -> GcReport:
     """Delete what :func:`plan_gc` selects among generations retired for ``grace_s``, and
-    the leftovers of failed publish attempts; the index is rewritten to match.
+    the leftovers of failed publish attempts; the index is rewritten to match when that
+    changed it.
 
     Removal is not forced: Mooncake refuses to remove an object a reader holds a read lease
     on (``OBJECT_HAS_LEASE``); such a generation stays listed and goes at the next run.
@@ -209,7 +210,9 @@ def collect_garbage(
     if active is not None:
         floor = active.fence - FENCES_KEPT
         store.remove([fence_key(model, f) for f in range(max(1, floor - 64), floor + 1)])
-    registry.write_index(replace(index.without(set(deleted)), swept_through=swept_through))
+    rewritten = replace(index.without(set(deleted)), swept_through=swept_through)
+    if rewritten != index:  # every Store write is an entry in a durable Store's etcd log
+        registry.write_index(rewritten)
     kept = tuple(sorted(g for g in infos if g not in deleted))
     return GcReport(kept, tuple(deleted), removed, failures, tuple(swept))
 

@@ -405,7 +405,9 @@ def apply_retention(store: StoreClient, model: str, keep: int) -> None:
 
 
 def start_attempt(store: StoreClient, model: str) -> tuple[int, str]:
-    """A fresh attempt id and the generation number it claimed."""
+    """A fresh attempt id and the generation number it claimed; refused before anything is
+    written while a durable Store's etcd is out of space (no announce could follow)."""
+    store.require_log_space(f"publishing a generation of {model}")
     attempt = uuid.uuid4().hex
     return GenerationRegistry(store, model).claim_generation(attempt), attempt
 

@@ -567,7 +567,12 @@ class GenerationRegistry:
         return self._advance(record)
 
     def _advance(self, build: Callable[[ActiveRecord | None], ActiveRecord]) -> ActiveRecord:
-        """Compare-and-set: create fence record ``current + 1``; on a lost race, re-decide."""
+        """Compare-and-set: create fence record ``current + 1``; on a lost race, re-decide.
+
+        Refused while a durable Store's etcd is out of space: the fence would be served now
+        and gone after the next failover (Mooncake cannot log it, yet answers success).
+        """
+        self.store.require_log_space(f"moving the active generation of {self.model}")
         while True:
             record = build(self.active())
             try:
