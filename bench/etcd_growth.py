@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ]
                 usage = etcd.usage(durable.endpoints)
             finally:
-                store.close_before_exit()  # a client that lends nothing ends with the process
+                store.close()  # parked: a client that lends nothing ends with the process
     by_op = {growth.operation: growth for growth in growths}
     objects, ranks = kimi_objects()
     tiny_generation = extrapolated(by_op, TINY_OBJECTS, TINY_RANKS)

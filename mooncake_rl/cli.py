@@ -158,16 +158,10 @@ def cmd_holder(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _store(args: argparse.Namespace) -> Iterator[StoreClient]:
     """A CLI process is short-lived: it lends no memory, so nothing it writes dies with it;
-    run as the program, its client of a durable Store is left to end with the process
-    (:meth:`StoreClient.close_before_exit`)."""
-    store = StoreClient(settings_from(args).with_overrides(segment_bytes=0))
-    try:
+    its client of a durable Store is parked at close and, run as the program, ends with the
+    process (:func:`exit_process`)."""
+    with StoreClient(settings_from(args).with_overrides(segment_bytes=0)) as store:
         yield store
-    finally:
-        if args.as_program:
-            store.close_before_exit()
-        else:
-            store.close()
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -656,15 +650,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     the process at once after a command that used a durable Store (:func:`exit_process`);
     called with ``argv`` (tests, scripts) it returns the exit code."""
     if argv is not None:
-        return _run(list(argv), as_program=False)
-    return exit_process(_run(sys.argv[1:], as_program=True))
+        return _run(list(argv))
+    return exit_process(_run(sys.argv[1:]))
 
 
-def _run(argv: list[str], *, as_program: bool) -> int:
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
-    args.as_program = as_program  # its Store clients may be left to end with the process
     if args.verbose:  # before any settings are read; children inherit it
         os.environ["MOONCAKE_RL_LOG_LEVEL"] = "info"
     try:

@@ -756,8 +756,13 @@ class DurableStore:
         return events
 
     def stop(self) -> None:
-        """Masters first (their clients' leases in etcd lapse), then etcd; always all."""
+        """This process's parked clients of the Store, then the masters (their clients'
+        leases in etcd lapse), then etcd; always all."""
+        from mooncake_rl.store import close_parked
+
         try:
+            if self.endpoints:
+                close_parked(self.master_address)
             for master in reversed(self.masters):
                 master.stop()
         finally:

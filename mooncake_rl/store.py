@@ -169,22 +169,25 @@ class StoreClient:
         from mooncake.store import MooncakeDistributedStore
 
         self.settings = settings
-        self._store = MooncakeDistributedStore()
-        with unpinned_native_threads(), native_setup(settings):
-            code = self._store.setup(
-                settings.hostname,
-                settings.metadata,
-                settings.segment_bytes,
-                settings.buffer_bytes,
-                settings.protocol,
-                settings.rdma_devices,
-                settings.master,
-            )
-        if code != 0:
-            raise ConfigurationError(
-                f"Store setup failed ({code}): is mooncake_master reachable at {settings.master}"
-                f" and metadata at {settings.metadata}?"
-            )
+        self._parkable = self.durable and settings.segment_bytes == 0
+        parked = _unpark(settings) if self._parkable else None
+        self._store = parked or MooncakeDistributedStore()
+        if parked is None:
+            with unpinned_native_threads(), native_setup(settings):
+                code = self._store.setup(
+                    settings.hostname,
+                    settings.metadata,
+                    settings.segment_bytes,
+                    settings.buffer_bytes,
+                    settings.protocol,
+                    settings.rdma_devices,
+                    settings.master,
+                )
+            if code != 0:
+                raise ConfigurationError(
+                    f"Store setup failed ({code}): is mooncake_master reachable at "
+                    f"{settings.master} and metadata at {settings.metadata}?"
+                )
         self.segment: str = self._store.get_hostname()
         # Where "prefer local" points: this client's own segment, or the node's segment
         # holder when the client lends no memory (short-lived or crash-prone processes).
@@ -630,29 +633,19 @@ class StoreClient:
             raise etcd.out_of_space_error(self._etcd_endpoints, usage, what)
 
     def close(self) -> None:
+        """Release the client. A durable Store's client that lends no memory is parked for
+        the next :class:`StoreClient` of the same settings in this process instead: the
+        pinned wheel's close of such a client joins a leader-monitor thread that sleeps out
+        a hard-coded 30 s wait (an engine's loader would pay it at every start)."""
         if self._closed:
             return
         self._closed = True
         for ptr in list(self._registered):
             self.unregister(ptr)
-        self._store.close()
-
-    def close_before_exit(self) -> None:
-        """Close for a process about to end (:func:`exit_process`).
-
-        The pinned wheel's client of a durable Store joins a leader-monitor thread that
-        sleeps out a hard-coded 30 s wait, at ``close`` and at interpreter exit: a CLI
-        command would pay 30 s after its work. A client that lends no memory holds nothing
-        the Store needs, so it is left open here and dies with the process (the master drops
-        it after its TTL). Any other client closes as usual.
-        """
-        if self._closed or not self.durable or self.settings.segment_bytes:
-            self.close()
-            return
-        self._closed = True
-        for ptr in list(self._registered):
-            self.unregister(ptr)
-        _LEFT_OPEN.append(self._store)
+        if self._parkable:
+            _park(self.settings, self._store)
+        else:
+            self._store.close()
 
     def __enter__(self) -> StoreClient:
         return self
@@ -661,15 +654,51 @@ class StoreClient:
         self.close()
 
 
-_LEFT_OPEN: list[object] = []
-"""Durable-Store native clients left open by :meth:`StoreClient.close_before_exit`; kept
-referenced so no destructor joins their threads before the process ends."""
+_PARKED: dict[tuple[object, ...], list[Any]] = defaultdict(list)
+"""Idle native clients of durable Stores that lend no memory, by their setup arguments;
+referenced here so no destructor joins their threads before the process ends."""
+_PARKED_LOCK = threading.Lock()
+
+
+def _setup_key(settings: Settings) -> tuple[object, ...]:
+    return (
+        settings.master,
+        settings.cluster_id,
+        settings.hostname,
+        settings.metadata,
+        settings.buffer_bytes,
+        settings.protocol,
+        settings.rdma_devices,
+    )
+
+
+def _park(settings: Settings, native: Any) -> None:
+    with _PARKED_LOCK:
+        _PARKED[_setup_key(settings)].append(native)
+
+
+def _unpark(settings: Settings) -> Any | None:
+    with _PARKED_LOCK:
+        idle = _PARKED.get(_setup_key(settings))
+        return idle.pop() if idle else None
+
+
+def close_parked(master: str) -> int:
+    """Really close every parked client of ``master`` (30 s, in parallel): for a process
+    that outlives a durable Store it ran, such as a test session, before it stops that
+    Store. Returns how many were closed."""
+    with _PARKED_LOCK:
+        keys = [key for key in _PARKED if key[0] == master]
+        natives = [native for key in keys for native in _PARKED.pop(key)]
+    with ThreadPoolExecutor(max_workers=max(1, len(natives))) as pool:
+        list(pool.map(lambda native: native.close(), natives))
+    return len(natives)
 
 
 def exit_process(code: int) -> int:
-    """``code``, or, if a client was left open, end the process with it at once: the
-    interpreter's teardown would run those clients' destructors, 30 s each."""
-    if _LEFT_OPEN:
+    """``code``, or, if a client is parked, end the process with it at once: the
+    interpreter's teardown would run the parked clients' destructors, 30 s each."""
+    if any(_PARKED.values()):
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

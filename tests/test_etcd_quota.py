@@ -3,8 +3,8 @@ master logging to it, tiny generations published until etcd raises its NOSPACE a
 
 Mooncake's master answers puts with success once etcd refuses its log writes (it only warns
 in its own log), so without a check of ours publishes go on announcing generations that a
-failover would lose. The publishing runs in a child process: its client lends no memory and
-ends with it (``close_before_exit``), where an in-process client would cost ~30 s at close.
+failover would lose. The publishing runs in a child process: its client lends no memory, is
+parked at close and ends with the process (``exit_process``), with no 30 s close.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ result["active"] = GenerationRegistry(store, "q").active().generation
 result["loads_last"] = all(t.equal(expected[name]) for name, t in loading)
 result["verified"] = bool(verify_generation(store, "q")["ok"])
 print(json.dumps(result))
-store.close_before_exit()
+store.close()
 exit_process(0)
 """
 

@@ -26,6 +26,7 @@ def engine_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[
     env = {
         "VLLM_PLUGINS": "mooncake",
         "MOONCAKE_RL_MASTER": settings.master,
+        "MOONCAKE_RL_CLUSTER_ID": settings.cluster_id,
         "MOONCAKE_RL_METADATA": settings.metadata,
         "MOONCAKE_RL_NODE": settings.node,
         "MOONCAKE_RL_HOSTNAME": settings.hostname,
