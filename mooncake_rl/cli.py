@@ -84,6 +84,7 @@ def cmd_master(args: argparse.Namespace) -> int:
                 etcd=args.etcd,
                 etcd_members=args.etcd_members,
                 cluster_id=args.cluster_id,
+                etcd_quota_bytes=args.etcd_quota_bytes,
             )
             store = running.enter_context(DurableStore(durable))
             services = list(store.etcd)
@@ -91,6 +92,8 @@ def cmd_master(args: argparse.Namespace) -> int:
                 "MOONCAKE_RL_MASTER": store.master_address,
                 "MOONCAKE_RL_CLUSTER_ID": store.cluster_id,
             }
+            if args.etcd_quota_bytes is not None:
+                exports["MOONCAKE_RL_ETCD_QUOTA_BYTES"] = str(args.etcd_quota_bytes)
         exports["MOONCAKE_RL_METADATA"] = store.metadata_url
         if args.segment_bytes > 0:
             holder = running.enter_context(
@@ -411,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="members of the embedded etcd (odd; 3 survives one loss)",
+    )
+    master.add_argument(
+        "--etcd-quota-bytes",
+        type=parse_size,
+        default=None,
+        help="the embedded etcd's --quota-backend-bytes (default etcd's 2 GiB; the operation "
+        "log is never pruned: docs/deployment.md#etcd-growth)",
     )
     master.add_argument(
         "--cluster-id",

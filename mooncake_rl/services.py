@@ -633,6 +633,10 @@ class DurableConfig:
                 f"--etcd-members must be odd (1, 3, 5: a majority survives), got "
                 f"{self.etcd_members}"
             )
+        if self.etcd_quota_bytes is not None and self.etcd_quota_bytes <= 0:
+            raise ConfigurationError(
+                f"--etcd-quota-bytes must be positive, got {self.etcd_quota_bytes}"
+            )
         self.master_config()  # validates the rest
 
     def master_config(self, endpoints: str | None = None) -> MasterConfig:

@@ -288,6 +288,7 @@ def test_a_three_member_etcd_loses_one_member_and_the_leader(tmp_path: Path) -> 
     [
         (["--masters", "0"], "--masters must be at least 1, got 0"),
         (["--etcd-members", "2"], "--etcd-members must be odd"),
+        (["--etcd-quota-bytes", "0"], "--etcd-quota-bytes must be positive, got 0"),
     ],
 )
 def test_bad_master_flags_are_refused_before_anything_starts(
