@@ -10,6 +10,7 @@ transformers' for the published weights; refused infos must leave the engine as 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +29,18 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from engine_ext.vllm.plugins import register_weight_transfer
 from engine_ext.vllm.server import VllmServer
 from engine_ext.vllm.weight_transfer import MooncakeStoreTrainerInitInfo, MooncakeStoreUpdateInfo
+from mooncake_rl.generations.keys import advert_key
 from mooncake_rl.generations.registry import ActiveRecord
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from tests.conftest import settings_for
 from tests.engine.streams import TokenStream, generate
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-native"
+ENGINE_ID = "native-engine"
 
 
 @dataclass
@@ -88,7 +92,8 @@ def native(
         extension=False,
         routes=False,
         log_dir=root / "logs",
-        extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM mounts its RL routes only then
+        # vLLM mounts its RL routes only with VLLM_SERVER_DEV_MODE.
+        extra_env={"VLLM_SERVER_DEV_MODE": "1", "MOONCAKE_RL_ENGINE_ID": ENGINE_ID},
         extra_args=[
             "--enforce-eager",
             "--enable-scale-out",  # /inference/v1/generate, with weight_versions spans
@@ -137,6 +142,23 @@ def test_refused_infos_change_nothing(native: Native) -> None:
     index = 1 - native.refs.index(before)
     native.send(index, "direct")
     assert native.server.complete(PROMPT) == native.refs[index]
+
+
+def test_the_next_session_sweeps_a_crashed_workers_advertisement(native: Native) -> None:
+    """A worker that crashed mid-session never withdrew its advertisement; the next session
+    of that worker sweeps it, and another worker's stays."""
+    left_over = advert_key(uuid.uuid4().hex, f"{ENGINE_ID}/tp0")
+    others = advert_key(uuid.uuid4().hex, "another-engine/tp0")
+    store = StoreClient(native.settings)
+    try:
+        for key in (left_over, others):
+            store.upsert_bytes(key, b"{}")  # written, never removed: as a crash leaves it
+        index = 1 - native.refs.index(native.server.complete(PROMPT))
+        native.send(index, "direct")
+        assert store.exists([left_over, others]) == [False, True]
+    finally:
+        store.remove([left_over, others], force=True)
+        store.close()
 
 
 def test_keep_through_native_routes_resumes_requests_on_the_new_weights(native: Native) -> None:
