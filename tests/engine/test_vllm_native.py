@@ -99,6 +99,8 @@ def native(
             "--enable-scale-out",  # /inference/v1/generate, with weight_versions spans
             "--weight-transfer-config",
             json.dumps({"backend": "mooncake_store"}),
+            "--middleware",  # refusals answer 409/422 with a code, not vLLM's 500
+            "engine_ext.vllm.native_errors.RefusalStatus",
         ],
     )
     with server:
@@ -121,20 +123,21 @@ def test_refused_infos_change_nothing(native: Native) -> None:
     # The Store is the engine's own: a caller cannot point it at another master.
     redirect = {"model": MODEL, "master": "10.0.0.1:50051"}
     bad_init = native.post("init_weight_transfer_engine", {"init_info": redirect})
-    assert bad_init.status_code >= 400  # vLLM answers every worker error 500
+    assert (bad_init.status_code, bad_init.json()["error"]) == (422, "invalid_request")
     assert "invalid init_info" in bad_init.text and "master" in bad_init.text
 
     forged = {"generation": 99, "fence": 99, "incarnation": "0" * 16, "manifest_digest": "0" * 64}
     stale = MooncakeStoreUpdateInfo.of(served).model_dump(mode="json")
-    for update_info, says in (
-        ({**forged, "pickled": "gAR9lC4="}, "invalid update_info"),
-        ({**forged, "fence": "99"}, "invalid update_info"),
-        (forged, "not an active record"),
-        (stale, "is not newer than the served generation"),
+    for update_info, status, code, says in (
+        ({**forged, "pickled": "gAR9lC4="}, 422, "invalid_request", "invalid update_info"),
+        ({**forged, "fence": "99"}, 422, "invalid_request", "invalid update_info"),
+        (forged, 409, "unknown_generation", "not an active record"),
+        (stale, 409, "stale_generation", "is not newer than the served generation"),
     ):
         assert native.post("start_weight_update").status_code == 200
         refused = native.post("update_weights", {"update_info": update_info})
-        assert refused.status_code >= 400 and says in refused.text, refused.text
+        assert (refused.status_code, refused.json()["error"]) == (status, code), refused.text
+        assert says in refused.json()["detail"], refused.text
         # vLLM closed the round on the failure; the engine serves what it served.
         assert native.server.complete(PROMPT) == before
 
