@@ -32,7 +32,7 @@ from mooncake_rl.apply.executor import Batch, Peer
 from mooncake_rl.apply.wire import WorkerSlice
 from mooncake_rl.apply.worker import peers_from
 from mooncake_rl.errors import InvariantViolation, MooncakeError, ObjectNotFound
-from mooncake_rl.generations.keys import advert_key, group_id, payload_prefix
+from mooncake_rl.generations.keys import advert_key, adverts_pattern, group_id, payload_prefix
 from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationRegistry
 from mooncake_rl.protocol import ApplyRequest, PrepareRequest
 from mooncake_rl.store import StoreClient
@@ -185,9 +185,12 @@ def check_reads(store: StoreClient, model: str, generation: int, worker_slice: W
 def advertise(store: StoreClient, session: str, description: Mapping[str, Any]) -> None:
     """Publish where peers may write into this worker, for this session only.
 
+    A worker is in one session at a time, so its advertisements of any other session are
+    over (a crashed worker or a failed :func:`withdraw` left them): they are swept first.
     An upsert, not a put: a re-prepare in the same session may have moved the arena, and a
     put to an existing key would silently keep the old advertisement.
     """
+    store.remove_matching(adverts_pattern(description["worker_id"]), force=True)
     key = advert_key(session, description["worker_id"])
     store.upsert_bytes(key, json.dumps(description, sort_keys=True).encode())
 

@@ -304,11 +304,19 @@ def _router(args: argparse.Namespace) -> Iterator[Router | None]:
     if args.router is None:
         yield None
         return
-    router = open_router(RouterSpec(args.router, args.router_kind))
+    router = open_router(RouterSpec(args.router, args.router_kind, token=_router_key(args)))
     try:
         yield router
     finally:
         router.close()
+
+
+def _router_key(args: argparse.Namespace) -> str | None:
+    """``--router-api-key``, else ``MOONCAKE_RL_ROUTER_API_KEY``: read, never printed."""
+    if args.router_api_key:
+        return str(args.router_api_key)
+    key = Settings().router_api_key
+    return key.get_secret_value() if key else None
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -337,6 +345,12 @@ def _router_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
     )
     parser.add_argument(
         "--router-kind", choices=KINDS, default="vllm", help="its worker API (default vllm)"
+    )
+    parser.add_argument(
+        "--router-api-key",
+        metavar="KEY",
+        help="bearer key of the router's worker API (default: MOONCAKE_RL_ROUTER_API_KEY; "
+        "the variable keeps the key out of the process list)",
     )
 
 

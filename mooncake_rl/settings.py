@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     hostname: str = Field("127.0.0.1", description="address other clients reach this one at")
     node: str = Field("node0", description="node label used for NIC accounting")
     auth_token: SecretStr | None = Field(None, description="bearer token for /mooncake/* routes")
+    router_api_key: SecretStr | None = Field(
+        None, description="bearer key of the request router's worker API (--router-api-key)"
+    )
     insecure: bool = Field(
         False,
         description="let an engine bound beyond loopback serve /mooncake/* without a token",

@@ -10,7 +10,6 @@ import functools
 import logging
 import os
 import random
-import re
 import socket
 import sys
 import threading
@@ -37,6 +36,7 @@ from mooncake_rl.errors import (
     ObjectNotFound,
     mooncake_error,
 )
+from mooncake_rl.generations.keys import regex_literal
 from mooncake_rl.native_logs import native_setup
 from mooncake_rl.services import check_system_libraries, require_etcd
 from mooncake_rl.settings import Settings
@@ -606,10 +606,14 @@ class StoreClient:
         return {k: c for k, c in zip(keys, codes, strict=True) if c < 0 and c != -704}
 
     @rides_failover
+    def remove_matching(self, pattern: str, *, force: bool = False) -> int:
+        """Remove every key ``pattern`` (the master's ECMAScript regex) matches: the Store
+        lists no keys, so this is how records nobody tracked are found."""
+        return _check(self._store.remove_by_regex(pattern, force), "remove_by_regex", pattern)
+
     def remove_prefix(self, prefix: str, *, force: bool = False) -> int:
         """Remove every key starting with ``prefix``, including ones nobody listed."""
-        pattern = "^" + re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", prefix)
-        return _check(self._store.remove_by_regex(pattern, force), "remove_by_regex", pattern)
+        return self.remove_matching("^" + regex_literal(prefix), force=force)
 
     def etcd_usage(self) -> etcd.Usage | None:
         """How full a durable Store's etcd is (its operation log is never pruned)."""

@@ -23,7 +23,13 @@ from mooncake_rl.generations import (
 from mooncake_rl.generations.catalog import build_manifest
 from mooncake_rl.generations.checksums import ChecksumTable
 from mooncake_rl.generations.gc import LeaseBook, collect_garbage
-from mooncake_rl.generations.keys import group_id, payload_key, payload_prefix, report_key
+from mooncake_rl.generations.keys import (
+    group_id,
+    payload_key,
+    payload_prefix,
+    report_key,
+    routing_table_key,
+)
 from mooncake_rl.generations.layout import layout_digest
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, object_extents, pack_name
 from mooncake_rl.generations.publisher import PublishFailed, publish_local, start_attempt
@@ -395,6 +401,28 @@ def test_concurrent_reader_never_sees_a_partial_generation(master: EmbeddedMaste
     assert watched["seen"] == sorted(watched["seen"])
     assert watched["seen"][0] == 1 and watched["seen"][-1] == 4
     assert watched["checks"] > 10
+
+
+def test_gc_removes_the_routing_tables_only_collected_generations_had(
+    settings: Settings,
+) -> None:
+    model = "gc-tables"
+    with StoreClient(settings) as store:
+        lengths = {1: 8, 2: 16, 3: 16}  # generation 1 has a layout of its own
+        for generation, length in lengths.items():
+            weights = [("w", torch.full((length,), float(generation)))]
+            publish_local(store, model, weights, keep=None)
+        registry = GenerationRegistry(store, model)
+        layouts = {g: layout_digest(registry.load_manifest(g)) for g in lengths}
+        assert layouts[1] != layouts[2] == layouts[3]
+        # A table planned from each layout, as the planner keeps them (plan.stored).
+        tables = [routing_table_key(layouts[g], f"{g:064x}") for g in (1, 3)]
+        for key in tables:
+            store.upsert_bytes(key, b"table")
+        time.sleep(5.5)  # past Mooncake's read lease on the freshly written objects
+        report = collect_garbage(store, model, keep=1, grace_s=0)
+        assert report.deleted == (1, 2) and report.removed_tables == 1, report
+        assert store.exists(tables) == [False, True]  # the active generation's stays
 
 
 def test_gc_keeps_newest_active_and_leased(settings: Settings) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 import torch
@@ -46,6 +46,7 @@ from engine_ext.leases import loader_engine_id
 from engine_ext.loading import mark_served, served_by, served_record
 from engine_ext.ranks import gather_json
 from engine_ext.receiver import weight_version
+from engine_ext.vllm.native_errors import BACKEND, Refusal, Refused
 from engine_ext.vllm.worker import VllmUpdateWorker
 from mooncake_rl.coordinator import advertised_peers
 from mooncake_rl.errors import InvariantViolation
@@ -57,7 +58,6 @@ from mooncake_rl.protocol import Digest, Generation, Hex16, Name, PrepareRequest
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 
-BACKEND = "mooncake_store"
 W = TypeVar("W", bound=BaseModel)
 T = TypeVar("T")
 
@@ -119,14 +119,16 @@ class MooncakeStoreUpdateInfo(Wire):
 
 
 def parsed_as(model: type[W], body: Any, what: str) -> W:
-    """``body`` validated as ``model``; otherwise a ``ValueError`` naming each bad field,
-    raised before anything changed (vLLM's routes answer it 500, as every worker error)."""
+    """``body`` validated as ``model``; otherwise a 422 :class:`Refused` naming each bad
+    field, raised before anything changed."""
     try:
         return parsed(model, body)
     except RequestRefused as refused:
-        raise ValueError(
-            f"{BACKEND}: invalid {what}, nothing changed: {refused.detail}; fields: "
-            + ", ".join(model.model_fields)
+        raise Refused(
+            422,
+            refused.code,
+            f"invalid {what}, nothing changed: {refused.detail}; fields: "
+            + ", ".join(model.model_fields),
         ) from None
 
 
@@ -148,13 +150,15 @@ class EngineUpdateWorker(VllmUpdateWorker):
 
 
 class StepFailed(RuntimeError):
-    """A step failed on at least one TP rank; every rank raises it alike."""
+    """A step failed on at least one TP rank; every rank raises it alike. When every rank
+    refused (nothing changed), the message is marked with the first rank's refusal."""
 
     def __init__(self, step: str, replies: list[dict[str, Any]], hint: str = "") -> None:
-        # Every rank refused (a RequestRefused): no rank changed anything.
         self.refused = all(r.get("refused") for r in replies)
+        self.refusal = Refusal(**replies[0]["refused"]) if self.refused else None
         detail = "; ".join(f"rank {r['rank']}: {r['error']}" for r in replies if not r.get("ok"))
-        super().__init__(f"{BACKEND} {step} failed ({detail})" + (f"; {hint}" if hint else ""))
+        message = f"{BACKEND} {step} failed ({detail})" + (f"; {hint}" if hint else "")
+        super().__init__(self.refusal.marked(message) if self.refusal else message)
 
 
 def attempt(rank: int, run: Callable[[], T]) -> tuple[T | None, dict[str, Any]]:
@@ -162,6 +166,10 @@ def attempt(rank: int, run: Callable[[], T]) -> tuple[T | None, dict[str, Any]]:
     that raised before a collective would leave the other ranks waiting in it."""
     try:
         return run(), {"ok": True, "rank": rank}
+    except (Refused, RequestRefused) as refused:  # ours, or a check of the worker protocol
+        refusal = getattr(refused, "refusal", None) or Refusal(refused.status, refused.code)
+        reply = {"refused": asdict(refusal), "error": refused.detail}
+        return None, {"ok": False, "rank": rank, **reply}
     except Exception as error:
         return None, {"ok": False, "rank": rank, "error": f"{type(error).__name__}: {error}"}
 
@@ -213,9 +221,11 @@ class MooncakeStoreWeightTransferEngine(WeightTransferEngine):
 
     def _require_link(self) -> Link:
         if self.link is None:
-            raise RuntimeError(
-                f"{BACKEND}: no init_info yet; POST /init_weight_transfer_engine "
-                '{"init_info": {"model": "<Store model name>"}} first'
+            raise Refused(
+                409,
+                "not_initialized",
+                "no init_info yet; POST /init_weight_transfer_engine "
+                '{"init_info": {"model": "<Store model name>"}} first',
             )
         return self.link
 
@@ -223,21 +233,27 @@ class MooncakeStoreWeightTransferEngine(WeightTransferEngine):
     def init_transfer_engine(self, init_info: MooncakeStoreInitInfo) -> None:
         """Check the engine can follow ``init_info.model``, then describe every rank once."""
         if self.staged is not None:
-            raise RuntimeError(
-                f"{BACKEND}: generation {self.staged.generation} is staged; finish_weight_update "
-                "lands it before the engine is initialized again"
+            raise Refused(
+                409,
+                "update_staged",
+                f"generation {self.staged.generation} is staged; finish_weight_update "
+                "lands it before the engine is initialized again",
             )
         stages = self.parallel_config.pipeline_parallel_size
         if stages != 1:
-            raise ValueError(
+            raise Refused(
+                409,
+                "unsupported_parallelism",
                 f"{BACKEND} lands tensor-parallel shards only; this engine runs "
-                f"--pipeline-parallel-size {stages}: serve it with 1"
+                f"--pipeline-parallel-size {stages}: serve it with 1",
             )
         _, loaded = served_by(self.model)
         if loaded not in (None, init_info.model):
-            raise ValueError(
-                f"{BACKEND}: this engine serves {loaded!r} from the Store; init_info names "
-                f"{init_info.model!r}: name the model it serves"
+            raise Refused(
+                409,
+                "wrong_model",
+                f"this engine serves {loaded!r} from the Store; init_info names "
+                f"{init_info.model!r}: name the model it serves",
             )
         engine_id = loader_engine_id()
         placement = self._agreed(
@@ -264,10 +280,12 @@ class MooncakeStoreWeightTransferEngine(WeightTransferEngine):
         """Plan, prepare and apply every stage; any failure drops what was staged."""
         link = self._require_link()
         if self.staged is not None:
-            raise ValueError(
-                f"{BACKEND}: generation {self.staged.generation} is already staged in this "
+            raise Refused(
+                409,
+                "update_staged",
+                f"generation {self.staged.generation} is already staged in this "
                 f"update; finish_weight_update lands it, then start another for generation "
-                f"{update_info.generation}"
+                f"{update_info.generation}",
             )
         rank, call = self.updater.tp()[0], self.updater.call
         session = gather_json(uuid.uuid4().hex, self._group())[0]  # rank 0's, on every rank
@@ -315,10 +333,12 @@ class MooncakeStoreWeightTransferEngine(WeightTransferEngine):
         )
         served, _ = served_by(self.model)
         if not served.superseded_by(request):
-            raise ValueError(
+            raise Refused(
+                409,
+                "stale_generation",
                 f"generation {info.generation} (record {info.fence}) is not newer than the "
                 f"served generation {served.generation} (record {served.fence}); publish a "
-                "new one"
+                "new one",
             )
         store = self.updater.store(link.engine_id)
         record = check_generation(store, request)

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from mooncake.reshard.weight import WeightManifest
+
 from mooncake_rl.errors import (
     InvariantViolation,
     MooncakeError,
@@ -30,8 +32,10 @@ from mooncake_rl.generations.keys import (
     group_id,
     lease_key,
     manifest_key,
+    routing_tables_prefix,
     segments_key,
 )
+from mooncake_rl.generations.layout import SegmentMap, layout_digest, located_digest
 from mooncake_rl.generations.registry import (
     FENCES_KEPT,
     ActiveRecord,
@@ -162,6 +166,7 @@ class GcReport:
     removed_objects: int
     failures: Mapping[str, int]
     swept_attempts: tuple[int, ...] = ()
+    removed_tables: int = 0
 
 
 def removable(info: GenerationInfo, now: float, grace_s: float) -> bool:
@@ -199,13 +204,14 @@ def collect_garbage(
     )
     infos = {i.generation: i for i in index.generations}
     doomed = [g for g in candidates if removable(infos[g], moment, grace)]
-    removed, failures, deleted = 0, {}, []
+    removed, failures, deleted, layouts = 0, {}, [], set()
     for generation in doomed:
-        count, failed = _remove_generation(store, registry, generation)
+        count, failed, sources = _remove_generation(store, registry, generation)
         removed += count
         failures.update(failed)
         if not failed:
             deleted.append(generation)
+            layouts |= sources
     swept, swept_through = _sweep_failed_attempts(store, registry, index, active, moment, grace)
     if active is not None:
         floor = active.fence - FENCES_KEPT
@@ -214,24 +220,57 @@ def collect_garbage(
     if rewritten != index:  # every Store write is an entry in a durable Store's etcd log
         registry.write_index(rewritten)
     kept = tuple(sorted(g for g in infos if g not in deleted))
-    return GcReport(kept, tuple(deleted), removed, failures, tuple(swept))
+    tables = _remove_tables(store, registry, layouts, kept)
+    return GcReport(kept, tuple(deleted), removed, failures, tuple(swept), tables)
 
 
 def _remove_generation(
     store: StoreClient, registry: GenerationRegistry, generation: int
-) -> tuple[int, dict[str, int]]:
+) -> tuple[int, dict[str, int], set[str]]:
+    """Objects removed, failures, and the source digests its routing tables are kept under."""
     group = group_id(registry.model, generation)
     try:
         manifest = registry.load_manifest(generation)
     except ObjectNotFound:  # removed by an earlier run that could not rewrite the index
-        return store.remove_prefix(group + "/", force=True), {}
+        return store.remove_prefix(group + "/", force=True), {}, set()
+    sources = _table_sources(store, registry, generation, manifest)
     keys = list(dict.fromkeys(f.object_key for f in manifest.fragments))  # packs hold several
     failed = store.remove(keys)
     if failed:
-        return len(keys) - len(failed), failed
+        return len(keys) - len(failed), failed, set()
     records = [manifest_key(group), checksums_key(group), segments_key(group), claim_key(group)]
     failed = store.remove(records, force=True)
-    return len(keys) + len(records) - len(failed), failed
+    return len(keys) + len(records) - len(failed), failed, sources
+
+
+def _table_sources(
+    store: StoreClient, registry: GenerationRegistry, generation: int, manifest: WeightManifest
+) -> set[str]:
+    """The source digests a generation's routing tables are kept under: its layout's, and
+    its layout located by its segment map (plans whose hints put objects on a rollout node)."""
+    layout = layout_digest(manifest)
+    try:
+        data = store.get_bytes(segments_key(group_id(registry.model, generation)))
+    except ObjectNotFound:  # a generation without locality hints
+        return {layout}
+    return {layout, located_digest(layout, SegmentMap.digest_of(data))}
+
+
+def _remove_tables(
+    store: StoreClient, registry: GenerationRegistry, gone: set[str], kept: Iterable[int]
+) -> int:
+    """Remove the routing tables planned from sources only collected generations had; a
+    kept generation's manifest is read only while some source is still a candidate (a
+    model whose layout never changes reads none)."""
+    for generation in kept:
+        if not gone:
+            break
+        try:
+            manifest = registry.load_manifest(generation)
+        except ObjectNotFound:  # unreadable: no engine can load it, nor needs its tables
+            continue
+        gone -= _table_sources(store, registry, generation, manifest)
+    return sum(store.remove_prefix(routing_tables_prefix(s), force=True) for s in sorted(gone))
 
 
 def _sweep_failed_attempts(

@@ -82,10 +82,17 @@ def fence_key(model: str, fence: int) -> str:
     return f"{model_prefix(model)}/fence/{fence:012d}"
 
 
-def routing_table_key(digest: str) -> str:
+def routing_tables_prefix(source_digest: str) -> str:
+    """The routing tables planned from one source layout: GC removes them together once no
+    generation it keeps has that layout. ``_`` starts no model name, so no model prefix
+    covers them."""
+    return f"{NAMESPACE}/_plans/{source_digest}/"
+
+
+def routing_table_key(source_digest: str, digest: str) -> str:
     """A routing table kept for later processes (``mooncake_rl.plan.stored``), named by the
-    digest of its plan key; ``_`` starts no model name, so no model prefix covers it."""
-    return f"{NAMESPACE}/_plans/{digest}"
+    digest of its plan key, under its source layout."""
+    return routing_tables_prefix(source_digest) + digest
 
 
 INCARNATION_KEY = f"{NAMESPACE}/incarnation"
@@ -118,3 +125,14 @@ def session_prefix(session: str) -> str:
 def advert_key(session: str, worker_id: str) -> str:
     """Where a worker advertises, for one session, the regions peers may write into."""
     return session_prefix(session) + worker_id
+
+
+def regex_literal(text: str) -> str:
+    """``text`` as a pattern of the master's (ECMAScript) regular expressions."""
+    return re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", text)
+
+
+def adverts_pattern(worker_id: str) -> str:
+    """Every advertisement of ``worker_id``, whatever its session."""
+    sessions = regex_literal(f"{NAMESPACE}/sessions/")
+    return f"^{sessions}[0-9a-f]{{32}}/{regex_literal(worker_id)}$"

@@ -45,6 +45,12 @@ FRAGMENT_KEY = attrgetter("object_key")
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
+def located_digest(layout: str, segments: str) -> str:
+    """The source digest of a plan whose segment hints put objects on a rollout node: the
+    layout's joined with the segment map's (``segments``), since the hints change the plan."""
+    return hashlib.sha256(f"mooncake-rl/located/v1\0{layout}\0{segments}".encode()).hexdigest()
+
+
 def layout_digest(manifest: WeightManifest) -> str:
     """SHA-256 of the layout of ``manifest``: equal for two generations of the same layout.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -12,7 +11,7 @@ import numpy as np
 from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.layout import SegmentMap, is_digest
+from mooncake_rl.generations.layout import SegmentMap, is_digest, located_digest
 from mooncake_rl.plan import heap
 from mooncake_rl.plan.assign import assign_readers
 from mooncake_rl.plan.cache import PlanCache, PlanKey
@@ -47,8 +46,7 @@ def plan_key(
     elif not is_digest(layout_digest):
         raise InvariantViolation(f"layout digest {layout_digest!r} is not a SHA-256 hex digest")
     if segments is not None and not set(segments.segments).isdisjoint(topology.segment_node):
-        joined = f"mooncake-rl/located/v1\0{layout_digest}\0{segments.digest}".encode()
-        layout_digest = hashlib.sha256(joined).hexdigest()
+        layout_digest = located_digest(layout_digest, segments.digest)
     return PlanKey(layout_digest, demand_digest, topology.digest, params)
 
 

@@ -73,7 +73,7 @@ def key_fields(key: PlanKey) -> dict[str, Any]:
 def entry_key(key: PlanKey) -> str:
     """The Store key of the table planned for ``key``."""
     canonical = json.dumps(key_fields(key), sort_keys=True, separators=(",", ":"))
-    return routing_table_key(hashlib.sha256(canonical.encode()).hexdigest())
+    return routing_table_key(key.source_digest, hashlib.sha256(canonical.encode()).hexdigest())
 
 
 def _aligned(offset: int) -> int:

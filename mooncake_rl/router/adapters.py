@@ -17,7 +17,7 @@ removed an engine knows no new request will reach it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -44,7 +44,7 @@ class RouterSpec:
 
     url: str
     kind: RouterKind = "vllm"
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # a secret: never in a message
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ transformers' for the published weights; refused infos must leave the engine as 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +29,18 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from engine_ext.vllm.plugins import register_weight_transfer
 from engine_ext.vllm.server import VllmServer
 from engine_ext.vllm.weight_transfer import MooncakeStoreTrainerInitInfo, MooncakeStoreUpdateInfo
+from mooncake_rl.generations.keys import advert_key
 from mooncake_rl.generations.registry import ActiveRecord
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from tests.conftest import settings_for
 from tests.engine.streams import TokenStream, generate
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-native"
+ENGINE_ID = "native-engine"
 
 
 @dataclass
@@ -88,12 +92,15 @@ def native(
         extension=False,
         routes=False,
         log_dir=root / "logs",
-        extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM mounts its RL routes only then
+        # vLLM mounts its RL routes only with VLLM_SERVER_DEV_MODE.
+        extra_env={"VLLM_SERVER_DEV_MODE": "1", "MOONCAKE_RL_ENGINE_ID": ENGINE_ID},
         extra_args=[
             "--enforce-eager",
             "--enable-scale-out",  # /inference/v1/generate, with weight_versions spans
             "--weight-transfer-config",
             json.dumps({"backend": "mooncake_store"}),
+            "--middleware",  # refusals answer 409/422 with a code, not vLLM's 500
+            "engine_ext.vllm.native_errors.RefusalStatus",
         ],
     )
     with server:
@@ -116,20 +123,21 @@ def test_refused_infos_change_nothing(native: Native) -> None:
     # The Store is the engine's own: a caller cannot point it at another master.
     redirect = {"model": MODEL, "master": "10.0.0.1:50051"}
     bad_init = native.post("init_weight_transfer_engine", {"init_info": redirect})
-    assert bad_init.status_code >= 400  # vLLM answers every worker error 500
+    assert (bad_init.status_code, bad_init.json()["error"]) == (422, "invalid_request")
     assert "invalid init_info" in bad_init.text and "master" in bad_init.text
 
     forged = {"generation": 99, "fence": 99, "incarnation": "0" * 16, "manifest_digest": "0" * 64}
     stale = MooncakeStoreUpdateInfo.of(served).model_dump(mode="json")
-    for update_info, says in (
-        ({**forged, "pickled": "gAR9lC4="}, "invalid update_info"),
-        ({**forged, "fence": "99"}, "invalid update_info"),
-        (forged, "not an active record"),
-        (stale, "is not newer than the served generation"),
+    for update_info, status, code, says in (
+        ({**forged, "pickled": "gAR9lC4="}, 422, "invalid_request", "invalid update_info"),
+        ({**forged, "fence": "99"}, 422, "invalid_request", "invalid update_info"),
+        (forged, 409, "unknown_generation", "not an active record"),
+        (stale, 409, "stale_generation", "is not newer than the served generation"),
     ):
         assert native.post("start_weight_update").status_code == 200
         refused = native.post("update_weights", {"update_info": update_info})
-        assert refused.status_code >= 400 and says in refused.text, refused.text
+        assert (refused.status_code, refused.json()["error"]) == (status, code), refused.text
+        assert says in refused.json()["detail"], refused.text
         # vLLM closed the round on the failure; the engine serves what it served.
         assert native.server.complete(PROMPT) == before
 
@@ -137,6 +145,23 @@ def test_refused_infos_change_nothing(native: Native) -> None:
     index = 1 - native.refs.index(before)
     native.send(index, "direct")
     assert native.server.complete(PROMPT) == native.refs[index]
+
+
+def test_the_next_session_sweeps_a_crashed_workers_advertisement(native: Native) -> None:
+    """A worker that crashed mid-session never withdrew its advertisement; the next session
+    of that worker sweeps it, and another worker's stays."""
+    left_over = advert_key(uuid.uuid4().hex, f"{ENGINE_ID}/tp0")
+    others = advert_key(uuid.uuid4().hex, "another-engine/tp0")
+    store = StoreClient(native.settings)
+    try:
+        for key in (left_over, others):
+            store.upsert_bytes(key, b"{}")  # written, never removed: as a crash leaves it
+        index = 1 - native.refs.index(native.server.complete(PROMPT))
+        native.send(index, "direct")
+        assert store.exists([left_over, others]) == [False, True]
+    finally:
+        store.remove([left_over, others], force=True)
+        store.close()
 
 
 def test_keep_through_native_routes_resumes_requests_on_the_new_weights(native: Native) -> None:

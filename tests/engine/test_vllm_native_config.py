@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.factory import (
 
 from engine_ext.loading import mark_served
 from engine_ext.receiver import ServedRecord
+from engine_ext.vllm.native_errors import Refusal, Refused, refusal_in
 from engine_ext.vllm.plugins import register_weight_transfer
 from engine_ext.vllm.weight_transfer import (
     BACKEND,
@@ -143,9 +144,10 @@ def _model() -> torch.nn.Module:
 
 def test_update_before_init_names_the_route_to_call() -> None:
     engine = _engine()
-    with pytest.raises(RuntimeError, match="/init_weight_transfer_engine"):
+    marked = r"^\[mooncake_store 409 not_initialized\] .*/init_weight_transfer_engine"
+    with pytest.raises(Refused, match=marked):
         engine.start_weight_update()
-    with pytest.raises(RuntimeError, match="/init_weight_transfer_engine"):
+    with pytest.raises(Refused, match=marked):
         engine.update_weights(UPDATE)
 
 
@@ -175,9 +177,11 @@ def test_stale_generation_is_refused_before_the_store_or_staging() -> None:
     engine = _linked()
     mark_served(engine.model, ServedRecord(5, 5, "ab" * 8))
     engine.start_weight_update()
-    with pytest.raises(StepFailed, match="not newer than the served generation 5"):
+    with pytest.raises(StepFailed, match="not newer than the served generation 5") as failed:
         engine.update_weights(UPDATE)
     assert engine.updater.calls == [] and engine.staged is None
+    assert failed.value.refusal == Refusal(409, "stale_generation")
+    assert refusal_in(f"Worker failed with error '{failed.value}'") == failed.value.refusal
 
 
 def test_finish_without_update_is_a_no_op() -> None:
@@ -200,7 +204,7 @@ def test_refused_commit_aborts_and_leaves_live_weights() -> None:
     refusal = {"ok": False, "refused": {"status": 409, "code": "x"}, "error": "stages missing"}
     engine = _linked(commit=refusal)
     engine.staged = MooncakeStoreUpdateInfo.model_validate(UPDATE)
-    with pytest.raises(StepFailed, match=r"commit failed .*stages missing"):
+    with pytest.raises(StepFailed, match=r"^\[mooncake_store 409 x\] .*commit failed .*stages"):
         engine.finish_weight_update()
     assert engine.updater.calls == ["commit", "abort"] and engine.staged is None
 

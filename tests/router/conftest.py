@@ -58,11 +58,11 @@ def http_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Http
 @pytest.fixture
 def start_router(
     tmp_path: Path,
-) -> Iterator[Callable[[str], RouterProcess]]:
+) -> Iterator[Callable[..., RouterProcess]]:
     started: list[RouterProcess] = []
 
-    def start(kind: str) -> RouterProcess:
-        router = RouterProcess(kind, tmp_path / "routers")  # type: ignore[arg-type]
+    def start(kind: str, api_key: str | None = None) -> RouterProcess:
+        router = RouterProcess(kind, tmp_path / "routers", api_key=api_key)  # type: ignore[arg-type]
         started.append(router)
         return router.start()
 

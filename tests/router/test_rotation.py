@@ -257,6 +257,32 @@ def test_the_router_cli_scales_up_and_down_through_the_rotation(
     assert code == 2 and "`mooncake-rl router add` needs an engine URL" in out
 
 
+def test_the_router_cli_sends_the_router_api_key_and_never_prints_it(
+    start_router: Callable[..., RouterProcess],
+    master: EmbeddedMaster,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = "router-key-d51a"
+    running = start_router("sglang", api_key=key)  # its worker API answers 401 without it
+    flags = ["list", "--router", running.url, "--router-kind", "sglang"]
+    flags += ["--master", master.master_address, "--metadata", master.metadata_url]
+
+    def cli(*args: str) -> tuple[int, str]:
+        code = main(["router", *flags, *args])
+        captured = capsys.readouterr()
+        assert key not in captured.out + captured.err
+        return code, captured.out + captured.err
+
+    for refused in (cli(), cli("--router-api-key", "wrong")):
+        assert refused[0] != 0 and "401" in refused[1], refused
+    code, out = cli("--router-api-key", key)
+    assert code == 0 and json.loads(out) == {"workers": [], "held_out": {}}
+    monkeypatch.setenv("MOONCAKE_RL_ROUTER_API_KEY", key)
+    code, out = cli()
+    assert code == 0 and json.loads(out) == {"workers": [], "held_out": {}}
+
+
 def test_cli_update_with_a_router_refuses_skew_with_exit_2(
     bracket: Bracket, master: EmbeddedMaster, capsys: pytest.CaptureFixture[str]
 ) -> None:
