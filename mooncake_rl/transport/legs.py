@@ -16,6 +16,7 @@ serves its old generation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -44,7 +45,7 @@ from mooncake_rl.transport.sender import (
     SenderProcess,
     SenderSpec,
 )
-from mooncake_rl.transport.source import Source, read_buckets
+from mooncake_rl.transport.source import Source, prefetched, read_buckets
 from mooncake_rl.transport.topology import Classification
 
 
@@ -341,9 +342,10 @@ class TransportLegs:
         layout, buckets = read_buckets(self.store, self.source)
         self.store_read_bytes += sum(t.nbytes for t in layout.tensors)
         failed: dict[str, str] = {}
-        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-            for bucket, tensors in buckets:
-                data = pack(tensors)
+        # The next bucket is read and packed while this one is handed off.
+        packed = prefetched((bucket, pack(tensors)) for bucket, tensors in buckets)
+        with ThreadPoolExecutor(max_workers=len(engines)) as pool, contextlib.closing(packed):
+            for bucket, data in packed:
                 name = shm_name(self.session, bucket.index)
                 path = write_shm(name, data) if "shm" in handoff.values() else None
                 body = {
