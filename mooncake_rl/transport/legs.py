@@ -92,6 +92,8 @@ class LegPlan:
     key: GroupKey | None = None
     kept: bool = False
     """Whether the group (and its sender) is the one kept from an earlier update."""
+    fed: bool = False
+    """The CPU leg feeds the sender the buckets it read: the generation is read once."""
 
     def stages(self, url: str, buckets: int) -> int:
         return 1 if self.classification.legs[url] is TransportMode.BROADCAST else buckets
@@ -166,6 +168,8 @@ class TransportLegs:
         self.kept: KeptSender | None = None
         """The sender (group, claim) kept from an earlier update of the same engine set."""
         self.group_name = uuid.uuid4().hex
+        self._feed: Future[SenderProcess] = Future()
+        """The sender, once started, when the CPU leg feeds it (``LegPlan.fed``)."""
 
     # -- plan and prepare (driven by Coordinator._prepare) --------------------------------
     def plan_for(self, members: Sequence[str]) -> LegPlan:
@@ -201,6 +205,7 @@ class TransportLegs:
             self.launcher.host,
             key,
             self.kept is not None,
+            bool(classification.broadcast and classification.cpu and self.launcher.same_host),
         )
 
     def _processes(self, url: str) -> tuple[str, ...]:
@@ -276,7 +281,14 @@ class TransportLegs:
                 pool.submit(self.caller.call, url, "apply", {**body, "peers": {}}): url
                 for url in engines
             }
-            sender, claim = self._sender(plan)
+            try:
+                sender, claim = self._sender(plan)
+            except BaseException as error:
+                self._feed.set_exception(error)  # the CPU leg reads for itself alone
+                raise
+            if plan.fed:
+                assert isinstance(sender, SenderProcess)
+                self._feed.set_result(sender)
             pending: set[Future[Any]] = {*applies, sender.future}
             while pending:
                 done, pending = wait(pending, return_when="FIRST_COMPLETED")
@@ -318,7 +330,7 @@ class TransportLegs:
         assert plan.group is not None and plan.port is not None
         if self.kept is not None:
             kept, self.kept = self.kept, None
-            kept.sender.send(self.source)
+            kept.sender.send(self.source, plan.fed)
             return kept.sender, kept.claim
         assert self.claim is not None
         sender = self.launcher.start(
@@ -330,6 +342,7 @@ class TransportLegs:
                 plan.group_name,
                 plan.timeout_s,
                 plan.sender_device,
+                plan.fed,
             )
         )
         claim, self.claim = self.claim, None
@@ -339,41 +352,64 @@ class TransportLegs:
     def _cpu(self, plan: LegPlan) -> dict[str, str]:
         engines = list(plan.classification.cpu)
         handoff = {url: self._handoff(url) for url in engines}
+        feed = self._feed.result() if plan.fed and self._feed.exception() is None else None
         layout, buckets = read_buckets(self.store, self.source)
         self.store_read_bytes += sum(t.nbytes for t in layout.tensors)
         failed: dict[str, str] = {}
         # The next bucket is read and packed while this one is handed off.
         packed = prefetched((bucket, pack(tensors)) for bucket, tensors in buckets)
-        with ThreadPoolExecutor(max_workers=len(engines)) as pool, contextlib.closing(packed):
-            for bucket, data in packed:
-                name = shm_name(self.session, bucket.index)
-                path = write_shm(name, data) if "shm" in handoff.values() else None
-                body = {
-                    "session": self.session,
-                    "generation": self.record.generation,
-                    "stage": bucket.index,
-                    "peers": {},
-                }
-                try:
-                    calls = {
-                        pool.submit(self._hand, url, handoff[url], body, name, data): url
-                        for url in engines
-                        if url not in failed
-                    }
-                    for call, url in calls.items():
-                        try:
-                            replies, seconds = call.result()
-                        except Exception as error:
-                            failed[url] = str(error)
-                            continue
-                        nbytes = sum(w.get("received_bytes", 0) for w in replies)
-                        self.figures.add(url, "cpu_serialize", nbytes, seconds)
-                finally:
-                    if path is not None:
-                        os.unlink(path)
-                if len(failed) == len(engines):
-                    break
+        try:
+            with ThreadPoolExecutor(len(engines)) as pool, contextlib.closing(packed):
+                for bucket, data in packed:
+                    self._hand_all(plan, feed, pool, handoff, failed, bucket.index, data)
+                    if len(failed) == len(engines) and feed is None:
+                        break
+        except BaseException:
+            if feed is not None:
+                feed.kill()  # it would wait for buckets that never come
+            raise
         return failed
+
+    def _hand_all(
+        self,
+        plan: LegPlan,
+        feed: SenderProcess | None,
+        pool: ThreadPoolExecutor,
+        handoff: Mapping[str, str],
+        failed: dict[str, str],
+        index: int,
+        data: bytes,
+    ) -> None:
+        """One bucket to every CPU engine still receiving (and to a fed sender)."""
+        name = shm_name(self.session, index)
+        shared = feed is not None or "shm" in handoff.values()
+        path = write_shm(name, data) if shared else None
+        taken = feed.offer(index, name) if feed is not None else None
+        body = {
+            "session": self.session,
+            "generation": self.record.generation,
+            "stage": index,
+            "peers": {},
+        }
+        try:
+            calls = {
+                pool.submit(self._hand, url, handoff[url], body, name, data): url
+                for url in handoff
+                if url not in failed
+            }
+            for call, url in calls.items():
+                try:
+                    replies, seconds = call.result()
+                except Exception as error:
+                    failed[url] = str(error)
+                    continue
+                nbytes = sum(w.get("received_bytes", 0) for w in replies)
+                self.figures.add(url, "cpu_serialize", nbytes, seconds)
+        finally:
+            if taken is not None:  # a sender that fails or wedges fails its own leg
+                wait([taken], timeout=plan.timeout_s)
+            if path is not None:
+                os.unlink(path)
 
     def _hand(
         self, url: str, handoff: str, body: dict[str, Any], name: str, data: bytes

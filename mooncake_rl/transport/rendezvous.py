@@ -4,9 +4,10 @@ The coordinator (rollout rank 0) cannot start a process on a trainer node, and t
 belongs there: trainer rank 0 holds a train-pool GPU, so its NCCL group never holds a
 receiver's GPU. Both sides know one slot id (the sync id). The coordinator posts the
 sender's spec once it has claimed the port and the receivers are joining; the trainer,
-waiting in its ``finalize``, runs the sender, posts a heartbeat while it runs, then its
-outcome. When the update ends the coordinator closes the slot, which also ends the wait of
-a trainer that was never needed. Records are JSON, never pickle.
+waiting in its ``finalize``, posts a heartbeat from then on, runs the sender, then posts
+its outcome. When the update ends the coordinator closes the slot, which also ends the wait
+of a trainer that was never needed; the trainer removes the records, or, if its heartbeat
+stopped (it died), the coordinator sweeps them. Records are JSON, never pickle.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class SlotLauncher:
     def keeper(self) -> None:
         """None: the trainer's sender serves one sync (its slot)."""
         return None
+
+    @property
+    def same_host(self) -> bool:
+        """False: the trainer reads the Store itself (no shared memory with this host)."""
+        return False
 
     def device(self, receivers_on_cuda: bool) -> str:
         return "cuda" if receivers_on_cuda else "cpu"  # "cuda": the sender's own GPU
@@ -157,7 +163,7 @@ def serve_slot(
     store: StoreClient, slot: str, settings: Settings, timeout_s: float
 ) -> dict[str, Any] | None:
     """The trainer's side: wait for the slot's spec (or its closing), run the sender, post a
-    heartbeat while it runs and the outcome after. Returns the report, or None when the
+    heartbeat throughout and the outcome after. Returns the report, or None when the
     update needed no sender. Never raises for the sender's own failure: the coordinator
     reports it, and the trainer's step must go on."""
     deadline = time.monotonic() + timeout_s

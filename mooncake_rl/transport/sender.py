@@ -4,7 +4,9 @@ It is rank 0 of the broadcast group and hosts the group's TCP store. The CLI's c
 runs it as a child process (``python -m mooncake_rl.transport.sender SPEC_JSON``), so that a
 wedged sender can be killed, and so that its port claim can stay held exactly as long as the
 process (and with it the TCP store) is alive. The child exits when its parent dies: an
-orphaned sender would keep a live TCP store under a claim nobody renews.
+orphaned sender would keep a live TCP store under a claim nobody renews. It keeps its group
+and sends one generation per request line: a coordinator keeps it per engine set
+(:class:`SenderKeeper`), since a new process and group cost seconds per update.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TextIO
@@ -25,8 +28,10 @@ import torch
 from mooncake_rl.errors import InvariantViolation, MooncakeRLError
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.buckets import read_shm, unpack
 from mooncake_rl.transport.claims import PortClaim
 from mooncake_rl.transport.group import BroadcastGroup, GroupSpec, backend_for, sender_device
+from mooncake_rl.transport.layout import Bucket, ReceiveLayout
 from mooncake_rl.transport.source import Source, read_buckets
 
 TEARDOWN_S = 30.0
@@ -48,6 +53,9 @@ class SenderSpec:
     group_name: str
     timeout_s: float
     device: str = "cpu"
+    fed: bool = False
+    """The coordinator feeds the buckets it read for its CPU leg (shared memory on its host,
+    see :func:`fed_buckets`) instead of this sender reading the Store again."""
 
     def group(self) -> GroupSpec:
         return GroupSpec(
@@ -68,13 +76,35 @@ def _device(spec: SenderSpec) -> torch.device:
     return device
 
 
+def fed_buckets(
+    layout: ReceiveLayout, requests: TextIO, replies: TextIO
+) -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
+    """The buckets the coordinator read (and checked) for its CPU leg, in order: one
+    ``{"index", "shm"}`` line each on ``requests``; each file is answered ``{"taken"}`` as
+    soon as it is read, so the coordinator can remove it."""
+    for bucket in layout.buckets:
+        offer = json.loads(requests.readline() or "null")
+        if not isinstance(offer, dict) or offer.get("index") != bucket.index:
+            raise SenderFailed(f"expected bucket {bucket.index} from the coordinator, got {offer}")
+        data = read_shm(offer["shm"])
+        print(json.dumps({"taken": bucket.index}), file=replies, flush=True)
+        yield bucket, unpack(data, layout, bucket)
+
+
 def broadcast_generation(
-    group: BroadcastGroup, store: StoreClient, source: Source, device: torch.device
+    group: BroadcastGroup,
+    store: StoreClient,
+    source: Source,
+    device: torch.device,
+    fed: tuple[TextIO, TextIO] | None = None,
 ) -> dict[str, Any]:
     """Broadcast every bucket of ``source`` to the group, then wait for every member's last
-    byte (the returned figures acknowledge it)."""
+    byte (the returned figures acknowledge it). ``fed``: the coordinator's request and reply
+    streams, when it feeds the buckets (:func:`fed_buckets`)."""
     started = time.perf_counter()
     layout, buckets = read_buckets(store, source)
+    if fed is not None:
+        buckets = fed_buckets(layout, *fed)
     for bucket, tensors in buckets:
         staged = torch.empty(bucket.nbytes, dtype=torch.uint8)
         for tensor in layout.bucket_tensors(bucket):
@@ -85,7 +115,7 @@ def broadcast_generation(
     group.barrier()
     return {
         "sent_bytes": layout.total_bytes,
-        "read_bytes": sum(t.nbytes for t in layout.tensors),
+        "read_bytes": 0 if fed is not None else sum(t.nbytes for t in layout.tensors),
         "buckets": len(layout.buckets),
         "seconds": time.perf_counter() - started,
     }
@@ -133,6 +163,11 @@ class SenderLauncher(Protocol):
     @property
     def keeper(self) -> SenderKeeper | None:
         """Where senders are kept across updates, or None: one sender per update."""
+        ...
+
+    @property
+    def same_host(self) -> bool:
+        """Whether it shares this host's shared memory (the CPU leg can feed it)."""
         ...
 
     def device(self, receivers_on_cuda: bool) -> str:
@@ -230,6 +265,7 @@ class ChildLauncher:
     settings: Settings
     train_pool: tuple[str, ...]
     keeper: SenderKeeper | None = None
+    same_host: bool = True
 
     @property
     def host(self) -> str:
@@ -260,7 +296,9 @@ class SenderProcess:
         )
         self.future: Future[dict[str, Any]] = Future()
         self.ended: Future[int] = Future()
+        self._taken: dict[int, Future[None]] = {}
         self._lock = threading.Lock()
+        self._writing = threading.Lock()
         threading.Thread(target=self._read, name="sender-read", daemon=True).start()
 
     @property
@@ -270,20 +308,26 @@ class SenderProcess:
     def _read(self) -> None:
         assert self._process.stdout is not None and self._process.stderr is not None
         for line in self._process.stdout:
+            reply = json.loads(line)
             with self._lock:
-                self.future.set_result(json.loads(line))
+                if "taken" in reply:
+                    self._taken.pop(reply["taken"]).set_result(None)
+                else:
+                    self.future.set_result(reply["report"])
         err = self._process.stderr.read()
         code = self._process.wait()
         with self._lock:
+            failure = SenderFailed(f"broadcast sender exited with status {code}: {err[-2000:]}")
             if not self.future.done():
-                self.future.set_exception(
-                    SenderFailed(f"broadcast sender exited with status {code}: {err[-2000:]}")
-                )
+                self.future.set_exception(failure)
+            for taken in self._taken.values():
+                taken.set_exception(failure)
+            self._taken.clear()
             self.ended.set_result(code)
 
-    def send(self, source: Source) -> None:
-        """Broadcast another generation over the kept group; ``future`` is its report."""
-        assert self._process.stdin is not None
+    def send(self, source: Source, fed: bool) -> None:
+        """Broadcast another generation over the kept group; ``future`` is its report.
+        ``fed``: its buckets come through :meth:`offer`."""
         with self._lock:
             if not self.future.done():
                 raise InvariantViolation("the previous generation is still being sent")
@@ -291,11 +335,27 @@ class SenderProcess:
             if self.ended.done():
                 self.future.set_exception(SenderFailed("the broadcast sender has exited"))
                 return
+        self._write({"source": asdict(source), "fed": fed})
+
+    def offer(self, index: int, shm: str) -> Future[None]:
+        """Feed bucket ``index`` (a shared-memory file); resolves once the sender read it."""
+        taken: Future[None] = Future()
+        with self._lock:
+            if self.ended.done():
+                taken.set_exception(SenderFailed("the broadcast sender has exited"))
+                return taken
+            self._taken[index] = taken
+        self._write({"index": index, "shm": shm})
+        return taken
+
+    def _write(self, request: dict[str, Any]) -> None:
+        assert self._process.stdin is not None
         try:
-            self._process.stdin.write(json.dumps(asdict(source)) + "\n")
-            self._process.stdin.flush()
+            with self._writing:
+                self._process.stdin.write(json.dumps(request) + "\n")
+                self._process.stdin.flush()
         except OSError:
-            self.kill()  # its exit fails ``future``
+            self.kill()  # its exit fails what waits on it
 
     def alive(self) -> bool:
         return self._process.poll() is None
@@ -314,21 +374,24 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def serve(spec: SenderSpec, settings: Settings, requests: TextIO, replies: TextIO) -> None:
-    """The child's loop: form the group, send ``spec.source``, then each source read from
-    ``requests`` (one JSON line each) over the same group, a report line each; ends at the
-    end of ``requests``. Raises (the group dropped) on the first failure."""
+    """The child's loop: form the group, send ``spec.source``, then each generation named on
+    ``requests`` (a ``{"source", "fed"}`` line each) over the same group, a ``{"report"}``
+    line each; ends at the end of ``requests``. Raises (the group dropped) on the first
+    failure."""
     started = time.perf_counter()
     group = BroadcastGroup(spec.group(), settings.hostname)
     joined = {"join_seconds": time.perf_counter() - started}
     try:
         with StoreClient(settings.with_overrides(segment_bytes=0)) as store:
-            source: Source | None = spec.source
-            while source is not None:
-                report = broadcast_generation(group, store, source, _device(spec))
-                print(json.dumps({**report, **joined}), file=replies, flush=True)
+            request: dict[str, Any] | None = {"source": asdict(spec.source), "fed": spec.fed}
+            while request is not None:
+                source = Source(**request["source"])
+                fed = (requests, replies) if request["fed"] else None
+                report = broadcast_generation(group, store, source, _device(spec), fed)
+                print(json.dumps({"report": {**report, **joined}}), file=replies, flush=True)
                 joined = {"join_seconds": 0.0}
                 line = requests.readline()
-                source = Source(**json.loads(line)) if line.strip() else None
+                request = json.loads(line) if line.strip() else None
     finally:
         group.abort()
 
