@@ -11,6 +11,8 @@ the same landing as the Store's compat mode (:meth:`engine_ext.worker.UpdateWork
 from __future__ import annotations
 
 import time
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,9 @@ from mooncake_rl.transport.group import BroadcastGroup, GroupSpec
 from mooncake_rl.transport.layout import ReceivedTensor, ReceiveLayout, receive_layout
 
 RECEIVED_REGION = "received"
+PROCESS = uuid.uuid4().hex
+"""This process's identity in placement: the coordinator keeps a broadcast group only while
+every member's process is the one that joined it."""
 
 
 @dataclass
@@ -100,36 +105,72 @@ def prepare_reception(
     return reception
 
 
-def receive_broadcast(reception: Reception, local_address: str) -> dict[str, Any]:
-    """Join the group at this worker's rank, receive every bucket in place, check it."""
+KEPT_GROUPS = 8
+"""Groups a worker keeps at most (one per live sender it serves; the oldest goes first)."""
+
+
+class Membership:
+    """This worker's broadcast groups, kept across updates while a coordinator names the
+    same group again (its sender keeps it too): joining costs seconds, a small update less.
+    One per sender port: a new group at a port replaces the old, whose sender is gone."""
+
+    def __init__(self) -> None:
+        self._groups: OrderedDict[tuple[str, int], tuple[GroupSpec, BroadcastGroup]] = OrderedDict()
+
+    def join(self, spec: GroupSpec, local_address: str) -> tuple[BroadcastGroup, bool]:
+        """The member for ``spec`` and whether it was kept from an earlier update."""
+        at = (spec.host, spec.port)
+        held = self._groups.get(at)
+        if held is not None and held[0] == spec:
+            self._groups.move_to_end(at)
+            return held[1], True
+        self.leave(spec)
+        member = BroadcastGroup(spec, local_address)
+        self._groups[at] = (spec, member)
+        while len(self._groups) > KEPT_GROUPS:
+            _, (_, oldest) = self._groups.popitem(last=False)
+            oldest.abort()
+        return member, False
+
+    def leave(self, spec: GroupSpec) -> None:
+        """Drop the group at ``spec``'s port (after a failure its peers may be gone)."""
+        held = self._groups.pop((spec.host, spec.port), None)
+        if held is not None:
+            held[1].abort()
+
+
+def receive_broadcast(
+    reception: Reception, local_address: str, membership: Membership
+) -> dict[str, Any]:
+    """Join the group at this worker's rank (or keep the joined one), receive every bucket
+    in place, check it."""
     group = reception.wire.group
     assert group is not None
     started = time.perf_counter()
-    member = BroadcastGroup(
-        GroupSpec(
-            group.host,
-            group.port,
-            group.world_size,
-            reception.rank,
-            group.name,
-            group.backend,
-            group.timeout_s,
-        ),
-        local_address,
+    spec = GroupSpec(
+        group.host,
+        group.port,
+        group.world_size,
+        reception.rank,
+        group.name,
+        group.backend,
+        group.timeout_s,
     )
+    member, kept = membership.join(spec, local_address)
     try:
         for bucket in reception.layout.buckets:
             member.broadcast(reception.buffer[bucket.start : bucket.end])
+        member.barrier()  # the sender's report acknowledges every member's last byte
     except BaseException:
-        member.abort()
+        membership.leave(spec)
         raise
-    member.close()
     received = time.perf_counter()
     for bucket in reception.layout.buckets:
         _check(reception, reception.layout.bucket_tensors(bucket))
         reception.landed.add(bucket.index)
     return {
         "received_bytes": reception.layout.total_bytes,
+        "group_kept": kept,
         "receive_seconds": received - started,
         "verify_seconds": time.perf_counter() - received,
     }

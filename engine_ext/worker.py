@@ -47,7 +47,9 @@ from engine_ext.receiver import ServedRecord
 from engine_ext.shards import ShardSpec
 from engine_ext.staging import choose_staging, free_device_bytes
 from engine_ext.transport import (
+    PROCESS,
     RECEIVED_REGION,
+    Membership,
     Reception,
     prepare_reception,
     receive_broadcast,
@@ -121,6 +123,7 @@ class _UpdateState:
         # kept for the next one while the size fits.
         self.reception: Reception | None = None
         self.received: torch.Tensor | None = None
+        self.membership = Membership()
         # The last apply stage started, moving bytes on its own thread; ``collect`` answers
         # with its reply (again, until the next stage: TP ranks end at different polls).
         self.stage_runner = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{worker_id}")
@@ -329,6 +332,8 @@ class UpdateWorker(ABC):
             "gpu": self.gpu_id(),
             "device": str(self.device()),
             "host_id": this_host_id(),
+            # A broadcast group outlives no process: a new one here means a new group.
+            "process": PROCESS,
             # The coordinator refuses plans whose batches this cannot hold twice.
             "staging_watermark_bytes": state.apply.settings.staging_watermark_bytes,
             **self._described().served(*self.tp()),
@@ -604,7 +609,7 @@ class UpdateWorker(ABC):
         assert reception is not None
         started = time.perf_counter()
         if reception.wire.transport == "broadcast":
-            received = receive_broadcast(reception, state.apply.settings.hostname)
+            received = receive_broadcast(reception, state.apply.settings.hostname, state.membership)
         else:
             received = receive_bucket(reception, stage, bucket)
         state.ran += 1

@@ -43,7 +43,7 @@ from mooncake_rl.transport.modes import (
     require_store_path,
     resolve_mode,
 )
-from mooncake_rl.transport.sender import ChildLauncher, SenderLauncher
+from mooncake_rl.transport.sender import ChildLauncher, SenderKeeper, SenderLauncher
 from mooncake_rl.transport.topology import classify, require_mixed_ran
 
 Bracket = Callable[[Sequence[str], Callable[[], UpdateResult]], UpdateResult]
@@ -89,6 +89,12 @@ class Coordinator(EngineClient):
         self.cache = RoutingCache(store)
         self.session_ttl_s = session_ttl_s
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
+        self.senders = SenderKeeper()
+        """Broadcast senders (and their groups), one per engine set, kept across updates."""
+
+    def close(self) -> None:
+        self.senders.close()
+        super().close()
 
     def status(self) -> dict[str, dict[str, Any]]:
         ok, failed = self._all(self.engines, "GET", "status")
@@ -287,7 +293,8 @@ class Coordinator(EngineClient):
                     members,
                     survey.classification,
                     survey.placements,
-                    options.sender or ChildLauncher(self.store.settings, options.train_pool),
+                    options.sender
+                    or ChildLauncher(self.store.settings, options.train_pool, self.senders),
                     record,
                     options.batch_bytes,
                     needed,

@@ -65,11 +65,9 @@ def read_shm(name: str) -> bytes:
     return shm_path(name).read_bytes()
 
 
-def unpack_into(
-    data: bytes, layout: ReceiveLayout, bucket: Bucket, buffer: torch.Tensor
-) -> list[str]:
-    """Land one bucket's tensors at their layout offsets in ``buffer`` (bytes); the bucket
-    must hold exactly the layout's tensors for it, at their dtypes and shapes."""
+def unpack(data: bytes, layout: ReceiveLayout, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """One bucket's tensors by name; the bucket must hold exactly the layout's tensors for
+    it, at their dtypes and shapes."""
     try:
         tensors = load_safetensors(data)
     except Exception as error:  # safetensors raises its own error types
@@ -88,6 +86,15 @@ def unpack_into(
                 f"{spec.name} arrived as {tensor.dtype} {tuple(tensor.shape)}, the generation "
                 f"stores {spec.dtype} {spec.shape}"
             )
-        flat = tensor.reshape(-1).view(torch.uint8)
+    return tensors
+
+
+def unpack_into(
+    data: bytes, layout: ReceiveLayout, bucket: Bucket, buffer: torch.Tensor
+) -> list[str]:
+    """Land one bucket's tensors at their layout offsets in ``buffer`` (bytes)."""
+    tensors = unpack(data, layout, bucket)
+    for spec in layout.bucket_tensors(bucket):
+        flat = tensors[spec.name].reshape(-1).view(torch.uint8)
         buffer[spec.offset : spec.offset + spec.nbytes].copy_(flat)
-    return names
+    return sorted(tensors)

@@ -105,13 +105,20 @@ class BroadcastGroup:
         options.rootRank = 0
         self._group.broadcast([tensor], options).wait()
 
+    def barrier(self) -> None:
+        """Wait until every member finished this update; the group stays up for the next
+        (one group per engine set: forming it costs seconds, an update of a small model
+        less)."""
+        assert self._group is not None, "the group was closed"
+        self._group.barrier().wait()
+
     def close(self) -> None:
         """Wait until every member finished, then drop the group and (sender) the TCP store:
         the sender's teardown returning is the acknowledgement that frees its port."""
         if self._group is None:
             return
         try:
-            self._group.barrier().wait()
+            self.barrier()
         finally:
             self.abort()
 

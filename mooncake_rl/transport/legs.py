@@ -16,6 +16,7 @@ serves its old generation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -35,12 +36,17 @@ from mooncake_rl.transport.claims import PortClaim, PortClaims
 from mooncake_rl.transport.cursor import GroupLayout, broadcast_group
 from mooncake_rl.transport.group import backend_for
 from mooncake_rl.transport.modes import TransportMode
-from mooncake_rl.transport.sender import SenderLauncher, SenderSpec
-from mooncake_rl.transport.source import Source, read_buckets
+from mooncake_rl.transport.sender import (
+    TEARDOWN_S,
+    GroupKey,
+    KeptSender,
+    Sender,
+    SenderLauncher,
+    SenderProcess,
+    SenderSpec,
+)
+from mooncake_rl.transport.source import Source, prefetched, read_buckets
 from mooncake_rl.transport.topology import Classification
-
-TEARDOWN_S = 30.0
-"""How long the sender may take to tear its group down after the last bucket."""
 
 
 class LegFailed(MooncakeRLError):
@@ -83,6 +89,11 @@ class LegPlan:
     sender_device: str
     timeout_s: float
     host: str
+    key: GroupKey | None = None
+    kept: bool = False
+    """Whether the group (and its sender) is the one kept from an earlier update."""
+    fed: bool = False
+    """The CPU leg feeds the sender the buckets it read: the generation is read once."""
 
     def stages(self, url: str, buckets: int) -> int:
         return 1 if self.classification.legs[url] is TransportMode.BROADCAST else buckets
@@ -150,11 +161,15 @@ class TransportLegs:
         self.figures = LegFigures()
         self.store_read_bytes = 0
         """Read by the CPU leg (this process) and the broadcast sender: each once."""
+        self.holder = holder
         self.claim: PortClaim | None = None
-        if classification.broadcast:
-            claims = PortClaims(store, launcher.host, owner=holder, lease_s=settings.claim_lease_s)
-            # Renewed from now on: held through prepare, then while the sender lives.
-            self.claim = claims.claim(settings.rendezvous_port, alive=lambda: True)
+        """The port of a new group: renewed from its claim on, through prepare, then while
+        the sender lives."""
+        self.kept: KeptSender | None = None
+        """The sender (group, claim) kept from an earlier update of the same engine set."""
+        self.group_name = uuid.uuid4().hex
+        self._feed: Future[SenderProcess] = Future()
+        """The sender, once started, when the CPU leg feeds it (``LegPlan.fed``)."""
 
     # -- plan and prepare (driven by Coordinator._prepare) --------------------------------
     def plan_for(self, members: Sequence[str]) -> LegPlan:
@@ -169,17 +184,50 @@ class TransportLegs:
             for w in self.placements[url].get("workers", [])
         )
         device = self.launcher.device(on_cuda)
+        key = None
+        if classification.broadcast:
+            key = GroupKey(
+                tuple((u, self._processes(u)) for u in classification.broadcast),
+                classification.per_engine,
+                device,
+            )
+            self._hold_group(key)
+        port = self.kept.claim.port if self.kept else self.claim.port if self.claim else None
         return LegPlan(
             classification,
             self.source,
             group,
-            self.claim.port if self.claim else None,
-            uuid.uuid4().hex,
+            port,
+            self.kept.name if self.kept else self.group_name,
             backend_for(torch.device(device)),
             device,
             self.settings.broadcast_timeout_s,
             self.launcher.host,
+            key,
+            self.kept is not None,
+            bool(classification.broadcast and classification.cpu and self.launcher.same_host),
         )
+
+    def _processes(self, url: str) -> tuple[str, ...]:
+        return tuple(str(w.get("process")) for w in self.placements[url].get("workers", []))
+
+    def _hold_group(self, key: GroupKey) -> None:
+        """Take the sender kept for ``key`` (the same engines, processes and device), or
+        claim a port for a new group; a kept sender for other members is ended."""
+        if self.kept is not None and self.kept.key == key:
+            return
+        if self.kept is not None:
+            self.kept.end()
+        keeper = self.launcher.keeper
+        self.kept = keeper.take(key) if keeper is not None else None
+        if self.kept is None and self.claim is None:
+            claims = PortClaims(
+                self.store,
+                self.launcher.host,
+                owner=self.holder,
+                lease_s=self.settings.claim_lease_s,
+            )
+            self.claim = claims.claim(self.settings.rendezvous_port, alive=lambda: True)
 
     def body_for(self, url: str, plan: LegPlan, base: Mapping[str, Any]) -> dict[str, Any]:
         if not self.buckets:
@@ -210,35 +258,37 @@ class TransportLegs:
             raise LegFailed(failed)
 
     def close(self) -> None:
-        """Free the port claim of a broadcast that never started a sender."""
+        """Free the port claim of a broadcast that never started a sender; a kept sender
+        that was not used goes back to its keeper (its group is intact)."""
         if self.claim is not None:
             self.claim.release()
             self.claim = None
+        keeper = self.launcher.keeper
+        if self.kept is not None and keeper is not None:
+            keeper.keep(self.kept)
+        self.kept = None
 
     def _broadcast(self, plan: LegPlan) -> dict[str, str]:
-        assert plan.group is not None and plan.port is not None and self.claim is not None
+        assert plan.group is not None and plan.port is not None and plan.key is not None
         engines = list(plan.classification.broadcast)
         body = {"session": self.session, "generation": self.record.generation, "stage": 0}
         started = time.perf_counter()
         failed: dict[str, str] = {}
         with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-            # Receivers first: each apply joins the group and waits for the sender.
+            # Receivers first: each apply joins the group (or keeps it) and waits for the
+            # sender.
             applies = {
                 pool.submit(self.caller.call, url, "apply", {**body, "peers": {}}): url
                 for url in engines
             }
-            sender = self.launcher.start(
-                SenderSpec(
-                    self.source,
-                    plan.host,
-                    plan.port,
-                    plan.group.world_size,
-                    plan.group_name,
-                    plan.timeout_s,
-                    plan.sender_device,
-                )
-            )
-            self.claim.hold(sender.alive)
+            try:
+                sender, claim = self._sender(plan)
+            except BaseException as error:
+                self._feed.set_exception(error)  # the CPU leg reads for itself alone
+                raise
+            if plan.fed:
+                assert isinstance(sender, SenderProcess)
+                self._feed.set_result(sender)
             pending: set[Future[Any]] = {*applies, sender.future}
             while pending:
                 done, pending = wait(pending, return_when="FIRST_COMPLETED")
@@ -251,17 +301,22 @@ class TransportLegs:
                             nbytes = sum(w.get("received_bytes", 0) for w in replies)
                             url = applies[future]
                             self.figures.add(url, "broadcast", nbytes, seconds)
-                            self.figures.rows[url]["port"] = plan.port
+                            self.figures.rows[url].update(port=plan.port, group_kept=plan.kept)
                         continue
                     failed[applies.get(future, "sender")] = str(error)
                     # Nobody waits out the group timeout for a member that is gone.
                     sender.kill()
-        claim, self.claim = self.claim, None
-        if not claim.release_after(sender.future, teardown_timeout_s=TEARDOWN_S):
-            sender.kill()
-            claim.release_after(sender.future, teardown_timeout_s=TEARDOWN_S)
-        if sender.future.done() and sender.future.exception() is None:
+        if sender.future.exception() is None:
             self.store_read_bytes += int(sender.future.result().get("read_bytes", 0))
+        keeper = self.launcher.keeper
+        if not failed and keeper is not None and isinstance(sender, SenderProcess):
+            keeper.keep(KeptSender(plan.key, sender, claim, plan.group_name))
+        else:
+            # A failed group is never reused: its members may be gone.
+            sender.kill()
+            if not claim.release_after(sender.ended, teardown_timeout_s=TEARDOWN_S):
+                sender.kill()
+                claim.release_after(sender.ended, teardown_timeout_s=TEARDOWN_S)
         if "sender" in failed:
             # The engines report why they stopped receiving; the sender's reason is the cause.
             cause = failed.pop("sender")
@@ -270,43 +325,91 @@ class TransportLegs:
             }
         return failed
 
+    def _sender(self, plan: LegPlan) -> tuple[Sender, PortClaim]:
+        """The kept sender, sending this generation, or a new one; this update owns both."""
+        assert plan.group is not None and plan.port is not None
+        if self.kept is not None:
+            kept, self.kept = self.kept, None
+            kept.sender.send(self.source, plan.fed)
+            return kept.sender, kept.claim
+        assert self.claim is not None
+        sender = self.launcher.start(
+            SenderSpec(
+                self.source,
+                plan.host,
+                plan.port,
+                plan.group.world_size,
+                plan.group_name,
+                plan.timeout_s,
+                plan.sender_device,
+                plan.fed,
+            )
+        )
+        claim, self.claim = self.claim, None
+        claim.hold(sender.alive)
+        return sender, claim
+
     def _cpu(self, plan: LegPlan) -> dict[str, str]:
         engines = list(plan.classification.cpu)
         handoff = {url: self._handoff(url) for url in engines}
+        feed = self._feed.result() if plan.fed and self._feed.exception() is None else None
         layout, buckets = read_buckets(self.store, self.source)
         self.store_read_bytes += sum(t.nbytes for t in layout.tensors)
         failed: dict[str, str] = {}
-        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-            for bucket, tensors in buckets:
-                data = pack(tensors)
-                name = shm_name(self.session, bucket.index)
-                path = write_shm(name, data) if "shm" in handoff.values() else None
-                body = {
-                    "session": self.session,
-                    "generation": self.record.generation,
-                    "stage": bucket.index,
-                    "peers": {},
-                }
-                try:
-                    calls = {
-                        pool.submit(self._hand, url, handoff[url], body, name, data): url
-                        for url in engines
-                        if url not in failed
-                    }
-                    for call, url in calls.items():
-                        try:
-                            replies, seconds = call.result()
-                        except Exception as error:
-                            failed[url] = str(error)
-                            continue
-                        nbytes = sum(w.get("received_bytes", 0) for w in replies)
-                        self.figures.add(url, "cpu_serialize", nbytes, seconds)
-                finally:
-                    if path is not None:
-                        os.unlink(path)
-                if len(failed) == len(engines):
-                    break
+        # The next bucket is read and packed while this one is handed off.
+        packed = prefetched((bucket, pack(tensors)) for bucket, tensors in buckets)
+        try:
+            with ThreadPoolExecutor(len(engines)) as pool, contextlib.closing(packed):
+                for bucket, data in packed:
+                    self._hand_all(plan, feed, pool, handoff, failed, bucket.index, data)
+                    if len(failed) == len(engines) and feed is None:
+                        break
+        except BaseException:
+            if feed is not None:
+                feed.kill()  # it would wait for buckets that never come
+            raise
         return failed
+
+    def _hand_all(
+        self,
+        plan: LegPlan,
+        feed: SenderProcess | None,
+        pool: ThreadPoolExecutor,
+        handoff: Mapping[str, str],
+        failed: dict[str, str],
+        index: int,
+        data: bytes,
+    ) -> None:
+        """One bucket to every CPU engine still receiving (and to a fed sender)."""
+        name = shm_name(self.session, index)
+        shared = feed is not None or "shm" in handoff.values()
+        path = write_shm(name, data) if shared else None
+        taken = feed.offer(index, name) if feed is not None else None
+        body = {
+            "session": self.session,
+            "generation": self.record.generation,
+            "stage": index,
+            "peers": {},
+        }
+        try:
+            calls = {
+                pool.submit(self._hand, url, handoff[url], body, name, data): url
+                for url in handoff
+                if url not in failed
+            }
+            for call, url in calls.items():
+                try:
+                    replies, seconds = call.result()
+                except Exception as error:
+                    failed[url] = str(error)
+                    continue
+                nbytes = sum(w.get("received_bytes", 0) for w in replies)
+                self.figures.add(url, "cpu_serialize", nbytes, seconds)
+        finally:
+            if taken is not None:  # a sender that fails or wedges fails its own leg
+                wait([taken], timeout=plan.timeout_s)
+            if path is not None:
+                os.unlink(path)
 
     def _hand(
         self, url: str, handoff: str, body: dict[str, Any], name: str, data: bytes

@@ -4,9 +4,10 @@ The coordinator (rollout rank 0) cannot start a process on a trainer node, and t
 belongs there: trainer rank 0 holds a train-pool GPU, so its NCCL group never holds a
 receiver's GPU. Both sides know one slot id (the sync id). The coordinator posts the
 sender's spec once it has claimed the port and the receivers are joining; the trainer,
-waiting in its ``finalize``, runs the sender, posts a heartbeat while it runs, then its
-outcome. When the update ends the coordinator closes the slot, which also ends the wait of
-a trainer that was never needed. Records are JSON, never pickle.
+waiting in its ``finalize``, posts a heartbeat from then on, runs the sender, then posts
+its outcome. When the update ends the coordinator closes the slot, which also ends the wait
+of a trainer that was never needed; the trainer removes the records, or, if its heartbeat
+stopped (it died), the coordinator sweeps them. Records are JSON, never pickle.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ BEAT_S = 1.0
 STALE_BEATS = 5
 """Heartbeats missed before the coordinator counts the sender as gone."""
 POLL_S = 0.05
+RECORDS = ("spec", "beat", "outcome", "closed")
+"""A slot's records; ``beat`` (index 1) moves while its trainer lives, ``closed`` (3) last."""
 
 
 def slot_key(slot: str, record: str) -> str:
@@ -55,6 +58,16 @@ class SlotLauncher:
     host: str
     """The sender's address (trainer rank 0's ``MOONCAKE_RL_HOSTNAME``)."""
 
+    @property
+    def keeper(self) -> None:
+        """None: the trainer's sender serves one sync (its slot)."""
+        return None
+
+    @property
+    def same_host(self) -> bool:
+        """False: the trainer reads the Store itself (no shared memory with this host)."""
+        return False
+
     def device(self, receivers_on_cuda: bool) -> str:
         return "cuda" if receivers_on_cuda else "cpu"  # "cuda": the sender's own GPU
 
@@ -67,11 +80,33 @@ class SlotLauncher:
 
 def close_slot(store: StoreClient, slot: str) -> None:
     """End the slot (the coordinator, when the update ends): a waiting trainer returns and
-    removes the slot's records."""
+    removes the slot's records. A trainer whose heartbeat stopped (its process died) never
+    will: its records are swept here, so no dead sender's slot outlives its sync."""
     try:
         store.upsert_bytes(slot_key(slot, "closed"), b"{}")
+        _sweep_if_gone(store, slot)
     except MooncakeError as error:
         logger.warning("mooncake: could not close sender slot %s: %s", slot, error)
+
+
+def _sweep_if_gone(store: StoreClient, slot: str) -> None:
+    """Wait until the trainer removed the slot's records, or remove them once its heartbeat
+    has not moved for ``STALE_BEATS`` beats. A trainer that never beat may not have reached
+    its wait yet: its ``closed`` record stays for it (it returns at once and clears it)."""
+    keys = [slot_key(slot, record) for record in RECORDS]
+    last = _read(store, keys[1])
+    moved = time.monotonic()
+    while any(store.exists(keys)):
+        beat = _read(store, keys[1])
+        if beat != last:
+            last, moved = beat, time.monotonic()
+        if time.monotonic() - moved >= STALE_BEATS * BEAT_S:
+            gone = keys if last is not None else [k for k in keys if k != keys[3]]
+            store.remove(gone, force=True)
+            if last is not None:
+                logger.warning("mooncake: swept sender slot %s: its trainer is gone", slot)
+            return
+        time.sleep(POLL_S)
 
 
 class RemoteSender:
@@ -81,6 +116,7 @@ class RemoteSender:
     def __init__(self, store: StoreClient, slot: str, spec: SenderSpec) -> None:
         self.store, self.slot, self.spec = store, slot, spec
         self.future: Future[dict[str, Any]] = Future()
+        self.ended = self.future  # its group is dropped once it reports
         self._posted = time.monotonic()
         self._last_beat: float | None = None
         self._beats: int | None = None
@@ -127,15 +163,10 @@ def serve_slot(
     store: StoreClient, slot: str, settings: Settings, timeout_s: float
 ) -> dict[str, Any] | None:
     """The trainer's side: wait for the slot's spec (or its closing), run the sender, post a
-    heartbeat while it runs and the outcome after. Returns the report, or None when the
+    heartbeat throughout and the outcome after. Returns the report, or None when the
     update needed no sender. Never raises for the sender's own failure: the coordinator
     reports it, and the trainer's step must go on."""
     deadline = time.monotonic() + timeout_s
-    while (spec_body := _read(store, slot_key(slot, "spec"))) is None:
-        if _closed(store, slot, deadline):
-            return None
-        time.sleep(POLL_S)
-    spec = SenderSpec(**{**spec_body, "source": Source(**spec_body["source"])})
     done = threading.Event()
 
     def beat() -> None:
@@ -147,9 +178,28 @@ def serve_slot(
             except MooncakeError as error:
                 logger.warning("mooncake: sender heartbeat failed: %s", error)
 
+    # Beating from the start of the wait to the slot's end: the coordinator tells a dead
+    # trainer (whose records it must sweep) from a slow one.
     store.upsert_bytes(slot_key(slot, "beat"), json.dumps({"n": 0}).encode())
     beating = threading.Thread(target=beat, name=f"sender-beat-{slot[:8]}", daemon=True)
     beating.start()
+    try:
+        return _serve(store, slot, settings, deadline)
+    finally:
+        done.set()
+        beating.join()
+        if _read(store, slot_key(slot, "closed")) is not None:  # this side reads last
+            store.remove([slot_key(slot, record) for record in RECORDS], force=True)
+
+
+def _serve(
+    store: StoreClient, slot: str, settings: Settings, deadline: float
+) -> dict[str, Any] | None:
+    while (spec_body := _read(store, slot_key(slot, "spec"))) is None:
+        if _closed(store, slot, deadline):
+            return None
+        time.sleep(POLL_S)
+    spec = SenderSpec(**{**spec_body, "source": Source(**spec_body["source"])})
     report: dict[str, Any] | None = None
     try:
         report = send(spec, settings)
@@ -157,9 +207,6 @@ def serve_slot(
     except (MooncakeRLError, RuntimeError) as error:
         logger.error("mooncake: the broadcast sender failed: %s", error)
         outcome = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-    finally:
-        done.set()
-        beating.join()
     store.upsert_bytes(slot_key(slot, "outcome"), json.dumps(outcome).encode())
     while not _closed(store, slot, deadline):  # the coordinator reads the outcome first
         time.sleep(POLL_S)
@@ -167,11 +214,8 @@ def serve_slot(
 
 
 def _closed(store: StoreClient, slot: str, deadline: float) -> bool:
-    """The coordinator closed the slot (its records are then removed: this side reads last),
-    or the wait is over."""
+    """The coordinator closed the slot, or the wait is over."""
     if _read(store, slot_key(slot, "closed")) is not None:
-        records = ("spec", "beat", "outcome", "closed")
-        store.remove([slot_key(slot, record) for record in records], force=True)
         return True
     if time.monotonic() >= deadline:
         logger.warning("mooncake: sender slot %s not closed in time; left to its owner", slot)

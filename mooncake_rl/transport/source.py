@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from mooncake_rl.apply.coalesce import coalesced_reads
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
 from mooncake_rl.store import RangeRead, StoreClient
 from mooncake_rl.transport.layout import Bucket, ReceiveLayout, receive_layout
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,3 +75,40 @@ def read_buckets(
             yield bucket, tensors
 
     return layout, buckets()
+
+
+_END = object()
+
+
+def prefetched(items: Iterator[T], depth: int = 1) -> Iterator[T]:
+    """``items`` in order, produced on a thread of their own up to ``depth`` ahead: the next
+    bucket is read (and packed) while the caller hands off the previous one. An error of
+    ``items`` is raised here, at its place in the order; closing the result early stops the
+    producer after its next item."""
+    if depth < 1:
+        raise InvariantViolation(f"a prefetch depth must be at least 1, got {depth}")
+    ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                ready.put(item)
+                if stop.is_set():
+                    return
+            ready.put(_END)
+        except BaseException as error:  # re-raised by the consumer
+            ready.put(error)
+
+    producer = threading.Thread(target=produce, name="prefetch", daemon=True)
+    producer.start()
+    try:
+        while (item := ready.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while producer.is_alive():  # unblock a producer waiting on a full queue
+            with contextlib.suppress(queue.Empty):
+                ready.get(timeout=0.05)

@@ -657,10 +657,32 @@ def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: W
         b: "cpu_serialize",
     }
     assert sorted(result.committed) == sorted([a, b])
-    assert result.store_read_bytes == 2 * read  # the sender and the CPU leg, once each
+    assert result.store_read_bytes == read  # the CPU leg read it and fed the sender
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[2]
     assert_every_parameter_checked(world, result)
+
+
+def test_a_coordinator_keeps_its_broadcast_group_across_updates(world: World) -> None:
+    """The second broadcast to the same engines reuses the sender process and the group
+    (its port, its name): no new interpreter, no new rendezvous; closing the coordinator
+    ends the sender and frees the port."""
+    b = world.engines["b"].url
+    results = []
+    with world.coordinator("b") as coordinator:
+        for checkpoint in (1, 2):
+            world.publish(checkpoint)
+            results.append(coordinator.update(MODEL, transport="broadcast", train_gpus="gpu-t0"))
+            assert world.engines["b"].complete(PROMPT) == world.refs[checkpoint]
+        (kept,) = coordinator.senders._kept.values()
+        assert kept.sender.alive()
+    first, second = (r.legs[b] for r in results)
+    assert (first["group_kept"], second["group_kept"]) == (False, True)
+    assert first["port"] == second["port"] == kept.claim.port
+    assert first["bytes"] == second["bytes"] > 0
+    assert results[1].store_read_bytes == results[0].store_read_bytes > 0
+    assert not kept.sender.alive()
+    assert not world.store.exists([port_key("127.0.0.1", kept.claim.port)])[0]
 
 
 @pytest.mark.faults  # make faults; make test keeps tests/transport/test_claims.py's port claims

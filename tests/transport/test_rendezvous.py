@@ -4,6 +4,10 @@ through the slot delivers the generation byte-exactly."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -20,12 +24,16 @@ from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.group import BroadcastGroup, GroupSpec
 from mooncake_rl.transport.layout import receive_layout
-from mooncake_rl.transport.rendezvous import SlotLauncher, close_slot, serve_slot, slot_key
+from mooncake_rl.transport.rendezvous import (
+    RECORDS,
+    SlotLauncher,
+    close_slot,
+    serve_slot,
+    slot_key,
+)
 from mooncake_rl.transport.sender import SenderFailed, SenderSpec
 from mooncake_rl.transport.source import Source
 from tests.conftest import settings_for
-
-RECORDS = ("spec", "beat", "outcome", "closed")
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +85,15 @@ def test_a_sender_that_never_answers_fails_the_coordinators_future(store: StoreC
     launcher.close()
 
 
-def test_the_slot_carries_a_real_broadcast_and_its_outcome(
-    store: StoreClient, master: EmbeddedMaster
+def broadcast_through_slot(
+    store: StoreClient, master: EmbeddedMaster, model: str, port: int
 ) -> None:
     """Trainer side in a thread, one gloo receiver in another: the bytes arrive exactly,
     the coordinator's future resolves with the sender's report, the slot is cleared."""
-    record, tensors = published(store, "slot-broadcast")
-    manifest = GenerationRegistry(store, "slot-broadcast").load_manifest(record.generation)
+    record, tensors = published(store, model)
+    manifest = GenerationRegistry(store, model).load_manifest(record.generation)
     layout = receive_layout(manifest, 1 << 10)
-    slot, port = uuid.uuid4().hex, free_port()
+    slot = uuid.uuid4().hex
     spec = spec_for(record, port)
     received = torch.zeros(layout.total_bytes, dtype=torch.uint8)
 
@@ -112,6 +120,48 @@ def test_the_slot_carries_a_real_broadcast_and_its_outcome(
         landed = received[tensor.offset : tensor.offset + tensor.nbytes]
         assert torch.equal(landed, tensors[tensor.name].reshape(-1).view(torch.uint8))
     assert not any(slot_records(store, slot))
+
+
+def test_the_slot_carries_a_real_broadcast_and_its_outcome(
+    store: StoreClient, master: EmbeddedMaster
+) -> None:
+    broadcast_through_slot(store, master, "slot-broadcast", free_port())
+
+
+def test_a_sigkilled_trainers_slot_is_swept_and_the_next_sync_claims_cleanly(
+    store: StoreClient, master: EmbeddedMaster
+) -> None:
+    """A trainer process (the remote sender) SIGKILLed while it forms the group: the
+    coordinator's future fails, closing the slot sweeps the records the dead trainer would
+    have removed, and the next sync on the same port delivers."""
+    record, _ = published(store, "slot-killed")
+    slot, port = uuid.uuid4().hex, free_port()
+    code = (
+        "import sys\n"
+        "from mooncake_rl.settings import Settings\n"
+        "from mooncake_rl.store import StoreClient\n"
+        "from mooncake_rl.transport.rendezvous import serve_slot\n"
+        "settings = Settings().with_overrides(segment_bytes=0)  # lends no memory\n"
+        "serve_slot(StoreClient(settings), sys.argv[1], settings, 120.0)\n"
+    )
+    env = {**os.environ, **settings_for(master).client_env()}
+    trainer = subprocess.Popen([sys.executable, "-c", code, slot], env=env)
+    try:
+        launcher = SlotLauncher(store, slot, "127.0.0.1")
+        sender = launcher.start(spec_for(record, port, timeout_s=60.0))
+        deadline = time.monotonic() + 120  # a loaded 2-core host starts it slowly
+        while not store.exists([slot_key(slot, "beat")])[0]:  # the trainer waits or sends
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)  # it read the spec and hosts the group's TCP store
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    with pytest.raises(SenderFailed, match="stopped answering"):
+        sender.future.result(timeout=30)
+    launcher.close()
+    assert not any(slot_records(store, slot))
+    broadcast_through_slot(store, master, "slot-after-kill", port)
 
 
 def test_a_sender_that_fails_after_joining_releases_its_receivers_at_once(
