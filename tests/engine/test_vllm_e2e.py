@@ -959,7 +959,9 @@ def test_a_plan_that_covers_every_region_but_reads_nothing_is_refused_at_commit(
         apply = {"session": session, "generation": generation, "stage": 0, "peers": {}}
         assert engine.mooncake("POST", "apply", apply).is_success
         refused = engine.mooncake("POST", "commit", {"session": session, "generation": generation})
-        assert (refused.status_code, refused.json()["error"]) == (409, "unwritten_staging")
+        assert (refused.status_code, refused.json()["error"]) == (409, "unwritten_staging"), (
+            refused.text
+        )
         assert "no read or push of session" in refused.json()["detail"]
         status = engine.mooncake("GET", "status").json()
         assert (status["state"], status["paused"], status["ready"]) == ("applied", False, True)
