@@ -9,7 +9,14 @@ while any engine serves it. The protocol GC's grace period relies on
    (:func:`lease_active`). If more than ``retire_grace_s`` passed between reading the
    active record and writing the lease, GC may already have judged the generation
    removable without seeing the lease: the engine re-reads the active record and retries.
-2. **One lease id per engine.** The loader and the serving renewal task write the same
+2. **The update's own lease.** From prepare to commit or abort, each engine also leases the
+   generation it is being updated to (:func:`update_lease_id`), so GC spares it while
+   engines read it even once it is no longer active: a worker writes it at prepare before it
+   checks the generation's objects are whole, the renewal task renews it while the session
+   holds a prepared generation, and the worker releases it at abort, or at commit once it
+   moved the serving lease onto the generation. A coordinator that dies leaves it to the
+   session's expiry (an abort); an engine that dies, to its TTL.
+3. **One lease id per engine.** The loader and the serving renewal task write the same
    lease record (:func:`engine_identity`), so the renewal task simply continues the lease
    the loader took, and after a commit moves it to the new generation.
 
@@ -64,6 +71,11 @@ class LeaseNotTaken(InvariantViolation):
 
 def lease_id(engine_id: str) -> str:
     return engine_id.replace("/", "_")
+
+
+def update_lease_id(engine_id: str) -> str:
+    """The lease an engine holds on the generation an update brings, beside its serving one."""
+    return f"{lease_id(engine_id)}.update"
 
 
 def engine_identity(host: str | None, port: int | str) -> str:
@@ -138,21 +150,18 @@ async def renew_leases(
     receiver: Receiver, settings: Settings, engine_id: str | None = None
 ) -> None:
     """Renew every ``lease_ttl_s / 3`` seconds, and at once when the served generation
-    changes, for as long as the engine runs; release the lease when cancelled."""
+    changes, for as long as the engine runs; release the lease when cancelled. The update
+    lease is renewed alike while a session holds a prepared generation."""
     store = await asyncio.to_thread(StoreClient, settings.with_overrides(segment_bytes=0))
     book = LeaseBook(store, receiver.model)
     holder = lease_id(engine_id or receiver.backend.engine_id)
-    renewed_for, renewed_at = None, 0.0
+    serving = _Renewal(book, holder, settings.lease_ttl_s)
+    update = _Renewal(book, update_lease_id(engine_id or receiver.backend.engine_id), serving.ttl_s)
     try:
         while True:
-            generation = receiver.generation
-            due = time.monotonic() - renewed_at >= settings.lease_ttl_s / 3
-            if generation > 0 and (due or generation != renewed_for):
-                try:
-                    await asyncio.to_thread(book.renew, holder, generation, settings.lease_ttl_s)
-                    renewed_for, renewed_at = generation, time.monotonic()
-                except Exception:  # the Store may be briefly unreachable; retry next tick
-                    logger.warning("mooncake: lease renewal failed", exc_info=True)
+            await serving.follow(lambda: receiver.generation or None)
+            if receiver.pending is not None:
+                await update.follow(lambda: receiver.pending)
             await asyncio.sleep(min(CHECK_S, settings.lease_ttl_s / 3))
     finally:
         try:
@@ -160,3 +169,27 @@ async def renew_leases(
         except Exception:  # best effort: an unreleased lease expires by itself
             logger.warning("mooncake: lease release failed", exc_info=True)
         await asyncio.to_thread(store.close)
+
+
+class _Renewal:
+    """One lease renewed every third of its TTL, and at once when its generation changes."""
+
+    def __init__(self, book: LeaseBook, holder: str, ttl_s: float) -> None:
+        self.book, self.holder, self.ttl_s = book, holder, ttl_s
+        self.generation: int | None = None
+        self.at = 0.0
+
+    async def follow(self, current: Callable[[], int | None]) -> None:
+        """Renew on ``current()``'s generation when due; if that changed to none while the
+        write ran (the worker released the lease meanwhile), release it again."""
+        generation = current()
+        due = time.monotonic() - self.at >= self.ttl_s / 3
+        if generation is None or not (due or generation != self.generation):
+            return
+        try:
+            await asyncio.to_thread(self.book.renew, self.holder, generation, self.ttl_s)
+            self.generation, self.at = generation, time.monotonic()
+            if current() is None:
+                await asyncio.to_thread(self.book.release, self.holder)
+        except Exception:  # the Store may be briefly unreachable; retry next tick
+            logger.warning("mooncake: renewing lease %s failed", self.holder, exc_info=True)

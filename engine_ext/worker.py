@@ -41,6 +41,7 @@ from engine_ext.admission import (
     prepare_request,
     withdraw,
 )
+from engine_ext.leases import lease_id, update_lease_id
 from engine_ext.loading import mark_served, served_by, served_record, store_weights
 from engine_ext.placement import RegionSpec, assemble_regions
 from engine_ext.receiver import ServedRecord
@@ -55,6 +56,7 @@ from engine_ext.transport import (
     receive_broadcast,
     receive_bucket,
 )
+from engine_ext.written import fill_canary, session_canary, unwritten
 from mooncake_rl.apply.executor import Batch, Peer
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.apply.worker import (
@@ -67,6 +69,7 @@ from mooncake_rl.apply.worker import (
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
+from mooncake_rl.generations.gc import LeaseBook
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.protocol import (
     PLACEMENT_DIGEST,
@@ -119,6 +122,8 @@ class _UpdateState:
         self.peers: PeerBook | None = None
         # The post-landing check's reference, built once every stage ran (``expect``).
         self.check: LandingCheck | None = None
+        # The Store path's staging canary (``engine_ext.written``): what unwritten bytes hold.
+        self.canary: int | None = None
         # A broadcast or CPU-serialized delivery (instead of a routing slice); its buffer is
         # kept for the next one while the size fits.
         self.reception: Reception | None = None
@@ -128,6 +133,28 @@ class _UpdateState:
         # with its reply (again, until the next stage: TP ranks end at different polls).
         self.stage_runner = ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{worker_id}")
         self.running: Future[dict[str, Any]] | None = None
+        # The update lease this worker wrote at prepare (``engine_ext.leases``): its book
+        # and holder, until commit or abort releases it.
+        self.lease: tuple[LeaseBook, str] | None = None
+
+    def lease_update(self, engine_id: str, call: PrepareRequest) -> None:
+        """Lease the generation this update brings, before anything reads it."""
+        book = LeaseBook(self.apply.store, call.model)
+        holder = update_lease_id(engine_id)
+        book.renew(holder, call.generation, self.apply.settings.lease_ttl_s)
+        self.lease = (book, holder)
+
+    def end_lease(self, serving: tuple[str, int] | None = None) -> None:
+        """Release the update lease; ``serving``: (engine id, generation) commit landed, onto
+        which the serving lease moves first, so the generation is never unleased."""
+        if self.lease is None:
+            return
+        book, holder = self.lease
+        if serving is not None:
+            engine_id, generation = serving
+            book.renew(lease_id(engine_id), generation, self.apply.settings.lease_ttl_s)
+        book.release(holder)
+        self.lease = None
 
     @property
     def pending(self) -> bool:
@@ -148,7 +175,7 @@ class _UpdateState:
         if self.session is not None and self.slice is not None:  # a Store-path advert
             withdraw(self.apply.store, self.session, self.apply.worker_id)
         self.slice = self.generation = self.session = self.peers = self.reception = None
-        self.check = None
+        self.check = self.canary = None
         self.stages = self.ran = 0
         self.in_place = {}
 
@@ -307,6 +334,7 @@ class UpdateWorker(ABC):
         clients; the next call opens new ones."""
         if self._update is not None:
             self._update.drop()
+            self._update.end_lease()
             self._update.apply.close()
             self._update.stage_runner.shutdown()
             self._update = None
@@ -361,7 +389,7 @@ class UpdateWorker(ABC):
         """
         state = self._state(engine_id)
         if isinstance(request, Mapping) and request.get("receive") is not None:
-            return self._prepare_reception(state, parsed(PrepareRequest, request))
+            return self._prepare_reception(engine_id, state, parsed(PrepareRequest, request))
         call, raw = prepare_request(request, state.apply.worker_id)
         try:
             worker_slice = decode_slice(raw["slice"])
@@ -381,7 +409,12 @@ class UpdateWorker(ABC):
                 live = self.in_place_parameters()
                 in_place = {n: live[n] for n in worker_slice.regions if n in live}
         check_generation(state.apply.store, call)
-        check_reads(state.apply.store, call.model, call.generation, worker_slice)
+        state.lease_update(engine_id, call)  # then check that what it protects is whole
+        try:
+            check_reads(state.apply.store, call.model, call.generation, worker_slice)
+        except RequestRefused:
+            state.end_lease()
+            raise
         state.drop()  # this update replaces any pending one
 
         sizes = {n: b for n, b in worker_slice.regions.items() if n not in in_place}
@@ -409,6 +442,8 @@ class UpdateWorker(ABC):
         )
         state.arena, state.sizes = arena, sizes
         state.buffers = arena_views(arena, regions)
+        state.canary = session_canary(call.session, call.generation)
+        fill_canary(state.buffers.values(), state.canary)  # before peers learn of it
         state.buffers |= live_bytes
         state.in_place = in_place
         state.slice, state.mode = worker_slice, call.mode
@@ -433,11 +468,15 @@ class UpdateWorker(ABC):
             "staging": place.to_json(),
         }
 
-    def _prepare_reception(self, state: _UpdateState, call: PrepareRequest) -> dict[str, Any]:
-        """A broadcast or CPU-serialized delivery: checked against the generation, its
-        buffer allocated; no Store or Transfer Engine registration, no advertisement."""
+    def _prepare_reception(
+        self, engine_id: str, state: _UpdateState, call: PrepareRequest
+    ) -> dict[str, Any]:
+        """A broadcast or CPU-serialized delivery: checked against the generation and
+        leased, its buffer allocated; no Store or Transfer Engine registration, no
+        advertisement."""
         assert call.receive is not None
         check_generation(state.apply.store, call)
+        state.lease_update(engine_id, call)
         group = call.receive.group
         device = self.device() if group is not None and group.backend == "nccl" else None
         reception = prepare_reception(
@@ -686,6 +725,7 @@ class UpdateWorker(ABC):
         # What a receiver rebuilt on this engine (and its status) starts from.
         mark_served(self.model(), state.record)
         state.drop()
+        state.end_lease((engine_id, generation))
         return {
             "seconds": time.perf_counter() - started,
             "land_seconds": landed - started,
@@ -693,7 +733,8 @@ class UpdateWorker(ABC):
         }
 
     def _landing_check(self, state: _UpdateState) -> LandingCheck:
-        """What every live parameter must hold once the staged generation landed."""
+        """What every live parameter must hold once the staged generation landed; refused
+        unless every staged byte that lands was written in the session."""
         if state.mode == "direct":
             # Bytes received in place were checked against the generation's checksums as
             # they were read; no landing step ran on them to compare.
@@ -705,10 +746,47 @@ class UpdateWorker(ABC):
                 for r in self.regions()[0]
                 if r.name not in expected and r.name not in state.in_place
             )
+            self._require_written(state)
             return self._reference(expected, uncovered, set(state.in_place))
+        self._require_written(state)
         regions, shards = self.regions()
         full = dict(staged_tensors(state.layout, state.buffers))
         return self._reference(*assemble_regions(regions, shards, full))
+
+    def _require_written(self, state: _UpdateState) -> None:
+        """Refuse to land staging unless every byte that lands was written in the session
+        (:mod:`engine_ext.written`)."""
+        if state.canary is not None:
+            left = unwritten(self._landed_spans(state), state.canary)
+            if left:
+                raise RequestRefused(
+                    409,
+                    "unwritten_staging",
+                    f"{len(left)} staged tensors of generation {state.generation} hold bytes "
+                    f"no read or push of session {state.session} wrote (e.g. {left[:3]}): the "
+                    "plan does not deliver them; nothing landed, abort and update again with "
+                    "a plan made by the coordinator",
+                )
+
+    def _landed_spans(self, state: _UpdateState) -> dict[str, torch.Tensor]:
+        """The staged bytes commit lands: each direct box in its parameter's region (not
+        the padding no box covers, nor parameters received in place), each full tensor of
+        the compat or fallback layout."""
+        rows = [*state.layout, *state.fallback]
+        spans = {
+            f"{row['region']}:{name}": tensor
+            for row, (name, tensor) in zip(rows, staged_tensors(rows, state.buffers), strict=True)
+        }
+        if state.mode == "direct":
+            regions, boxes = self.regions()
+            itemsize = {r.name: r.dtype.itemsize for r in regions}
+            for box in boxes:
+                region = state.buffers.get(box.region)
+                if region is None or box.region in state.in_place:
+                    continue
+                end = box.region_offset + math.prod(box.local_shape) * itemsize[box.region]
+                spans[f"{box.region}@{box.region_offset}"] = region[box.region_offset : end]
+        return spans
 
     def _reference(
         self,
@@ -743,6 +821,7 @@ class UpdateWorker(ABC):
     def _abort(self, engine_id: str) -> dict[str, Any]:
         if self._update is not None:
             self._update.drop()
+            self._update.end_lease()
         return {}
 
     def _rebuild(self, engine_id: str, model_name: str) -> dict[str, Any]:
@@ -759,6 +838,7 @@ class UpdateWorker(ABC):
         started = time.perf_counter()
         if self._update is not None:
             self._update.drop()
+            self._update.end_lease()
         full: dict[str, torch.Tensor] = {}
         with store_weights(model_name, engine_id) as (record, tensors):
             self.land_compat(_kept(tensors, full))

@@ -893,3 +893,102 @@ def test_a_request_kept_across_an_update_carries_both_weight_versions(world: Wor
     assert stream.tokens[cut:] == generate(a, PROMPT + stream.tokens[:cut], max_tokens - cut)
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[3]
+
+
+# -- issue 51: the update's target is leased; staging a plan never wrote does not land ------
+class _Stop(Exception):
+    """Ends an update from its progress callback (the coordinator then aborts)."""
+
+
+def test_gc_spares_the_generation_engines_are_updated_to_until_the_update_ends(
+    world: World,
+) -> None:
+    """Between prepare and apply the target is retired by a newer publish and GC runs with
+    no grace: the update leases keep it, and the engines land it; once an update is aborted
+    its target is collected at once."""
+    from mooncake_rl.generations.gc import LeaseBook, collect_garbage
+
+    target = world.publish(1)
+    reports = []
+
+    def retire_and_collect(phase: str) -> None:
+        if phase == "prepare" and not reports:
+            world.publish(2)
+            reports.append(collect_garbage(world.store, MODEL, keep=1, grace_s=0))
+
+    with world.coordinator(progress=retire_and_collect) as coordinator:
+        result = coordinator.update(MODEL, batch_bytes=64 << 10)
+    assert target in reports[0].kept and target not in reports[0].deleted
+    assert sorted(result.committed) == sorted(e.url for e in world.engines.values())
+    for engine in world.engines.values():
+        assert engine.complete(PROMPT) == world.refs[1]
+
+    aborted = world.publish(3)
+
+    def stop(phase: str) -> None:
+        if phase == "prepare":
+            world.publish(0)  # retires the target
+            raise _Stop
+
+    with world.coordinator(progress=stop) as coordinator, pytest.raises(_Stop):
+        coordinator.update(MODEL, batch_bytes=64 << 10)
+    assert aborted not in LeaseBook(world.store, MODEL).live_generations()
+    deadline = time.monotonic() + 30
+    # The survey's reads hold Mooncake read leases a while (OBJECT_HAS_LEASE): GC retries.
+    while aborted not in collect_garbage(world.store, MODEL, keep=1, grace_s=0).deleted:
+        assert time.monotonic() < deadline, f"generation {aborted} was never collected"
+        time.sleep(1)
+    for engine in world.engines.values():  # served generations stay leased and served
+        assert engine.complete(PROMPT) == world.refs[1]
+
+
+def logprobs(engine: VllmServer) -> list[float]:
+    """The greedy completion's log-probabilities: equal only for bit-equal weights."""
+    model = httpx.get(f"{engine.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    reply = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120)
+    return reply.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_a_plan_that_covers_every_region_but_reads_nothing_is_refused_at_commit(
+    world: World,
+) -> None:
+    """TP=1 and TP=2, direct mode staged: a prepare naming every region at its size with no
+    read lands nothing; commit is refused (``unwritten_staging``) before any pause, and the
+    engine serves its generation bit for bit, during the session and after the abort."""
+    generation = world.publish(2)
+    record = GenerationRegistry(world.store, MODEL).active()
+    assert record is not None and record.generation == generation
+    for engine in world.engines.values():
+        served = (engine.complete(PROMPT), logprobs(engine))
+        session = uuid.uuid4().hex
+        assert engine.mooncake("POST", "drain", {"session": session, "holder": "t"}).is_success
+        workers = engine.mooncake("GET", "placement").json()["workers"]
+        routing = {
+            w["worker_id"]: {
+                "slice": encode_slice(
+                    WorkerSlice({n: r["bytes"] for n, r in w["regions"].items()}, ((),))
+                ),
+                "layout": [],
+                "fallback": [],
+            }
+            for w in workers
+        }
+        body = prepare_body(
+            session, record, mode="direct", stages=1, workers=routing, in_place=False
+        )
+        assert engine.mooncake("POST", "prepare", body).is_success
+        apply = {"session": session, "generation": generation, "stage": 0, "peers": {}}
+        assert engine.mooncake("POST", "apply", apply).is_success
+        refused = engine.mooncake("POST", "commit", {"session": session, "generation": generation})
+        assert (refused.status_code, refused.json()["error"]) == (409, "unwritten_staging"), (
+            refused.text
+        )
+        assert "no read or push of session" in refused.json()["detail"]
+        status = engine.mooncake("GET", "status").json()
+        assert (status["state"], status["paused"], status["ready"]) == ("applied", False, True)
+        assert (engine.complete(PROMPT), logprobs(engine)) == served
+        assert engine.mooncake("POST", "abort", {"session": session}).is_success
+        status = engine.mooncake("GET", "status").json()
+        assert status["state"] == "serving" and status["generation"] != generation
+        assert (engine.complete(PROMPT), logprobs(engine)) == served
