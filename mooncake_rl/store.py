@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import random
+import re
 import socket
 import sys
 import threading
@@ -36,7 +37,6 @@ from mooncake_rl.errors import (
     ObjectNotFound,
     mooncake_error,
 )
-from mooncake_rl.generations.keys import regex_literal
 from mooncake_rl.native_logs import native_setup
 from mooncake_rl.services import check_system_libraries, require_etcd
 from mooncake_rl.settings import Settings
@@ -50,6 +50,11 @@ def loopback_transport_env(settings: Settings) -> None:
         os.environ.setdefault("MC_FORCE_TCP", "1")
         if settings.hostname.startswith("127."):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", settings.hostname)
+
+
+def regex_literal(text: str) -> str:
+    """``text`` as a pattern of the master's (ECMAScript) regular expressions."""
+    return re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", text)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.store import regex_literal
 
 NAMESPACE = "mooncake-rl"
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -125,11 +126,6 @@ def session_prefix(session: str) -> str:
 def advert_key(session: str, worker_id: str) -> str:
     """Where a worker advertises, for one session, the regions peers may write into."""
     return session_prefix(session) + worker_id
-
-
-def regex_literal(text: str) -> str:
-    """``text`` as a pattern of the master's (ECMAScript) regular expressions."""
-    return re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", text)
 
 
 def adverts_pattern(worker_id: str) -> str:
