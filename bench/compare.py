@@ -16,6 +16,7 @@ goes to stderr, one JSON document to stdout, and a PNG comparing the approaches 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import time
@@ -162,6 +163,7 @@ def run(config: CompareConfig, step: Step) -> dict[str, Any]:
     approaches["broadcast"] = broadcast_figures(config, published.shapes, model_bytes)
     return {
         "bench": "compare",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "config": {**asdict(config), "out": str(config.out)},
         "machine": {
             "cpus": os.cpu_count(),

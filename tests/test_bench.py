@@ -16,6 +16,7 @@ import pytest
 from bench.broadcast import binomial_tree_sends, broadcast_accounting
 from bench.common import synthetic_model
 from bench.simulate import Cluster, Scenario, Traffic, broadcast_traffic, estimate, simulate
+from bench.tables import render_compare
 from mooncake_rl.plan.shapes import MODELS, instance_parts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,6 +305,13 @@ def test_bench_runs_every_approach_on_real_services(tmp_path: Path) -> None:
         )
     assert result["ceilings"]["memcpy_gbps"] > 0 and result["ceilings"]["raw_te_gbps"] > 0
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+    # docs/performance.md's table comes from this JSON (python -m bench.tables)
+    table = {line.split(" | ")[0]: line.split(" | ")[3:6] for line in render_compare([result])}
+    assert table["| `direct`"] == ["1.00x", "1.00x", "1.00x"]  # reads, pushed, hottest NIC
+    assert table["| `compat`"] == ["1.00x", "3.00x", "1.00x"]
+    assert table["| `naive_store_full`"] == ["4.00x", "0.00x", "2.00x"]
+    assert table["| `broadcast`"] == ["0.00x", "3.00x", "2.00x"]
 
 
 def test_deepseek_v3_shape_matches_its_public_config() -> None:

@@ -211,3 +211,35 @@ def test_bench_dispatches_transports(capsys: pytest.CaptureFixture[str]) -> None
         bench_main(["transports", "--help"])
     assert done.value.code == 0
     assert "mooncake-rl bench transports" in capsys.readouterr().out
+
+
+def test_the_transports_table_is_made_from_the_rows_and_their_ratios() -> None:
+    """``python -m bench.tables``: the page's table comes from the run's JSON, row for row."""
+    from bench.tables import render_transports
+
+    rows = {
+        "store_compat": transport_row(
+            CASE["store_compat"], samples("store_compat", [2.0, 4.0, 3.0], store_read=1000)
+        ),
+        "broadcast": transport_row(
+            CASE["broadcast"], samples("broadcast", [1.0, 9.0, 1.5], store_read=500)
+        ),
+    }
+    run = {
+        "bench": "transports",
+        "date": "2026-12-06T20:00:00+00:00",
+        "machine": {"cpus": 2},
+        "model": {"model_bytes": 5_510_144, "dtype": "float32"},
+        "baseline": BASELINE,
+        "transports": with_ratios(rows),
+    }
+    lines = render_transports([run])
+    assert lines[0] == (
+        "*5,510,144 B float32 model; median (min); 1 run(s) of 2026-12-06T20:00:00+00:00; 2 cores.*"
+    )
+    assert lines[2:] == [
+        "| row | apply s | update s | update vs baseline | Store reads | engine bytes |",
+        "| --- | --- | --- | --- | --- | --- |",
+        "| `store_compat` (baseline) | 3.000 (2.000) | 4.000 (3.000) | 1.00x | 1.00x | 1.00x |",
+        "| `broadcast` | 1.500 (1.000) | 2.500 (2.000) | 0.62x | 0.50x | 1.00x |",
+    ]
