@@ -417,12 +417,13 @@ def test_gc_removes_the_routing_tables_only_collected_generations_had(
         assert layouts[1] != layouts[2] == layouts[3]
         # A table planned from each layout, as the planner keeps them (plan.stored).
         tables = [routing_table_key(layouts[g], f"{g:064x}") for g in (1, 3)]
-        for key in tables:
+        legacy = f"mooncake-rl/_plans/{'ab' * 32}"  # a table as releases before issue 51 kept it
+        for key in [*tables, legacy]:
             store.upsert_bytes(key, b"table")
         time.sleep(5.5)  # past Mooncake's read lease on the freshly written objects
         report = collect_garbage(store, model, keep=1, grace_s=0)
-        assert report.deleted == (1, 2) and report.removed_tables == 1, report
-        assert store.exists(tables) == [False, True]  # the active generation's stays
+        assert report.deleted == (1, 2) and report.removed_tables == 2, report
+        assert store.exists([*tables, legacy]) == [False, True, False]  # the active one's stays
 
 
 def test_gc_keeps_newest_active_and_leased(settings: Settings) -> None:

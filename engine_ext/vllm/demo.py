@@ -1,15 +1,20 @@
 """``make demo``: a trainer publishes, a live vLLM engine switches atomically, narrated.
 
-1. start an embedded mooncake_master and a node segment holder;
+1. start the durable Store as ``mooncake-rl master`` does (etcd, two HA masters logging to
+   it) and a node segment holder;
 2. make a tiny Llama locally; 3. publish it as generation 1;
 4. start vLLM with ``--worker-extension-cls mooncake_rl.Ext --load-format mooncake``;
-5. publish perturbed generations and update through the coordinator (compat, then direct);
+5. publish perturbed generations and update through the coordinator (compat, then direct),
+   SIGKILLing the leading master between the two: the standby takes over with every
+   generation, and nothing is republished;
 6. check each greedy output against a transformers reference of that generation;
 7. print timings and byte counts, and shut everything down.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +25,7 @@ from rich.table import Table
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator
 from mooncake_rl.generations.commands import publish_checkpoint
-from mooncake_rl.services import EmbeddedMaster, SegmentHolder
+from mooncake_rl.services import DurableConfig, DurableStore, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
@@ -32,9 +37,23 @@ def _verdict(output: list[int], reference: list[int]) -> str:
     return f"{output} {'==' if output == reference else '!='} transformers {reference}"
 
 
+def _kill_leader(console: Console, durable: DurableStore) -> None:
+    """SIGKILL the leading master, as a node loss would; its standby replays the log."""
+    leader = durable.wait_for_leader()
+    assert leader.pid is not None
+    os.kill(leader.pid, signal.SIGKILL)
+    killed = time.perf_counter()
+    standby = durable.wait_for_leader(timeout_s=60.0)
+    console.print(
+        f"   [bold]SIGKILLed[/] leader {leader.rpc_address}; standby {standby.rpc_address} "
+        f"leads after {time.perf_counter() - killed:.1f}s with every generation"
+    )
+
+
 def _updates(
     console: Console,
     store: StoreClient,
+    durable: DurableStore,
     engine: VllmServer,
     checkpoints: list[Path],
     refs: list[list[int]],
@@ -43,6 +62,8 @@ def _updates(
     ok = True
     with Coordinator(store, [engine.url]) as coordinator:
         for index, mode in ((1, "compat"), (2, "direct")):
+            if index == 2:
+                _kill_leader(console, durable)
             generation = publish_checkpoint(store, MODEL, checkpoints[index], "float32").generation
             started = time.perf_counter()
             result = coordinator.update(MODEL, mode=mode)
@@ -78,15 +99,23 @@ def run_demo() -> int:
         refs = [hf_greedy(c) for c in checkpoints]
         console.print(f"[bold]1.[/] tiny Llama in {checkpoints[0]} (+2 perturbed next policies)")
         with (
-            EmbeddedMaster() as master,
-            SegmentHolder(master.master_address, master.metadata_url, 256 << 20) as holder,
+            DurableStore(DurableConfig(masters=2, log_dir=root / "logs")) as durable,
+            SegmentHolder(
+                durable.master_address,
+                durable.metadata_url,
+                256 << 20,
+                log_dir=root / "logs",
+                cluster_id=durable.cluster_id,
+            ) as holder,
         ):
             console.print(
-                f"[bold]2.[/] mooncake_master {master.master_address}, segment {holder.segment}"
+                f"[bold]2.[/] durable Store {durable.master_address} (etcd, 2 HA masters), "
+                f"segment {holder.segment}"
             )
             settings = Settings(
-                master=master.master_address,
-                metadata=master.metadata_url,
+                master=durable.master_address,
+                cluster_id=durable.cluster_id,
+                metadata=durable.metadata_url,
                 node="trainer-node",
                 segment_bytes=0,
                 local_segment=holder.segment,
@@ -105,7 +134,7 @@ def run_demo() -> int:
                         f"[bold]4.[/] vLLM loaded generation 1 from the Store in "
                         f"{time.perf_counter() - booted:.0f}s: {_verdict(output, refs[0])}"
                     )
-                    ok &= _updates(console, store, engine, checkpoints, refs)
+                    ok &= _updates(console, store, durable, engine, checkpoints, refs)
     verdict = "[green]all outputs match their references" if ok else "[red]MISMATCH"
     console.print(
         f"[bold]6.[/] stopped everything after {time.perf_counter() - started:.0f}s; {verdict}"

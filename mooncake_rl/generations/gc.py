@@ -31,6 +31,7 @@ from mooncake_rl.generations.keys import (
     fence_key,
     group_id,
     lease_key,
+    legacy_routing_tables_pattern,
     manifest_key,
     routing_tables_prefix,
     segments_key,
@@ -220,7 +221,7 @@ def collect_garbage(
     if rewritten != index:  # every Store write is an entry in a durable Store's etcd log
         registry.write_index(rewritten)
     kept = tuple(sorted(g for g in infos if g not in deleted))
-    tables = _remove_tables(store, registry, layouts, kept)
+    tables = _remove_tables(store, registry, layouts, kept) if deleted else 0
     return GcReport(kept, tuple(deleted), removed, failures, tuple(swept), tables)
 
 
@@ -259,9 +260,9 @@ def _table_sources(
 def _remove_tables(
     store: StoreClient, registry: GenerationRegistry, gone: set[str], kept: Iterable[int]
 ) -> int:
-    """Remove the routing tables planned from sources only collected generations had; a
-    kept generation's manifest is read only while some source is still a candidate (a
-    model whose layout never changes reads none)."""
+    """Remove the routing tables planned from sources only collected generations had, and
+    any a release before issue 51 left; a kept generation's manifest is read only while
+    some source is still a candidate (a model whose layout never changes reads none)."""
     for generation in kept:
         if not gone:
             break
@@ -270,7 +271,8 @@ def _remove_tables(
         except ObjectNotFound:  # unreadable: no engine can load it, nor needs its tables
             continue
         gone -= _table_sources(store, registry, generation, manifest)
-    return sum(store.remove_prefix(routing_tables_prefix(s), force=True) for s in sorted(gone))
+    removed = sum(store.remove_prefix(routing_tables_prefix(s), force=True) for s in sorted(gone))
+    return removed + store.remove_matching(legacy_routing_tables_pattern(), force=True)
 
 
 def _sweep_failed_attempts(

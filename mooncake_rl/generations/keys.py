@@ -90,6 +90,12 @@ def routing_tables_prefix(source_digest: str) -> str:
     return f"{NAMESPACE}/_plans/{source_digest}/"
 
 
+def legacy_routing_tables_pattern() -> str:
+    """Routing tables of releases before issue 51, named by their plan key's digest alone
+    (``mooncake-rl/_plans/<64 hex>``): no release reads them, and no GC knew their layout."""
+    return f"^{regex_literal(NAMESPACE + '/_plans/')}[0-9a-f]{{64}}$"
+
+
 def routing_table_key(source_digest: str, digest: str) -> str:
     """A routing table kept for later processes (``mooncake_rl.plan.stored``), named by the
     digest of its plan key, under its source layout."""
