@@ -66,7 +66,8 @@ def cmd_master(args: argparse.Namespace) -> int:
     """The Store (and a holder) in the foreground; SIGTERM/SIGINT stop all and exit 0.
 
     Durable by default: etcd (embedded unless ``--etcd``) and ``--masters`` HA masters, a
-    dead one replaced by a fresh standby; ``--plain``: one in-memory master, HTTP metadata.
+    dead master replaced by a fresh standby, a dead embedded etcd member restarted;
+    ``--plain``: one in-memory master, HTTP metadata.
     """
     with StopSignals() as stop, contextlib.ExitStack() as running:
         store: DurableStore | EmbeddedMaster
@@ -124,7 +125,7 @@ def _pids(store: DurableStore | EmbeddedMaster) -> dict[str, object]:
 
 def _replacing(store: DurableStore) -> Callable[[], None]:
     def tick() -> None:
-        for event in store.replace_dead_masters():
+        for event in store.heal():
             print(event, file=sys.stderr, flush=True)
 
     return tick

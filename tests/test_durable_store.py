@@ -220,7 +220,9 @@ def test_a_publish_cut_by_a_leader_sigkill_completes_or_reruns(
 @pytest.mark.faults
 def test_a_three_member_etcd_loses_one_member_and_the_leader(tmp_path: Path) -> None:
     """The production layout on loopback: three etcd members, two masters. One etcd member
-    and then the leading master are SIGKILLed; the Store keeps its generation and serves."""
+    is SIGKILLed, a generation published, the member and the standby healed as
+    ``mooncake-rl master`` heals them, then the leader SIGKILLed: the Store keeps that
+    generation and serves."""
     model = "durable-three"
     config = DurableConfig(
         masters=2, etcd_members=3, lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=tmp_path
@@ -242,12 +244,16 @@ def test_a_three_member_etcd_loses_one_member_and_the_leader(tmp_path: Path) -> 
             assert second.generation == first.generation + 1
             leader = durable.leader()
             assert leader is not None
-            # A standby that followed the log through the lost member misses what was logged
-            # after it died (seen here: promoted with the log up to the member's death). A
-            # fresh standby reads the log through a live member.
-            for standby in [m for m in durable.masters if m is not leader]:
-                kill(standby)
-            durable.replace_dead_masters()
+            # What `mooncake-rl master` does every poll: the member restarts from its data,
+            # and the standby that followed the log through it is replaced by a fresh one.
+            standby = next(m for m in durable.masters if m is not leader)
+            events = durable.heal()
+            assert len(events) == 2, events
+            assert events[0].startswith(f"etcd member {member.endpoint} exited"), events
+            assert events[1].startswith(f"standby {standby.rpc_address} replaced by"), events
+            assert standby not in durable.masters and not standby.is_running()
+            assert member.is_running() and durable.leader() is leader
+            assert all(etcd.healthy(m.endpoint) for m in durable.etcd)
             kill(leader)
             assert GenerationRegistry(store, model).active() == second
             assert verify_generation(store, model)["ok"]
@@ -276,3 +282,31 @@ def etcd_children() -> set[int]:
     import psutil
 
     return {p.pid for p in psutil.Process().children(recursive=True) if "etcd" in p.name()}
+
+
+@pytest.mark.faults
+def test_mooncake_rl_master_heals_an_etcd_member_sigkill(tmp_path: Path) -> None:
+    """``mooncake-rl master --etcd-members 3`` goes on serving when one of its etcd members
+    dies: it restarts the member from its data and replaces the standby master."""
+    import psutil
+
+    from mooncake_rl.services import ManagedProcess
+    from tests.test_quick_start import exports_of
+
+    log = tmp_path / "master.log"
+    argv = [sys.executable, "-m", "mooncake_rl.cli", "master", "--etcd-members", "3"]
+    master = ManagedProcess([*argv, "--segment-bytes", "0"], log, {"TMPDIR": str(tmp_path)})
+    try:
+        master.spawn()
+        exported, _ = exports_of(log, master)
+        endpoints = exported["MOONCAKE_RL_MASTER"].removeprefix("etcd://").split(";")
+        assert master.pid is not None
+        members = [p for p in psutil.Process(master.pid).children() if "etcd" in p.name()]
+        assert len(members) == 3
+        members[0].kill()
+        master.wait_until(lambda: "replaced by" in log.read_text(), "the standby's replacement", 60)
+        text = log.read_text()
+        assert "restarted from its data" in text and master.is_running(), text[-3000:]
+        assert all(etcd.healthy(endpoint) for endpoint in endpoints)
+    finally:
+        master.stop(timeout_s=30)

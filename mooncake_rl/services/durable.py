@@ -155,6 +155,44 @@ class DurableStore:
         wait_for(serving, f"leader of Store cluster {self.cluster_id!r}", timeout_s, needed)
         return found[0]
 
+    def heal(self) -> list[str]:
+        """Restart what died: embedded etcd members, then masters; what happened, for the log."""
+        return [*self.restart_dead_members(), *self.replace_dead_masters()]
+
+    def restart_dead_members(self) -> list[str]:
+        """Restart each embedded etcd member that died, then every standby master.
+
+        A standby that followed the log through a member that died misses every later entry
+        (seen here: a leader killed afterwards handed over to such a standby, and what was
+        published after the member's death was lost); a fresh standby reads the log through
+        a live member. The leader keeps leading throughout.
+        """
+        events = []
+        for member in self.etcd:
+            code = member.poll()
+            if code is None:
+                continue
+            member.restart()
+            events.append(
+                f"etcd member {member.endpoint} exited with code {code} (see "
+                f"{member.log_path}); restarted from its data"
+            )
+        if not events:
+            return events
+        leader = self.wait_for_leader()
+        for index, master in enumerate(self.masters):
+            if master is leader:
+                continue
+            master.stop()
+            fresh = EmbeddedMaster(self.config.master_config(self.endpoints))
+            self.masters[index] = fresh
+            fresh.start()
+            events.append(
+                f"standby {master.rpc_address} replaced by {fresh.rpc_address}: it reads the "
+                "log through a live member"
+            )
+        return events
+
     def replace_dead_masters(self) -> list[str]:
         """Start a fresh standby for each master that died; what happened, for the log.
 

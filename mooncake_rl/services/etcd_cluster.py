@@ -83,7 +83,8 @@ class EmbeddedEtcd(Service):
             raise ConfigurationError(
                 f"the durable Store needs etcd; install it: {ETCD_INSTALL_HINT} (or `make sysdeps`)"
             )
-        self.data_dir = Path(tempfile.mkdtemp(prefix="mooncake-rl-etcd-"))
+        if self.data_dir is None:  # a restarted member keeps its data and rejoins with it
+            self.data_dir = Path(tempfile.mkdtemp(prefix="mooncake-rl-etcd-"))
         client_url = f"http://{self.endpoint}"
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.cluster)
         args = [
@@ -114,6 +115,15 @@ class EmbeddedEtcd(Service):
             self.stop()
             raise
         return self
+
+    def restart(self, timeout_s: float = 20.0) -> None:
+        """Start a member that died again, from its own data: it rejoins its cluster and
+        catches up from the others (a lone member's data is the whole log)."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.stop()
+        self.spawn()
+        self.wait_ready(timeout_s)
 
     def stop(self) -> None:
         try:
