@@ -193,10 +193,17 @@ class BridgeConfig:
         return MetricsExport(textfile=Path(textfile) if textfile is not None else None)
 
     def router_spec(self) -> RouterSpec | None:
+        """The router, with the key of its worker API from ``MOONCAKE_RL_ROUTER_API_KEY``
+        (as ``mooncake-rl update --router`` takes it): a secret stays out of the config."""
         if self.router is None:
             return None
-        kind = self.router_kind
-        return RouterSpec(self.router, kind, timeout_s=self.timeout_s)  # type: ignore[arg-type]
+        key = self.settings().router_api_key
+        return RouterSpec(
+            self.router,
+            self.router_kind,  # type: ignore[arg-type]
+            token=key.get_secret_value() if key is not None else None,
+            timeout_s=self.timeout_s,
+        )
 
     def settings(self) -> Settings:
         """Store client settings: environment first, these keys on top; lends no memory.

@@ -169,6 +169,20 @@ def test_engine_urls_accept_a_list_or_a_comma_separated_string() -> None:
     assert listed.config.engine_urls == joined.config.engine_urls == ("http://a:1", "http://b:2")
 
 
+def test_the_router_key_comes_from_the_environment_as_for_the_cli(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import_external_libs("verl_bridge.backend")
+    kwargs = {"bucket_size": 1, "model": "m", "router": "http://r:1"}
+    monkeypatch.delenv("MOONCAKE_RL_ROUTER_API_KEY", raising=False)
+    unkeyed = CheckpointEngineRegistry.new("mooncake_store", **kwargs).config.router_spec()
+    assert unkeyed is not None and unkeyed.token is None
+    monkeypatch.setenv("MOONCAKE_RL_ROUTER_API_KEY", "router-secret")
+    spec = CheckpointEngineRegistry.new("mooncake_store", **kwargs).config.router_spec()
+    assert spec is not None and (spec.url, spec.token) == ("http://r:1", "router-secret")
+    assert "router-secret" not in repr(spec)
+
+
 def test_topology_shares_one_fresh_sync_id_and_checks_the_master() -> None:
     import_external_libs("verl_bridge.backend")
     backend_cls = CheckpointEngineRegistry.get("mooncake_store")
