@@ -72,9 +72,12 @@ test: envs
 	$(SGLANG_PY) -m pytest -q tests/sglang
 
 # The full fault matrix, the soaks and the longer end-to-end variants (`-m faults`); `make
-# test` runs a smoke of each.
+# test` runs a smoke of each. Mooncake's etcd client is one per process and keeps the first
+# etcd it met: a module with a durable Store of its own and in-process clients gets its own run.
+OWN_ETCD_TESTS := tests/faults/test_durable_updates.py
 faults: venv verl-deps
-	$(PY) -m pytest -q -m faults
+	$(PY) -m pytest -q -m faults --ignore=$(OWN_ETCD_TESTS)
+	$(PY) -m pytest -q -m faults $(OWN_ETCD_TESTS)
 
 # One CUDA GPU: the Mooncake wheel for the CUDA build of $(GPU_PY)'s torch (CUDA 12 or 13;
 # exclusive with the CPU wheel) and the update path's pure-Python needs, into $(GPU_SITE),

@@ -143,6 +143,24 @@ def _set_cluster_env(cluster_id: str) -> None:
         )
 
 
+_BOUND_ETCD: list[frozenset[str]] = []
+"""The etcd cluster this process's native clients met first (at most one entry)."""
+
+
+def _require_bound_etcd(master: str) -> frozenset[str]:
+    """The native client's etcd connection is one per process and keeps the first cluster it
+    met (tried here: a client of a second etcd fails setup with -1 even after every client
+    of the first closed); a client of another cluster is refused naming both, not at -1."""
+    endpoints = frozenset(etcd.parse_endpoints(master))
+    if _BOUND_ETCD and _BOUND_ETCD[0] != endpoints:
+        raise ConfigurationError(
+            f"this process's Store clients are bound to etcd {';'.join(sorted(_BOUND_ETCD[0]))} "
+            f"(Mooncake's etcd client is one per process and keeps the first cluster it "
+            f"met); connect to {master} from another process"
+        )
+    return endpoints
+
+
 def _check(code: int, operation: str, context: str = "") -> int:
     if code < 0:
         raise mooncake_error(code, operation, context)
@@ -167,6 +185,7 @@ class StoreClient:
         loopback_transport_env(settings)
         self.durable = settings.master.startswith(etcd.ETCD_SCHEME)
         if self.durable:
+            _require_bound_etcd(settings.master)
             _require_cluster(settings)
             _set_cluster_env(settings.cluster_id)
         else:
@@ -193,6 +212,8 @@ class StoreClient:
                     f"Store setup failed ({code}): is mooncake_master reachable at "
                     f"{settings.master} and metadata at {settings.metadata}?"
                 )
+            if self.durable and not _BOUND_ETCD:
+                _BOUND_ETCD.append(_require_bound_etcd(settings.master))
         self.segment: str = self._store.get_hostname()
         # Where "prefer local" points: this client's own segment, or the node's segment
         # holder when the client lends no memory (short-lived or crash-prone processes).

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.tables import TableError, main, render_load, splice
+from bench.tables import DEFAULT_DOC, RENDERERS, TableError, main, render_load, splice
 
 # Text around a table block: anything but the markers themselves.
 prose = st.text(st.characters(blacklist_characters="<"), max_size=200)
@@ -105,3 +105,9 @@ def test_the_command_writes_checks_and_refuses_bad_json(
         assert main([str(run), "--doc", str(doc)]) == 2
         assert cause in capsys.readouterr().err
         assert doc.read_text() == written
+
+
+def test_the_performance_page_has_one_block_for_every_table() -> None:
+    page = DEFAULT_DOC.read_text()
+    for name in RENDERERS:
+        assert splice(page, name, ["x"]).count("\nx\n") == 1, name

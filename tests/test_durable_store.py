@@ -34,7 +34,7 @@ from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.services import DurableConfig, DurableStore, EmbeddedMaster, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
-from tests.conftest import TEST_LEASE_TTL_MS, trainer_settings
+from tests.conftest import TEST_LEASE_TTL_MS, repo_root, trainer_settings
 
 SEGMENT = 64 << 20
 FAILOVER_BOUND_S = 20.0
@@ -137,6 +137,19 @@ def test_a_cluster_id_the_masters_do_not_run_is_named_at_connect(durable: Durabl
     assert time.monotonic() - started < 5
 
 
+def test_a_second_etcd_in_one_process_is_refused_naming_both(
+    durable: DurableStore, holder: SegmentHolder
+) -> None:
+    """Mooncake's etcd client keeps the first cluster its process met: a client of another
+    is refused before setup, not left to fail with -1."""
+    with StoreClient(trainer_settings(durable, holder, "n")):
+        pass  # this process is bound to the module's etcd from here on, if not before
+    other = Settings(master="etcd://127.0.0.1:9", segment_bytes=0)
+    with pytest.raises(ConfigurationError, match=r"bound to etcd .*another process") as refused:
+        StoreClient(other)
+    assert durable.endpoints.split(";")[0] in str(refused.value)
+
+
 def test_etcd_at_a_dead_endpoint_fails_fast_naming_it(tmp_path: Path) -> None:
     """`mooncake-rl master --etcd` at nothing, and a client pointed at it."""
     from mooncake_rl.services import free_port
@@ -152,10 +165,16 @@ def test_etcd_at_a_dead_endpoint_fails_fast_naming_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and f"no etcd answers at {endpoint}" in done.stderr, done.stderr
     assert time.monotonic() - started < 15  # the interpreter's start included
-    started = time.monotonic()
-    with pytest.raises(ConfigurationError, match=f"no etcd answers at {endpoint}"):
-        StoreClient(Settings(master=f"etcd://{endpoint}", segment_bytes=0))
-    assert time.monotonic() - started < 5
+    started = time.monotonic()  # a client in a fresh process: this one is bound to an etcd
+    done = subprocess.run(
+        [sys.executable, "-m", "mooncake_rl.cli", "status", "--name", "m"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MOONCAKE_RL_MASTER": f"etcd://{endpoint}"},
+    )
+    assert done.returncode == 2 and f"no etcd answers at {endpoint}" in done.stderr, done.stderr
+    assert time.monotonic() - started < 15
 
 
 @pytest.mark.faults
@@ -217,31 +236,73 @@ def test_a_publish_cut_by_a_leader_sigkill_completes_or_reruns(
         assert claim is not None and claim.aborted_at is None
 
 
+THREE_MEMBER_CLIENT = """
+import json, sys, torch
+from mooncake_rl.generations.commands import verify_generation
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient, exit_process
+
+store = StoreClient(Settings(segment_bytes=0, buffer_bytes=16 << 20))
+model, action, scale = "durable-three", sys.argv[1], float(sys.argv[2])
+if action == "publish":
+    tensors = [("embed", torch.arange(4096, dtype=torch.float32) * scale)]
+    print(json.dumps(publish_local(store, model, tensors, dtype="float32").generation))
+else:
+    active = GenerationRegistry(store, model).active()
+    print(json.dumps([active.generation, bool(verify_generation(store, model)["ok"])]))
+store.close()
+exit_process(0)
+"""
+
+
 @pytest.mark.faults
 def test_a_three_member_etcd_loses_one_member_and_the_leader(tmp_path: Path) -> None:
     """The production layout on loopback: three etcd members, two masters. One etcd member
     is SIGKILLed, a generation published, the member and the standby healed as
     ``mooncake-rl master`` heals them, then the leader SIGKILLed: the Store keeps that
-    generation and serves."""
-    model = "durable-three"
+    generation and serves. Its clients run in child processes: this one may be bound to the
+    module's etcd (Mooncake's etcd client is one per process)."""
     config = DurableConfig(
         masters=2, etcd_members=3, lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=tmp_path
     )
     with DurableStore(config) as durable:
         assert len(durable.endpoints.split(";")) == 3
         running = SegmentHolder(
-            durable.master_address, durable.metadata_url, SEGMENT, log_dir=tmp_path
+            durable.master_address,
+            durable.metadata_url,
+            SEGMENT,
+            log_dir=tmp_path,
+            cluster_id=durable.cluster_id,
         )
-        with (
-            running.start() as holder,
-            StoreClient(trainer_settings(durable, holder, "n")) as store,
-        ):
-            first = publish_local(store, model, tensors(1.0), dtype="float32")
+        with running.start() as holder:
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(repo_root()),
+                "MOONCAKE_RL_MASTER": durable.master_address,
+                "MOONCAKE_RL_CLUSTER_ID": durable.cluster_id,
+                "MOONCAKE_RL_METADATA": durable.metadata_url,
+                "MOONCAKE_RL_LOCAL_SEGMENT": holder.segment,
+            }
+
+            def client(*argv: str) -> object:
+                done = subprocess.run(
+                    [sys.executable, "-c", THREE_MEMBER_CLIENT, *argv],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    env=env,
+                )
+                assert done.returncode == 0, done.stderr[-3000:]
+                return json.loads(done.stdout.strip().splitlines()[-1])
+
+            first = client("publish", "1")
             member = durable.etcd[0]
             assert member.pid is not None
             os.kill(member.pid, signal.SIGKILL)
-            second = publish_local(store, model, tensors(2.0), dtype="float32")
-            assert second.generation == first.generation + 1
+            second = client("publish", "2")
+            assert second == first + 1  # type: ignore[operator]
             leader = durable.leader()
             assert leader is not None
             # What `mooncake-rl master` does every poll: the member restarts from its data,
@@ -255,8 +316,7 @@ def test_a_three_member_etcd_loses_one_member_and_the_leader(tmp_path: Path) -> 
             assert member.is_running() and durable.leader() is leader
             assert all(etcd.healthy(m.endpoint) for m in durable.etcd)
             kill(leader)
-            assert GenerationRegistry(store, model).active() == second
-            assert verify_generation(store, model)["ok"]
+            assert client("check", "0") == [second, True]
 
 
 @pytest.mark.parametrize(

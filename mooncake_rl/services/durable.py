@@ -181,16 +181,12 @@ class DurableStore:
             return events
         leader = self.wait_for_leader()
         for index, master in enumerate(self.masters):
-            if master is leader:
-                continue
-            master.stop()
-            fresh = EmbeddedMaster(self.config.master_config(self.endpoints))
-            self.masters[index] = fresh
-            fresh.start()
-            events.append(
-                f"standby {master.rpc_address} replaced by {fresh.rpc_address}: it reads the "
-                "log through a live member"
-            )
+            if master is not leader:
+                fresh = self._replace(index)
+                events.append(
+                    f"standby {master.rpc_address} replaced by {fresh.rpc_address}: it reads "
+                    "the log through a live member"
+                )
         return events
 
     def replace_dead_masters(self) -> list[str]:
@@ -205,15 +201,20 @@ class DurableStore:
             if code is None:
                 continue
             log = master.log_path
-            master.stop()
-            fresh = EmbeddedMaster(self.config.master_config(self.endpoints))
-            self.masters[index] = fresh
-            fresh.start()
+            fresh = self._replace(index)
             events.append(
                 f"mooncake_master {master.rpc_address} exited with code {code} (see {log}); "
                 f"standby {fresh.rpc_address} started in its place"
             )
         return events
+
+    def _replace(self, index: int) -> EmbeddedMaster:
+        """Stop master ``index`` and start a fresh standby in its place."""
+        self.masters[index].stop()
+        fresh = EmbeddedMaster(self.config.master_config(self.endpoints))
+        self.masters[index] = fresh
+        fresh.start()
+        return fresh
 
     def stop(self) -> None:
         """This process's parked clients of the Store, then the masters (their clients'
