@@ -50,7 +50,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]
 
 def _caption(runs: Sequence[Run], what: str) -> str:
     dates = ", ".join(str(run.get("date", "undated")) for run in runs)
-    loads = [run.get("machine", {}).get("load_average_1m") for run in runs]
+    machines = [run.get("machine", {}) for run in runs]
+    loads = [m.get("load_average_1m", m.get("load_average_1m_before")) for m in machines]
     load = ", ".join(str(x) for x in loads if x is not None)
     cpus = runs[0].get("machine", {}).get("cpus")
     host = f"{cpus} cores" + (f", load average {load}" if load else "")

@@ -454,7 +454,9 @@ class World:
             EmbeddedMaster(MasterConfig(lease_ttl_ms=1000, log_dir=logs))
         )
         # Generations alive at once: the newest two, what engines serve or served within
-        # their lease, and those retired within the grace period.
+        # their lease, and those retired within the grace period. An update takes about a
+        # second here, so the default 10 s grace would keep a dozen: a 2 s grace keeps the
+        # count under 8 (the engines' leases guard what they serve whatever the grace).
         segment = 8 * self.model_bytes + (128 << 20)
         holder = self.stack.enter_context(
             SegmentHolder(master.master_address, master.metadata_url, segment, log_dir=logs)
@@ -470,6 +472,7 @@ class World:
             batch_bytes=batch,
             staging_watermark_bytes=max(256 << 20, 2 * batch),
             lease_ttl_s=6.0,
+            retire_grace_s=2.0,
             broadcast_timeout_s=120.0,
         )
         stores = {
