@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -13,6 +15,17 @@ from mooncake_rl.services import EmbeddedMaster, SegmentHolder
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import RangeRead, StoreClient
 from mooncake_rl.units import parse_size as parse_size  # the benches' size flags
+
+
+def cpu_model() -> str:
+    """This host's CPU as /proc/cpuinfo names it (figures from different hosts differ)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def synthetic_model(

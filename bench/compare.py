@@ -36,7 +36,7 @@ from bench.apply import (
     worker_settings,
 )
 from bench.broadcast import broadcast_accounting, run_broadcast
-from bench.common import parse_size, store_services
+from bench.common import cpu_model, parse_size, store_services
 from mooncake_rl.apply.process import WorkerCluster
 from mooncake_rl.progress import progress
 
@@ -167,6 +167,7 @@ def run(config: CompareConfig, step: Step) -> dict[str, Any]:
         "config": {**asdict(config), "out": str(config.out)},
         "machine": {
             "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
             "load_average_1m": round(os.getloadavg()[0], 2),
             "transport": "tcp loopback",
         },

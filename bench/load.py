@@ -76,6 +76,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import cpu_model
 from bench.transports import (
     MODEL,
     BenchInvalid,
@@ -636,7 +637,11 @@ def run(config: LoadConfig) -> dict[str, Any]:
         "bench": "load",
         "date": date,
         "config": {**asdict(config), "root": str(config.root) if config.root else None},
-        "machine": {"cpus": os.cpu_count(), "note": "one host, CPU only, TCP loopback"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
+            "note": "one host, CPU only, TCP loopback",
+        },
         "router": "vllm-router 0.1.17, round_robin",
         "model_bytes": world.model_bytes,
         "idle": idle,

@@ -53,8 +53,9 @@ def _caption(runs: Sequence[Run], what: str) -> str:
     machines = [run.get("machine", {}) for run in runs]
     loads = [m.get("load_average_1m", m.get("load_average_1m_before")) for m in machines]
     load = ", ".join(str(x) for x in loads if x is not None)
-    cpus = runs[0].get("machine", {}).get("cpus")
-    host = f"{cpus} cores" + (f", load average {load}" if load else "")
+    cpus, cpu = machines[0].get("cpus"), machines[0].get("cpu")
+    host = f"{cpus} cores" + (f" ({cpu})" if cpu else "")
+    host += f", load average {load}" if load else ""
     return f"*{what}; {len(runs)} run(s) of {dates}; {host}.*"
 
 

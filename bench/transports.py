@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import parse_size
+from bench.common import cpu_model, parse_size
 
 MODEL = "bench-transports"
 BASELINE = "store_compat"
@@ -635,6 +635,7 @@ def run(config: TransportsConfig) -> dict[str, Any]:
         "config": {**asdict(config), "root": str(config.root) if config.root else None},
         "machine": {
             "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
             "python": platform.python_version(),
             "load_average_1m_before": round(load_before, 2),
             "load_average_1m_after": round(os.getloadavg()[0], 2),
