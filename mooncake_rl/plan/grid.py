@@ -360,17 +360,25 @@ class Lanes:
     lane_r1: np.ndarray
 
 
+def cut_at_breakpoints(
+    group: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Cut each interval ``[lo, hi)`` of its ``group`` at every bound of every interval of
+    that group: ``(owner, piece, bp_group, bp_value)``, where piece ``i`` of interval
+    ``owner[i]`` starts at breakpoint ``piece[i]`` (``bp_group``/``bp_value`` per breakpoint,
+    sorted; a piece ends at the next breakpoint)."""
+    n = len(group)
+    both_group = np.concatenate([group, group])
+    both_value = np.concatenate([lo, hi])
+    key, first = dense_pair_keys(both_group, both_value)
+    k_start, k_end = key[:n], key[n:]
+    owner, within = expand_counts(k_end - k_start)
+    return owner, k_start[owner] + within, both_group[first], both_value[first]
+
+
 def to_lanes(rects: Rects) -> Lanes:
     """Cut rectangles so that rectangles sharing a lane share their row range exactly."""
-    n = len(rects)
-    both_space = np.concatenate([rects.space, rects.space])
-    both_rows = np.concatenate([rects.r0, rects.r1])
-    key, first = dense_pair_keys(both_space, both_rows)
-    k_start, k_end = key[:n], key[n:]
-    bp_space = both_space[first]
-    bp_row = both_rows[first]
-    owner, within = expand_counts(k_end - k_start)
-    lane_key = k_start[owner] + within
+    owner, lane_key, bp_space, bp_row = cut_at_breakpoints(rects.space, rects.r0, rects.r1)
     lane_r0 = bp_row[lane_key]
     shift = lane_r0 - rects.r0[owner]
     strided = rects.strided[owner]
@@ -456,15 +464,7 @@ class Cells:
 
 def elementary_cells(lanes: Lanes) -> Cells:
     """Partition the union into cells at every column breakpoint of every lane."""
-    n = len(lanes.lane)
-    both_lane = np.concatenate([lanes.lane, lanes.lane])
-    both_col = np.concatenate([lanes.c0, lanes.c1])
-    key, first = dense_pair_keys(both_lane, both_col)
-    k_start, k_end = key[:n], key[n:]
-    bp_lane = both_lane[first]
-    bp_col = both_col[first]
-    owner, within = expand_counts(k_end - k_start)
-    cell_key = k_start[owner] + within
+    owner, cell_key, bp_lane, bp_col = cut_at_breakpoints(lanes.lane, lanes.c0, lanes.c1)
     order = stable_order(cell_key)
     owner, cell_key = owner[order], cell_key[order]
     first = group_starts(cell_key)
