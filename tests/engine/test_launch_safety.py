@@ -60,7 +60,7 @@ def test_misconfigured_launch_stops_at_startup(
         model_dir, Settings(), load_from_store=False, log_dir=tmp_path, extra_args=EAGER, **launch
     )
     try:
-        with pytest.raises(ServiceError, match="vLLM server: .* exited early"):
+        with pytest.raises(ServiceError, match=r"vLLM server: .* exited early"):
             server.start()
     finally:
         server.stop()
