@@ -271,9 +271,10 @@ def test_store_refuses_unreachable_master() -> None:
 
 
 def test_missing_system_library_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mooncake_rl import services
+    from mooncake_rl.services import processes
 
-    monkeypatch.setattr(services, "SYSTEM_LIBRARIES", ("libnuma.so.1", "libmooncake-absent.so.9"))
+    absent = ("libnuma.so.1", "libmooncake-absent.so.9")
+    monkeypatch.setattr(processes, "SYSTEM_LIBRARIES", absent)
     with pytest.raises(
         ConfigurationError, match="apt-get install -y libibverbs1 librdmacm1 libnuma1"
     ):
