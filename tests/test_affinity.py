@@ -25,10 +25,22 @@ def test_threads_of_a_client_created_by_a_pinned_thread_may_run_on_every_cpu(
     try:
         with client(settings):
             started = set(os.listdir("/proc/self/task")) - threads_before
-            assert started, "the client starts native threads"
             assert os.sched_getaffinity(0) == {0}
-            assert {tid: os.sched_getaffinity(int(tid)) for tid in started} == dict.fromkeys(
-                started, machine_cpus()
-            )
+            live = live_affinities(started)
+            assert live, "the client keeps native threads running"
+            assert live == dict.fromkeys(live, machine_cpus())
     finally:
         os.sched_setaffinity(0, original)
+
+
+def live_affinities(tids: set[str]) -> dict[str, set[int]]:
+    """The CPUs each thread may run on, for the threads still alive: a native thread that
+    ended between the listing and the query (the Store client starts short-lived ones)
+    runs nowhere, and asking for it raises ProcessLookupError."""
+    found = {}
+    for tid in tids:
+        try:
+            found[tid] = os.sched_getaffinity(int(tid))
+        except ProcessLookupError:
+            continue
+    return found
