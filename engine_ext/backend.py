@@ -76,7 +76,12 @@ class WorkerBackend(ABC):
 
     async def _rpc(self, method: str, *args: Any) -> list[dict[str, Any]]:
         """Every rank's reply; a rank's refusal (bad input, nothing done) becomes a 4xx."""
-        replies = await self.call_workers(method, *args)
+        return self._judged(await self.call_workers(method, *args))
+
+    @staticmethod
+    def _judged(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The replies if every rank succeeded; a 4xx if every rank refused (nothing
+        changed); a failure otherwise."""
         failed = [r for r in replies if not r.get("ok")]
         refused = [r for r in failed if r.get("refused")]
         if refused and len(refused) == len(replies):  # no rank acted: nothing changed
@@ -141,14 +146,16 @@ class WorkerBackend(ABC):
         await self._rpc(method, *args)
         deadline = time.monotonic() + self.rpc_timeout_s
         attempt = 0
-        replies = await self._rpc("collect")
+        # Judged only once no rank runs: a rank that refused early must not be taken for a
+        # split verdict while the others still run towards the same refusal.
+        replies = await self.call_workers("collect")
         while any(r.get("running") for r in replies):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} ran past {self.rpc_timeout_s}s")
             await asyncio.sleep(POLL_S[min(attempt, len(POLL_S) - 1)])
             attempt += 1
-            replies = await self._rpc("collect")
-        return replies
+            replies = await self.call_workers("collect")
+        return self._judged(replies)
 
     async def commit(self, generation: int, weight_version: str) -> dict[str, Any]:
         """Land and check on every rank, drop caches, tag the version, resume; the parts'
