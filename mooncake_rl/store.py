@@ -79,7 +79,8 @@ RECORD_REPLICAS = 3
 as there are segments, so no record depends on one segment when more than one exists."""
 DESCRIPTOR_BATCH = 4096  # keys per batch_get_replica_desc RPC
 DESCRIPTOR_THREADS = 4  # such RPCs in flight at once
-READ_ATTEMPTS = 6  # ranged reads repeated after LEASE_EXPIRED
+READ_ATTEMPTS = 6
+"""Ranged reads repeated after LEASE_EXPIRED: attempts in a row that land nothing."""
 LEASE_EXPIRED = -707
 UPSERT_ATTEMPTS = 8  # upserts repeated after a concurrent upsert of the same key
 ILLEGAL_CLIENT = -601
@@ -507,24 +508,27 @@ class StoreClient:
         call; every byte count is verified.
 
         A read whose object lease expired before it finished (``LEASE_EXPIRED``: a slow read
-        on a loaded host) is repeated a few times; rewriting the same bytes to the same place
-        is harmless, and nothing can have removed a hard-pinned generation meanwhile.
+        on a loaded host) is repeated; rewriting the same bytes to the same place is
+        harmless, and nothing can have removed a hard-pinned generation meanwhile. Each
+        attempt that lands some ranges earns another: only ``READ_ATTEMPTS`` attempts in a
+        row that land nothing give up (a loaded host may land a few ranges per lease).
         """
         pending = {base: list(reads) for base, reads in buffers.items() if reads}
-        total = reread = 0
-        for attempt in range(READ_ATTEMPTS):
+        total = reread = idle = 0
+        while pending:
             expired: dict[int, list[RangeRead]] = defaultdict(list)
+            landed = False
             for base, read, count in self._read_once(pending):
                 if count == read.length:
                     total += count
-                elif count == LEASE_EXPIRED and attempt + 1 < READ_ATTEMPTS:
+                    landed = True
+                elif count == LEASE_EXPIRED and idle + 1 < READ_ATTEMPTS:
                     expired[base].append(read)
                     reread += read.length
                 else:
                     context = f"key={read.key} src={read.src_offset} len={read.length} got={count}"
                     raise mooncake_error(count if count < 0 else -800, "get_into_ranges", context)
-            if not expired:
-                break
+            idle = 0 if landed else idle + 1
             pending = expired
         COUNTERS.add(read=total, reread=reread)
         return total
