@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 from mooncake_rl import etcd
@@ -22,7 +21,7 @@ from mooncake_rl.services.master import (
     EmbeddedMaster,
     MasterConfig,
 )
-from mooncake_rl.services.processes import Service, wait_for
+from mooncake_rl.services.processes import Lifecycle, Service, wait_for
 
 ETCD_CONNECT_S = 3.0
 """How long ``--etcd`` may take to answer before the start fails naming it."""
@@ -68,7 +67,7 @@ class DurableConfig:
         )
 
 
-class DurableStore:
+class DurableStore(Lifecycle):
     """etcd (embedded unless given) and ``masters`` HA masters, one of which leads.
 
     Clients dial ``etcd://<endpoints>`` with ``MC_STORE_CLUSTER_ID`` set to ``cluster_id``
@@ -230,16 +229,9 @@ class DurableStore:
             for member in self.etcd:
                 member.stop()
 
-    def __enter__(self) -> Self:
-        return self.start() if not self.masters else self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
+    @property
+    def started(self) -> bool:
+        return bool(self.masters)
 
 
 def require_etcd(endpoints: str, timeout_s: float = ETCD_CONNECT_S) -> None:

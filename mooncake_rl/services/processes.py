@@ -217,8 +217,34 @@ def service_log_dir(configured: Path | None) -> Path:
     return directory
 
 
-class Service:
-    """Context-manager plumbing shared by the embedded services."""
+class Lifecycle:
+    """``with`` starts what is not started yet and always stops it: the one context-manager
+    shape of every embedded service and of the durable Store made of them."""
+
+    @property
+    def started(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self if self.started else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class Service(Lifecycle):
+    """One embedded service: a managed child process."""
 
     name = "service"
     _process: ManagedProcess | None = None
@@ -245,24 +271,14 @@ class Service:
             raise ServiceError("service not started")
         return self._process.wait(timeout_s)
 
+    @property
+    def started(self) -> bool:
+        return self._process is not None
+
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None:
             process.stop()
-
-    def start(self) -> Self:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self.start() if self._process is None else self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 class Stopped(BaseException):
