@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from mooncake_rl import etcd
-from mooncake_rl.generations.gc import LeaseBook, collect_garbage
+from mooncake_rl.generations.gc import collect_garbage
+from mooncake_rl.generations.leases import lease_book
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.services import DurableConfig, DurableStore, SegmentHolder
@@ -126,7 +127,7 @@ def store_operations(store: StoreClient, repeats: int) -> list[Growth]:
 
 def model_churn(store: StoreClient, repeats: int) -> list[Growth]:
     """Whole generations, and the records a serving engine and the collector rewrite."""
-    book = LeaseBook(store, MODEL)
+    book = lease_book(store, MODEL)
     return [
         measured(
             store,

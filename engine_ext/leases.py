@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 
 from engine_ext.receiver import Receiver
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.gc import Lease, LeaseBook
+from mooncake_rl.generations.leases import Lease, LeaseBook, lease_book
 from mooncake_rl.generations.registry import ActiveRecord, require_active
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
@@ -123,7 +123,7 @@ def lease_active(
     Raises :class:`LeaseNotTaken` after :data:`LEASE_ATTEMPTS` slow tries (a Store so slow
     that a lease write takes longer than the grace cannot protect what is read).
     """
-    book = LeaseBook(store, model)
+    book = lease_book(store, model)
     grace = settings.retire_grace_s
     elapsed = 0.0
     for _ in range(LEASE_ATTEMPTS):
@@ -153,7 +153,7 @@ async def renew_leases(
     changes, for as long as the engine runs; release the lease when cancelled. The update
     lease is renewed alike while a session holds a prepared generation."""
     store = await asyncio.to_thread(StoreClient, settings.with_overrides(segment_bytes=0))
-    book = LeaseBook(store, receiver.model)
+    book = lease_book(store, receiver.model)
     holder = lease_id(engine_id or receiver.backend.engine_id)
     serving = _Renewal(book, holder, settings.lease_ttl_s)
     update = _Renewal(book, update_lease_id(engine_id or receiver.backend.engine_id), serving.ttl_s)

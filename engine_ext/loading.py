@@ -24,7 +24,7 @@ from engine_ext.leases import (
 )
 from engine_ext.receiver import ServedRecord
 from mooncake_rl.errors import ConfigurationError
-from mooncake_rl.generations.gc import LeaseBook
+from mooncake_rl.generations.leases import lease_book
 from mooncake_rl.generations.registry import ActiveRecord
 from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.settings import Settings
@@ -67,7 +67,7 @@ def store_weights(
                 f"the active generation of {model_name} kept moving while leasing it"
             )
         yield record, _leased(store, model_name, holder, record.generation, settings, tensors)
-        LeaseBook(store, model_name).renew(
+        lease_book(store, model_name).renew(
             lease_id(holder), record.generation, settings.lease_ttl_s * STARTUP_HOLD_TTLS
         )
 
@@ -81,7 +81,7 @@ def _leased(
     tensors: Iterator[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors, renewing the lease whenever a third of its TTL passed (long loads)."""
-    book = LeaseBook(store, model_name)
+    book = lease_book(store, model_name)
     renewed = time.monotonic()
     for item in tensors:
         if time.monotonic() - renewed >= settings.lease_ttl_s / 3:

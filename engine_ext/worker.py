@@ -69,7 +69,7 @@ from mooncake_rl.apply.worker import (
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
-from mooncake_rl.generations.gc import LeaseBook
+from mooncake_rl.generations.leases import LeaseBook, lease_book
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.protocol import (
     PLACEMENT_DIGEST,
@@ -139,7 +139,7 @@ class _UpdateState:
 
     def lease_update(self, engine_id: str, call: PrepareRequest) -> None:
         """Lease the generation this update brings, before anything reads it."""
-        book = LeaseBook(self.apply.store, call.model)
+        book = lease_book(self.apply.store, call.model)
         holder = update_lease_id(engine_id)
         book.renew(holder, call.generation, self.apply.settings.lease_ttl_s)
         self.lease = (book, holder)

@@ -3,10 +3,12 @@
 Endpoints string (``h:p;h:p``) → :func:`parse_endpoints` → one HTTP POST per question to the
 first member that answers → decoded keys and values. Mooncake's HA masters elect a leader by
 holding ``mooncake-store/<cluster_id>/master_view`` (its RPC ``host:port``) on an etcd lease,
-and write their operation log under ``/oplog/<cluster_id>/``; nothing else here writes etcd.
-Used by the services that start the Store (is etcd up, who leads), by the Store client (does
-the cluster it was told to use exist, is etcd out of space) and by ``mooncake-rl status`` (how
-big the log grew).
+and write their operation log under ``/oplog/<cluster_id>/``. Used by the services that start
+the Store (is etcd up, who leads), by the Store client (does the cluster it was told to use
+exist, is etcd out of space), by ``mooncake-rl status`` (how big the log grew), and by the
+serving leases of a durable Store (:mod:`mooncake_rl.generations.leases`): the one thing this
+project writes to etcd itself, as keys on etcd leases, because a keep-alive adds nothing to
+etcd's history while a renewed Store record adds to the never-pruned operation log.
 """
 
 from __future__ import annotations
@@ -204,3 +206,35 @@ def out_of_space(endpoints: str, timeout_s: float = 2.0) -> bool:
     and it refuses every write until the alarm is cleared."""
     reply = _ask(endpoints, "/v3/maintenance/alarm", {"action": "GET"}, timeout_s)
     return any(alarm.get("alarm") == "NOSPACE" for alarm in reply.get("alarms") or [])
+
+
+def grant(endpoints: str, ttl_s: int, timeout_s: float = 2.0) -> int:
+    """A fresh etcd lease of ``ttl_s`` seconds (etcd may raise it to its minimum); its id."""
+    return int(_ask(endpoints, "/v3/lease/grant", {"TTL": ttl_s}, timeout_s)["ID"])
+
+
+def keep_alive(endpoints: str, lease: int, timeout_s: float = 2.0) -> bool:
+    """Restart ``lease``'s TTL; False when etcd no longer has it (it expired or was revoked,
+    and its keys are gone). Adds no revision: nothing in etcd's history grows."""
+    reply = _ask(endpoints, "/v3/lease/keepalive", {"ID": str(lease)}, timeout_s)
+    return int(reply.get("result", {}).get("TTL", 0)) > 0
+
+
+def put(endpoints: str, key: str, value: str, lease: int, timeout_s: float = 2.0) -> None:
+    """Write ``key`` attached to ``lease``: etcd deletes it when the lease ends."""
+    body = {"key": _b64(key), "value": _b64(value), "lease": str(lease)}
+    _ask(endpoints, "/v3/kv/put", body, timeout_s)
+
+
+def delete(endpoints: str, key: str, timeout_s: float = 2.0) -> None:
+    _ask(endpoints, "/v3/kv/deleterange", {"key": _b64(key)}, timeout_s)
+
+
+def prefixed(endpoints: str, prefix: str, timeout_s: float = 2.0) -> dict[str, str]:
+    """Every key under ``prefix`` and its value."""
+    body = {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
+    kvs = _ask(endpoints, "/v3/kv/range", body, timeout_s).get("kvs") or []
+    return {
+        base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode()
+        for kv in kvs
+    }

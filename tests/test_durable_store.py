@@ -28,6 +28,8 @@ import torch
 from mooncake_rl import etcd
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations.commands import verify_generation
+from mooncake_rl.generations.gc import collect_garbage
+from mooncake_rl.generations.leases import EtcdLeaseBook, lease_book
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry, Incarnation
 from mooncake_rl.generations.weights import active_weights
@@ -127,6 +129,30 @@ def test_status_reports_how_full_etcd_is_and_the_program_ends_at_once(
     usage = json.loads(done.stdout)["etcd"]
     assert usage["quota_bytes"] == 2 << 30 and 0 < usage["db_bytes"] < usage["quota_bytes"]
     assert usage["keys"] > 0 and 0 <= usage["quota_fraction"] < 0.01
+
+
+def test_leases_live_in_etcd_and_gc_keeps_what_they_name(
+    durable: DurableStore, holder: SegmentHolder
+) -> None:
+    """On a durable Store the serving leases are etcd keys: renewals add nothing to the
+    operation log, GC keeps the generation a lease names and collects it once released."""
+    model = "durable-leases"
+    with StoreClient(trainer_settings(durable, holder, "node0")) as store:
+        first = publish_local(store, model, tensors(1.0), dtype="float32", keep=None)
+        book = lease_book(store, model)
+        assert isinstance(book, EtcdLeaseBook)
+        book.renew("engine-0", first.generation, ttl_s=60)
+        logged = etcd.log_size(durable.endpoints, durable.cluster_id)
+        for _ in range(5):
+            book.renew("engine-0", first.generation, ttl_s=60)
+        assert etcd.log_size(durable.endpoints, durable.cluster_id) == logged
+        for scale in (2.0, 3.0):
+            publish_local(store, model, tensors(scale), dtype="float32", keep=None)
+        time.sleep(5.5)  # past Mooncake's read lease on the freshly written objects
+        report = collect_garbage(store, model, keep=1, grace_s=0)
+        assert (report.kept, report.deleted) == ((1, 3), (2,)), report
+        book.release("engine-0")
+        assert collect_garbage(store, model, keep=1, grace_s=0).deleted == (1,)
 
 
 def test_a_cluster_id_the_masters_do_not_run_is_named_at_connect(durable: DurableStore) -> None:
@@ -239,6 +265,8 @@ def test_a_publish_cut_by_a_leader_sigkill_completes_or_reruns(
 THREE_MEMBER_CLIENT = """
 import json, sys, torch
 from mooncake_rl.generations.commands import verify_generation
+from mooncake_rl.generations.gc import collect_garbage
+from mooncake_rl.generations.leases import EtcdLeaseBook, lease_book
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.settings import Settings
@@ -370,3 +398,37 @@ def test_mooncake_rl_master_heals_an_etcd_member_sigkill(tmp_path: Path) -> None
         assert all(etcd.healthy(endpoint) for endpoint in endpoints)
     finally:
         master.stop(timeout_s=30)
+
+
+def test_heal_names_a_given_etcd_member_that_stops_answering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mooncake-rl master --etcd ENDPOINTS``: a member that is not ours is not restarted,
+    but ``heal`` (the master's poll) names it when it stops answering, keeps the standbys
+    while no quorum answers, and says when it answers again; the masters keep running."""
+    import mooncake_rl.services.durable as durable_module
+    from mooncake_rl.services import EmbeddedEtcd, etcd_members
+
+    monkeypatch.setattr(durable_module, "GIVEN_LOOK_S", 0.0)  # every poll looks
+    member = etcd_members(1)[0]
+    with EmbeddedEtcd(member, (member,), tmp_path) as given:
+        config = DurableConfig(
+            etcd=given.endpoint, masters=1, lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=tmp_path
+        )
+        with DurableStore(config) as store:
+            assert store.heal() == []
+            assert given.pid is not None
+            os.kill(given.pid, signal.SIGKILL)
+            assert given.wait(10) == -signal.SIGKILL
+            events = store.heal()
+            assert events[0].startswith(
+                f"etcd member {given.endpoint} (given with --etcd) stopped answering"
+            ), events
+            assert events[1].startswith("standbys kept: no etcd member answers"), events
+            assert len(events) == 2 and store.masters[0].is_running()
+            assert store.heal() == []  # named once
+            given.restart()
+            assert store.heal() == [
+                f"etcd member {given.endpoint} (given with --etcd) answers again"
+            ]
+            assert store.wait_for_leader() is store.masters[0]

@@ -22,7 +22,7 @@ from mooncake_rl.generations import (
 )
 from mooncake_rl.generations.catalog import build_manifest
 from mooncake_rl.generations.checksums import ChecksumTable
-from mooncake_rl.generations.gc import LeaseBook, collect_garbage
+from mooncake_rl.generations.gc import collect_garbage
 from mooncake_rl.generations.keys import (
     group_id,
     payload_key,
@@ -31,6 +31,7 @@ from mooncake_rl.generations.keys import (
     routing_table_key,
 )
 from mooncake_rl.generations.layout import layout_digest
+from mooncake_rl.generations.leases import lease_book
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, object_extents, pack_name
 from mooncake_rl.generations.publisher import PublishFailed, publish_local, start_attempt
 from mooncake_rl.generations.registry import FenceError
@@ -431,7 +432,7 @@ def test_gc_keeps_newest_active_and_leased(settings: Settings) -> None:
     with StoreClient(settings) as store:
         for value in range(1, 6):
             publish_local(store, model, [("w", torch.full((8,), float(value)))], keep=None)
-        leases = LeaseBook(store, model)
+        leases = lease_book(store, model)
         leases.renew("engine-old", 1, ttl_s=60)
         leases.renew("engine-expired", 2, ttl_s=-1)
         # Within the grace period nothing retired goes: a reader may be taking its lease.

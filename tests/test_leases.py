@@ -18,8 +18,9 @@ import torch
 from engine_ext.leases import ENGINE_ID_ENV, LeaseNotTaken, lease_active, loader_engine_id
 from engine_ext.loading import store_weights
 from mooncake_rl.counters import COUNTERS
-from mooncake_rl.generations.gc import LeaseBook, collect_garbage
+from mooncake_rl.generations.gc import collect_garbage
 from mooncake_rl.generations.keys import group_id, manifest_key
+from mooncake_rl.generations.leases import lease_book
 from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import FENCES_KEPT, GenerationRegistry
@@ -77,7 +78,7 @@ def test_loader_leases_before_reading_and_keeps_the_lease(
     model = "lease-reader"
     with StoreClient(settings) as store:
         publish_local(store, model, weights(1.0), keep=None)
-        book = LeaseBook(store, model)
+        book = lease_book(store, model)
         with store_weights(model, engine_id="engine-a") as (record, tensors):
             # The manifest is read, no payload yet: the lease is already there.
             lease = book.leases()["engine-a"]
@@ -120,7 +121,7 @@ def test_gc_spares_leased_and_recently_retired_generations(settings: Settings) -
     with StoreClient(settings) as store:
         for value in range(1, 6):
             publish_local(store, model, weights(float(value)), keep=None)
-        LeaseBook(store, model).renew("engine-old", 2, ttl_s=60)
+        lease_book(store, model).renew("engine-old", 2, ttl_s=60)
         time.sleep(READ_LEASE_S)
         # Everything retired moments ago stays while the grace lasts.
         assert collect_garbage(store, model, keep=1, grace_s=3600).deleted == ()
@@ -132,7 +133,7 @@ def test_gc_spares_leased_and_recently_retired_generations(settings: Settings) -
         report = collect_garbage(store, model, keep=1, grace_s=0)
         assert report.deleted == (1, 3, 4) and report.kept == (2, 5), report
         assert store.exists([manifest_key(group_id(model, 2))])[0]
-        LeaseBook(store, model).release("engine-old")
+        lease_book(store, model).release("engine-old")
 
 
 def test_racing_renewals_keep_both_engines_listed(settings: Settings) -> None:
@@ -144,12 +145,12 @@ def test_racing_renewals_keep_both_engines_listed(settings: Settings) -> None:
     def engine(name: str, generation: int) -> None:
         try:
             with StoreClient(settings.with_overrides(segment_bytes=0)) as client:
-                book = LeaseBook(client, model)
+                book = lease_book(client, model)
                 barrier.wait()
                 for _ in range(10):
                     book.renew(name, generation, ttl_s=60)
                     # Every renewal returns with the lease visible to GC.
-                    assert name in LeaseBook(client, model).leases()
+                    assert name in lease_book(client, model).leases()
         except BaseException as error:  # reported to the test thread
             errors.append(error)
 
@@ -162,7 +163,7 @@ def test_racing_renewals_keep_both_engines_listed(settings: Settings) -> None:
         for thread in threads:
             thread.join()
         assert not errors, errors
-        book = LeaseBook(store, model)
+        book = lease_book(store, model)
         assert {n: lease.generation for n, lease in book.leases().items()} == {"e1": 1, "e2": 2}
         time.sleep(READ_LEASE_S)
         report = collect_garbage(store, model, keep=1, grace_s=0)
@@ -202,7 +203,7 @@ def hold_and_read(env: dict[str, str], model: str, stop: object, out: object) ->
     with store_weights(model, engine_id="soak-reader") as (record, tensors):
         expected = {name: tensor.clone() for name, tensor in tensors}
     with StoreClient(settings.with_overrides(segment_bytes=0)) as store:
-        book = LeaseBook(store, model)
+        book = lease_book(store, model)
         registry = GenerationRegistry(store, model)
         manifest = registry.load_manifest(record.generation, record.manifest_digest)
         while stop.empty():  # type: ignore[attr-defined]

@@ -1,17 +1,13 @@
-"""Serving leases and garbage collection of old generations.
+"""Garbage collection of old generations.
 
-Engines renew a lease record naming the generation they serve; GC keeps the newest K
-generations, the active one, and every generation under an unexpired lease. Lease expiry
-uses wall-clock time, so engine and GC hosts need synchronized clocks (NTP).
-
-The Store has no key listing, so lease holders are found through the model's engine slots
-(:class:`LeaseBook`), each created exclusively, so concurrent registrations never lose one
-another.
+GC keeps the newest K generations, the active one, and every generation a serving or update
+lease names (:mod:`.leases`); it removes the rest once they have been retired for the grace
+period, with what failed publish attempts left and the routing tables no kept generation
+uses.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -20,23 +16,20 @@ from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import (
     InvariantViolation,
-    MooncakeError,
-    ObjectAlreadyExists,
     ObjectNotFound,
 )
 from mooncake_rl.generations.keys import (
     checksums_key,
     claim_key,
-    engines_key,
     fence_key,
     group_id,
-    lease_key,
     legacy_routing_tables_pattern,
     manifest_key,
     routing_tables_prefix,
     segments_key,
 )
 from mooncake_rl.generations.layout import SegmentMap, layout_digest, located_digest
+from mooncake_rl.generations.leases import lease_book
 from mooncake_rl.generations.registry import (
     FENCES_KEPT,
     ActiveRecord,
@@ -45,16 +38,6 @@ from mooncake_rl.generations.registry import (
     GenerationRegistry,
 )
 from mooncake_rl.store import StoreClient
-
-
-@dataclass(frozen=True)
-class Lease:
-    engine_id: str
-    generation: int
-    expires_at: float
-
-    def live(self, now: float) -> bool:
-        return self.expires_at > now
 
 
 def plan_gc(
@@ -66,98 +49,6 @@ def plan_gc(
     ordered = sorted(set(generations), reverse=True)
     protected = set(ordered[:keep]) | set(leased) | ({active} if active is not None else set())
     return sorted(g for g in ordered if g not in protected)
-
-
-ENGINE_SLOT_PROBE = 64
-"""Engine slots probed per existence check when listing lease holders."""
-
-
-class LeaseBook:
-    """Reads and writes one model's serving leases.
-
-    Lease holders are found through engine slots: ``engines/1``, ``engines/2``, ... each
-    created exclusively (the master arbitrates) and naming one engine, so two engines that
-    register at once both get listed, and a lease is visible to GC as soon as ``renew``
-    returns. Slots are never removed (a restarted engine finds and reuses its own).
-    """
-
-    def __init__(self, store: StoreClient, model: str) -> None:
-        self.store = store
-        self.model = model
-        self._registered: set[str] = set()
-
-    def _slot(self, number: int) -> str:
-        return f"{engines_key(self.model)}/{number}"
-
-    def _slot_owner(self, number: int) -> str | None:
-        for _ in range(20):  # a slot being created is briefly not readable yet
-            try:
-                return self.store.get_bytes(self._slot(number)).decode()
-            except ObjectNotFound:
-                return None
-            except MooncakeError:
-                time.sleep(0.01)
-        return None
-
-    def _slots(self) -> list[str | None]:
-        """Every slot's engine (None: unreadable), in slot order."""
-        owners: list[str | None] = []
-        start = 1
-        while True:
-            numbers = range(start, start + ENGINE_SLOT_PROBE)
-            present = self.store.exists([self._slot(n) for n in numbers])
-            for number, exists in zip(numbers, present, strict=True):
-                if not exists:
-                    return owners
-                owners.append(self._slot_owner(number))
-            start += ENGINE_SLOT_PROBE
-
-    def _engines(self) -> list[str]:
-        return sorted({owner for owner in self._slots() if owner})
-
-    def _register(self, engine_id: str) -> None:
-        if engine_id in self._registered:
-            return
-        while True:
-            owners = self._slots()
-            if engine_id in owners:
-                break
-            try:
-                self.store.create_exclusive(self._slot(len(owners) + 1), engine_id.encode())
-                break
-            except ObjectAlreadyExists:
-                continue  # another engine took that slot first: look again
-        self._registered.add(engine_id)
-
-    def renew(
-        self, engine_id: str, generation: int, ttl_s: float, now: float | None = None
-    ) -> Lease:
-        if not engine_id or "/" in engine_id:
-            raise InvariantViolation(f"engine id {engine_id!r} must be non-empty without '/'")
-        lease = Lease(engine_id, generation, (now or time.time()) + ttl_s)
-        self.store.upsert_bytes(
-            lease_key(self.model, engine_id), json.dumps(lease.__dict__).encode()
-        )
-        self._register(engine_id)
-        return lease
-
-    def release(self, engine_id: str) -> None:
-        self.store.remove([lease_key(self.model, engine_id)], force=True)
-
-    def leases(self) -> dict[str, Lease]:
-        found: dict[str, Lease] = {}
-        for engine_id in self._engines():
-            try:
-                found[engine_id] = Lease(
-                    **json.loads(self.store.get_bytes(lease_key(self.model, engine_id)))
-                )
-            except ObjectNotFound:
-                continue
-        return found
-
-    def live_generations(self, now: float | None = None) -> set[int]:
-        moment = time.time() if now is None else now
-        return {lease.generation for lease in self.leases().values() if lease.live(moment)}
 
 
 @dataclass(frozen=True)
@@ -196,7 +87,7 @@ def collect_garbage(
     registry = GenerationRegistry(store, model)
     active = registry.active()
     index = registry.index()
-    leased = LeaseBook(store, model).live_generations(moment)
+    leased = lease_book(store, model).live_generations(moment)
     candidates = plan_gc(
         (i.generation for i in index.generations),
         active.generation if active else None,

@@ -114,6 +114,11 @@ def lease_key(model: str, engine_id: str) -> str:
     return f"{model_prefix(model)}/lease/{engine_id}"
 
 
+def etcd_leases_prefix(cluster_id: str, model: str) -> str:
+    """Where a durable Store's serving leases live in its etcd (keys, not Store objects)."""
+    return f"{NAMESPACE}/{cluster_id}/{check_model_name(model)}/leases/"
+
+
 def engines_key(model: str) -> str:
     return f"{model_prefix(model)}/engines"
 

@@ -7,6 +7,7 @@ a standby that takes over replays the log, so no object is lost with a master
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,12 @@ class DurableConfig:
         )
 
 
+GIVEN_LOOK_S = 2.0
+"""How often ``heal`` asks each member of a given etcd whether it answers."""
+LEADER_WAIT_S = 30.0
+"""How long ``heal`` waits for a leader before it replaces standbys."""
+
+
 class DurableStore(Lifecycle):
     """etcd (embedded unless given) and ``masters`` HA masters, one of which leads.
 
@@ -80,6 +87,9 @@ class DurableStore(Lifecycle):
         self.etcd: list[EmbeddedEtcd] = []
         self.endpoints = ""
         self.masters: list[EmbeddedMaster] = []
+        self._silent: set[str] = set()
+        """Members of a given etcd (``--etcd``) that stopped answering: not ours to restart."""
+        self._looked_at = -math.inf
 
     @property
     def master_address(self) -> str:
@@ -159,26 +169,31 @@ class DurableStore(Lifecycle):
         return [*self.restart_dead_members(), *self.replace_dead_masters()]
 
     def restart_dead_members(self) -> list[str]:
-        """Restart each embedded etcd member that died, then every standby master.
+        """Restart each embedded etcd member that died, or name each member of a given etcd
+        that stopped answering, then replace every standby master.
 
         A standby that followed the log through a member that died misses every later entry
         (seen here: a leader killed afterwards handed over to such a standby, and what was
         published after the member's death was lost); a fresh standby reads the log through
         a live member. The leader keeps leading throughout.
         """
-        events = []
+        lost, back = self._given_members()
         for member in self.etcd:
             code = member.poll()
             if code is None:
                 continue
             member.restart()
-            events.append(
+            lost.append(
                 f"etcd member {member.endpoint} exited with code {code} (see "
                 f"{member.log_path}); restarted from its data"
             )
-        if not events:
+        events = [*lost, *back]
+        if not lost:
             return events
-        leader = self.wait_for_leader()
+        try:
+            leader = self.wait_for_leader(LEADER_WAIT_S)
+        except (ServiceError, ConfigurationError) as error:  # no quorum: nothing reads the log
+            return [*events, f"standbys kept: {error}"]
         for index, master in enumerate(self.masters):
             if master is not leader:
                 fresh = self._replace(index)
@@ -187,6 +202,27 @@ class DurableStore(Lifecycle):
                     "the log through a live member"
                 )
         return events
+
+    def _given_members(self) -> tuple[list[str], list[str]]:
+        """Members of a given etcd (``--etcd``) that stopped answering since the last look,
+        and those that answer again; looked at every ``GIVEN_LOOK_S`` at most."""
+        if self.config.etcd is None or time.monotonic() - self._looked_at < GIVEN_LOOK_S:
+            return [], []
+        self._looked_at = time.monotonic()
+        lost, back = [], []
+        for endpoint in etcd.parse_endpoints(self.endpoints):
+            answers = etcd.healthy(endpoint)
+            if not answers and endpoint not in self._silent:
+                self._silent.add(endpoint)
+                lost.append(
+                    f"etcd member {endpoint} (given with --etcd) stopped answering: it is not "
+                    "ours to restart, restart it where it runs; the Store serves while a "
+                    "majority of its members answers"
+                )
+            elif answers and endpoint in self._silent:
+                self._silent.discard(endpoint)
+                back.append(f"etcd member {endpoint} (given with --etcd) answers again")
+        return lost, back
 
     def replace_dead_masters(self) -> list[str]:
         """Start a fresh standby for each master that died; what happened, for the log.

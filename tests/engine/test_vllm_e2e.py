@@ -372,11 +372,11 @@ def test_prepare_failure_keeps_every_engine_on_its_generation(world: World) -> N
 
 
 def test_engines_hold_leases_on_what_they_serve(world: World) -> None:
-    from mooncake_rl.generations.gc import LeaseBook
+    from mooncake_rl.generations.leases import lease_book
 
     deadline = time.monotonic() + 30
     while True:
-        leases = LeaseBook(world.store, MODEL).leases()
+        leases = lease_book(world.store, MODEL).leases()
         served = {lease.generation for lease in leases.values() if lease.live(time.time())}
         if len(leases) == 2 and served == {3}:
             break
@@ -906,7 +906,8 @@ def test_gc_spares_the_generation_engines_are_updated_to_until_the_update_ends(
     """Between prepare and apply the target is retired by a newer publish and GC runs with
     no grace: the update leases keep it, and the engines land it; once an update is aborted
     its target is collected at once."""
-    from mooncake_rl.generations.gc import LeaseBook, collect_garbage
+    from mooncake_rl.generations.gc import collect_garbage
+    from mooncake_rl.generations.leases import lease_book
 
     target = world.publish(1)
     reports = []
@@ -932,7 +933,7 @@ def test_gc_spares_the_generation_engines_are_updated_to_until_the_update_ends(
 
     with world.coordinator(progress=stop) as coordinator, pytest.raises(_Stop):
         coordinator.update(MODEL, batch_bytes=64 << 10)
-    assert aborted not in LeaseBook(world.store, MODEL).live_generations()
+    assert aborted not in lease_book(world.store, MODEL).live_generations()
     deadline = time.monotonic() + 30
     # The survey's reads hold Mooncake read leases a while (OBJECT_HAS_LEASE): GC retries.
     while aborted not in collect_garbage(world.store, MODEL, keep=1, grace_s=0).deleted:

@@ -23,7 +23,7 @@ from engine_ext.loading import served_by
 from engine_ext.receiver import ServedRecord
 from engine_ext.sglang.plugins import EngineRoutes
 from mooncake_rl.generations.commands import checkpoint_tensors
-from mooncake_rl.generations.gc import LeaseBook
+from mooncake_rl.generations.leases import LeaseBook, lease_book
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
@@ -66,7 +66,7 @@ def test_sglang_engine_leases_what_it_loads_and_serves(
         generation = publish_local(
             store, MODEL, checkpoint_tensors(directory), dtype="float32"
         ).generation
-        book = LeaseBook(store, MODEL)
+        book = lease_book(store, MODEL)
 
         # Load: SGLang picks our loader, which leases before it reads.
         from sglang.srt.plugins import load_plugins
