@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,71 @@ def test_a_remove_the_master_could_not_log_names_etcd() -> None:
     error = mooncake_error(-1010, "batch_remove", "1 keys")
     assert isinstance(error, NotLogged)
     assert "UNAVAILABLE_IN_CURRENT_STATUS (-1010)" in str(error) and "etcd" in str(error)
+
+
+FILL_DURING_THE_ANNOUNCE = """
+import json, torch
+from mooncake_rl import etcd
+from mooncake_rl.errors import ConfigurationError, MooncakeRLError
+from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient, exit_process
+
+store = StoreClient(Settings(segment_bytes=0, buffer_bytes=16 << 20))
+endpoints = store.settings.master.removeprefix(etcd.ETCD_SCHEME)
+first = publish_local(store, "race", [("w", torch.ones(64))], dtype="float32")
+result = {"first": first.generation}
+create = store.create_exclusive
+
+def another_writer_fills_etcd_first(key, data):
+    if "/fence/" in key:  # after the announce checked etcd's space, before its fence
+        for i in range(1000):
+            try:
+                etcd.put(endpoints, f"another-writer/{i}", "x" * 50_000, 0)
+            except ConfigurationError:  # etcd refused: database space exceeded
+                break
+    return create(key, data)
+
+store.create_exclusive = another_writer_fills_etcd_first
+try:
+    publish_local(store, "race", [("w", torch.ones(64) * 2)], dtype="float32")
+except MooncakeRLError as error:
+    result["error"] = [type(error).__name__, str(error)]
+print(json.dumps(result))
+store.close()
+exit_process(0)
+"""
+
+
+@pytest.mark.faults
+def test_etcd_filled_by_another_writer_during_an_announce_is_named(tmp_path: Path) -> None:
+    """A writer elsewhere fills etcd between the announce's space check and its fence: the
+    master answers the fence with success without logging it, and the publish raises,
+    naming the generation a failover would bring back, instead of returning."""
+    config = DurableConfig(
+        masters=1, lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=tmp_path, etcd_quota_bytes=QUOTA
+    )
+    with DurableStore(config) as durable:
+        holder = SegmentHolder(
+            durable.master_address,
+            durable.metadata_url,
+            64 << 20,
+            log_dir=tmp_path,
+            cluster_id=durable.cluster_id,
+        )
+        with holder.start():
+            done = subprocess.run(
+                [sys.executable, "-c", FILL_DURING_THE_ANNOUNCE],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=client_env(durable, holder.segment),
+            )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    name, message = result["error"]
+    assert (result["first"], name) == (1, "EtcdOutOfSpace"), message
+    assert message.startswith(
+        "generation 2 of race became active on the leading master (fence 2), but etcd filled up"
+    ), message
+    assert "a failover would bring back generation 1" in message and "NOSPACE" in message

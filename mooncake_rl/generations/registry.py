@@ -570,7 +570,9 @@ class GenerationRegistry:
         """Compare-and-set: create fence record ``current + 1``; on a lost race, re-decide.
 
         Refused while a durable Store's etcd is out of space: the fence would be served now
-        and gone after the next failover (Mooncake cannot log it, yet answers success).
+        and gone after the next failover (Mooncake cannot log it, yet answers success). A
+        writer elsewhere can fill etcd between that check and the fence: etcd is asked again
+        afterwards, and the change raises, named as possibly unlogged, instead of returning.
         """
         self.store.require_log_space(f"moving the active generation of {self.model}")
         while True:
@@ -580,6 +582,12 @@ class GenerationRegistry:
             except ObjectAlreadyExists:
                 continue
             self._publish_side_records(record)
+            self.store.require_log_space(
+                f"generation {record.generation} of {self.model} became active on the leading "
+                f"master (fence {record.fence}), but etcd filled up while it did (another writer "
+                "took the space): the change may be missing from the operation log, and a "
+                f"failover would bring back generation {record.previous}"
+            )
             return record
 
     def _publish_side_records(self, record: ActiveRecord) -> None:
