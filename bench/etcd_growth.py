@@ -135,11 +135,12 @@ def model_churn(store: StoreClient, repeats: int) -> list[Growth]:
             repeats,
             lambda i: publish_local(store, MODEL, tiny(float(i + 1)), dtype="float32", keep=2),
         ),
+        measured(store, "lease_renewal", repeats, lambda i: book.renew("engine-0", 1, 60.0)),
         measured(
             store,
-            "lease_renewal",
+            "lease_moved_to_a_new_generation",
             repeats,
-            lambda i: book.renew("engine-0", 1, 60.0),
+            lambda i: book.renew("engine-1", i + 2, 60.0),
         ),
         measured(
             store, "gc_nothing_to_collect", repeats, lambda i: collect_garbage(store, MODEL, 2)
@@ -218,9 +219,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tiny_generation": tiny_generation,
         "kimi_k2_fp8_generation": extrapolated(by_op, objects, ranks),
         "default_quota_bytes": etcd.ETCD_DEFAULT_QUOTA,
-        "lease_renewals_to_default_quota": int(
-            etcd.ETCD_DEFAULT_QUOTA // by_op["lease_renewal"].log_bytes_per_op
-        ),
         "db_bytes_at_end": usage.db_bytes,
         "keys_at_end": usage.keys,
         "seconds": round(time.monotonic() - started, 1),

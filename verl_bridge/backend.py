@@ -280,6 +280,7 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
                         self.store,
                         self._sync_id,
                         self._outcome.sender_host or self.store.settings.hostname,
+                        self._outcome.sender_host_id or "",
                     ),
                     router=router,
                     max_unavailable=self.config.max_unavailable,

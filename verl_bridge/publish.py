@@ -35,6 +35,7 @@ from mooncake_rl.generations.publisher import (
 )
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.buckets import this_host_id
 from mooncake_rl.transport.group import gpu_uuid
 
 T = TypeVar("T")
@@ -72,6 +73,9 @@ class SyncOutcome:
     """The trainer ranks' CUDA UUIDs: the train pool non-Store transports classify by."""
     sender_host: str | None = None
     """Trainer rank 0's address: a broadcast's sender (and its TCP store) runs there."""
+    sender_host_id: str | None = None
+    """Trainer rank 0's host's boot id: on rollout rank 0's host, an ``auto`` update's CPU
+    leg feeds the sender the buckets it read instead of the sender reading them again."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -287,6 +291,7 @@ class TrainerSync:
             round(time.monotonic() - self._started, 4),
             self.train_gpus,
             self.store.settings.hostname,
+            this_host_id(),
         )
         self._record(outcome)
         return outcome

@@ -168,7 +168,7 @@ class TransportLegs:
         self.kept: KeptSender | None = None
         """The sender (group, claim) kept from an earlier update of the same engine set."""
         self.group_name = uuid.uuid4().hex
-        self._feed: Future[SenderProcess] = Future()
+        self._feed: Future[Sender] = Future()
         """The sender, once started, when the CPU leg feeds it (``LegPlan.fed``)."""
 
     # -- plan and prepare (driven by Coordinator._prepare) --------------------------------
@@ -287,7 +287,6 @@ class TransportLegs:
                 self._feed.set_exception(error)  # the CPU leg reads for itself alone
                 raise
             if plan.fed:
-                assert isinstance(sender, SenderProcess)
                 self._feed.set_result(sender)
             pending: set[Future[Any]] = {*applies, sender.future}
             while pending:
@@ -373,7 +372,7 @@ class TransportLegs:
     def _hand_all(
         self,
         plan: LegPlan,
-        feed: SenderProcess | None,
+        feed: Sender | None,
         pool: ThreadPoolExecutor,
         handoff: Mapping[str, str],
         failed: dict[str, str],

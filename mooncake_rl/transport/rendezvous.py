@@ -8,6 +8,12 @@ waiting in its ``finalize``, posts a heartbeat from then on, runs the sender, th
 its outcome. When the update ends the coordinator closes the slot, which also ends the wait
 of a trainer that was never needed; the trainer removes the records, or, if its heartbeat
 stopped (it died), the coordinator sweeps them. Records are JSON, never pickle.
+
+**Fed through the slot.** Trainer rank 0 and rollout rank 0 often share a host (VeRL puts
+both on the first node). There, in an ``auto`` update, the coordinator's CPU leg feeds the
+sender as it feeds a child sender: each bucket it read goes to ``/dev/shm`` once, its
+``offer`` record names the file, and the sender's ``taken`` record says it read it. The
+generation is then read from the Store once, not once per leg.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from mooncake_rl.errors import MooncakeError, MooncakeRLError, ObjectNotFound
 from mooncake_rl.generations.keys import NAMESPACE
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.buckets import this_host_id
 from mooncake_rl.transport.sender import Sender, SenderFailed, SenderSpec, send
 from mooncake_rl.transport.source import Source
 
@@ -34,8 +41,9 @@ BEAT_S = 1.0
 STALE_BEATS = 5
 """Heartbeats missed before the coordinator counts the sender as gone."""
 POLL_S = 0.05
-RECORDS = ("spec", "beat", "outcome", "closed")
-"""A slot's records; ``beat`` (index 1) moves while its trainer lives, ``closed`` (3) last."""
+RECORDS = ("spec", "beat", "outcome", "closed", "offer", "taken")
+"""A slot's records; ``beat`` (index 1) moves while its trainer lives, ``closed`` (3) last;
+``offer`` and ``taken``: the bucket fed last and the bucket read last."""
 
 
 def slot_key(slot: str, record: str) -> str:
@@ -57,6 +65,8 @@ class SlotLauncher:
     slot: str
     host: str
     """The sender's address (trainer rank 0's ``MOONCAKE_RL_HOSTNAME``)."""
+    host_id: str = ""
+    """The sender's host's boot id (:func:`this_host_id`); unknown: not this host."""
 
     @property
     def keeper(self) -> None:
@@ -65,8 +75,9 @@ class SlotLauncher:
 
     @property
     def same_host(self) -> bool:
-        """False: the trainer reads the Store itself (no shared memory with this host)."""
-        return False
+        """Whether the trainer shares this host's ``/dev/shm`` (the CPU leg can feed it);
+        otherwise it reads the Store itself."""
+        return bool(self.host_id) and self.host_id == this_host_id()
 
     def device(self, receivers_on_cuda: bool) -> str:
         return "cuda" if receivers_on_cuda else "cpu"  # "cuda": the sender's own GPU
@@ -120,13 +131,47 @@ class RemoteSender:
         self._posted = time.monotonic()
         self._last_beat: float | None = None
         self._beats: int | None = None
+        self._taken: dict[int, Future[None]] = {}
+        self._lock = threading.Lock()
+        self.future.add_done_callback(self._fail_offers)
         store.create_exclusive(slot_key(slot, "spec"), json.dumps(asdict(spec)).encode())
         threading.Thread(target=self._watch, name=f"sender-{slot[:8]}", daemon=True).start()
 
+    def offer(self, index: int, shm: str) -> Future[None]:
+        taken: Future[None] = Future()
+        with self._lock:
+            if self.future.done():
+                taken.set_exception(SenderFailed("the remote sender has ended"))
+                return taken
+            self._taken[index] = taken
+        offer = {"index": index, "shm": shm}
+        self.store.upsert_bytes(slot_key(self.slot, "offer"), json.dumps(offer).encode())
+        return taken
+
+    def _fail_offers(self, ended: Future[dict[str, Any]]) -> None:
+        """The sender ended (reported or failed): no offer still pending will be read."""
+        with self._lock:
+            pending, self._taken = self._taken, {}
+        for taken in pending.values():
+            taken.set_exception(SenderFailed("the remote sender ended before it read its bucket"))
+
+    def _resolve_taken(self) -> None:
+        with self._lock:
+            if not self._taken:
+                return
+        read = _read(self.store, slot_key(self.slot, "taken"))
+        with self._lock:
+            done = [i for i in self._taken if read is not None and i <= read.get("index", -1)]
+            resolved = [self._taken.pop(i) for i in done]
+        for taken in resolved:
+            taken.set_result(None)
+
     def _watch(self) -> None:
         while not self.future.done():
+            self._resolve_taken()
             outcome = _read(self.store, slot_key(self.slot, "outcome"))
             if outcome is not None:
+                self._resolve_taken()  # the last bucket read before the outcome came
                 if outcome.get("ok"):
                     self.future.set_result(outcome["report"])
                 else:
@@ -144,7 +189,7 @@ class RemoteSender:
                     )
                 )
                 return
-            time.sleep(POLL_S * 4)
+            time.sleep(POLL_S if self._taken else POLL_S * 4)
 
     def alive(self) -> bool:
         if self.future.done():
@@ -202,7 +247,7 @@ def _serve(
     spec = SenderSpec(**{**spec_body, "source": Source(**spec_body["source"])})
     report: dict[str, Any] | None = None
     try:
-        report = send(spec, settings)
+        report = send(spec, settings, SlotFeed(store, slot, deadline) if spec.fed else None)
         outcome: dict[str, Any] = {"ok": True, "report": report}
     except (MooncakeRLError, RuntimeError) as error:
         logger.error("mooncake: the broadcast sender failed: %s", error)
@@ -211,6 +256,31 @@ def _serve(
     while not _closed(store, slot, deadline):  # the coordinator reads the outcome first
         time.sleep(POLL_S)
     return report
+
+
+@dataclass(frozen=True)
+class SlotFeed:
+    """The trainer's end of a fed slot: offers and answers are the slot's records."""
+
+    store: StoreClient
+    slot: str
+    deadline: float
+
+    def offered(self) -> object:
+        """The offer of a bucket not read yet; None once the slot closed or the wait ended."""
+        key = slot_key(self.slot, "taken")
+        last = (_read(self.store, key) or {}).get("index", -1)
+        while True:
+            offer = _read(self.store, slot_key(self.slot, "offer"))
+            if offer is not None and offer.get("index", -1) > last:
+                return offer
+            if _closed(self.store, self.slot, self.deadline):
+                return None
+            time.sleep(POLL_S / 5)
+
+    def taken(self, index: int) -> None:
+        body = json.dumps({"index": index}).encode()
+        self.store.upsert_bytes(slot_key(self.slot, "taken"), body)
 
 
 def _closed(store: StoreClient, slot: str, deadline: float) -> bool:

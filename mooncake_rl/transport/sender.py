@@ -76,18 +76,43 @@ def _device(spec: SenderSpec) -> torch.device:
     return device
 
 
+class Feed(Protocol):
+    """A fed sender's end of the coordinator's CPU leg (:attr:`SenderSpec.fed`): each
+    bucket the coordinator read is offered as a shared-memory file, and answered once read,
+    so the coordinator can remove it."""
+
+    def offered(self) -> object:
+        """The next offer, ``{"index", "shm"}`` (anything else is refused)."""
+        ...
+
+    def taken(self, index: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class PipedFeed:
+    """The child sender's feed: offers are lines on its stdin, answers lines on its stdout."""
+
+    requests: TextIO
+    replies: TextIO
+
+    def offered(self) -> object:
+        return json.loads(self.requests.readline() or "null")
+
+    def taken(self, index: int) -> None:
+        print(json.dumps({"taken": index}), file=self.replies, flush=True)
+
+
 def fed_buckets(
-    layout: ReceiveLayout, requests: TextIO, replies: TextIO
+    layout: ReceiveLayout, feed: Feed
 ) -> Iterator[tuple[Bucket, dict[str, torch.Tensor]]]:
-    """The buckets the coordinator read (and checked) for its CPU leg, in order: one
-    ``{"index", "shm"}`` line each on ``requests``; each file is answered ``{"taken"}`` as
-    soon as it is read, so the coordinator can remove it."""
+    """The buckets the coordinator read (and checked) for its CPU leg, in order; each file
+    is answered as soon as it is read."""
     for bucket in layout.buckets:
-        offer = json.loads(requests.readline() or "null")
+        offer = feed.offered()
         if not isinstance(offer, dict) or offer.get("index") != bucket.index:
             raise SenderFailed(f"expected bucket {bucket.index} from the coordinator, got {offer}")
         data = read_shm(offer["shm"])
-        print(json.dumps({"taken": bucket.index}), file=replies, flush=True)
+        feed.taken(bucket.index)
         yield bucket, unpack(data, layout, bucket)
 
 
@@ -96,15 +121,15 @@ def broadcast_generation(
     store: StoreClient,
     source: Source,
     device: torch.device,
-    fed: tuple[TextIO, TextIO] | None = None,
+    fed: Feed | None = None,
 ) -> dict[str, Any]:
     """Broadcast every bucket of ``source`` to the group, then wait for every member's last
-    byte (the returned figures acknowledge it). ``fed``: the coordinator's request and reply
-    streams, when it feeds the buckets (:func:`fed_buckets`)."""
+    byte (the returned figures acknowledge it). ``fed``: where the coordinator offers the
+    buckets it read, when it feeds them (:func:`fed_buckets`)."""
     started = time.perf_counter()
     layout, buckets = read_buckets(store, source)
     if fed is not None:
-        buckets = fed_buckets(layout, *fed)
+        buckets = fed_buckets(layout, fed)
     for bucket, tensors in buckets:
         staged = torch.empty(bucket.nbytes, dtype=torch.uint8)
         for tensor in layout.bucket_tensors(bucket):
@@ -121,9 +146,9 @@ def broadcast_generation(
     }
 
 
-def send(spec: SenderSpec, settings: Settings) -> dict[str, Any]:
+def send(spec: SenderSpec, settings: Settings, fed: Feed | None = None) -> dict[str, Any]:
     """Form the group, broadcast the generation once, drop the group; byte and time
-    figures."""
+    figures. ``fed``: where the buckets are offered, for a fed spec."""
     started = time.perf_counter()
     # The group first: once its TCP store is up, any failure of this process (the Store
     # unreachable, an object missing) closes the receivers' connections and fails them at
@@ -132,7 +157,7 @@ def send(spec: SenderSpec, settings: Settings) -> dict[str, Any]:
     joined = time.perf_counter()
     try:
         with StoreClient(settings.with_overrides(segment_bytes=0)) as store:
-            report = broadcast_generation(group, store, spec.source, _device(spec))
+            report = broadcast_generation(group, store, spec.source, _device(spec), fed)
     finally:
         group.abort()
     return {**report, "join_seconds": joined - started, "seconds": time.perf_counter() - started}
@@ -147,6 +172,11 @@ class Sender(Protocol):
 
     def alive(self) -> bool:
         """Whether it may still host the group's TCP store (its port claim stays held)."""
+        ...
+
+    def offer(self, index: int, shm: str) -> Future[None]:
+        """Feed bucket ``index`` (a shared-memory file) to a fed sender; resolves once the
+        sender read it."""
         ...
 
     def kill(self) -> None: ...
@@ -386,7 +416,7 @@ def serve(spec: SenderSpec, settings: Settings, requests: TextIO, replies: TextI
             request: dict[str, Any] | None = {"source": asdict(spec.source), "fed": spec.fed}
             while request is not None:
                 source = Source(**request["source"])
-                fed = (requests, replies) if request["fed"] else None
+                fed = PipedFeed(requests, replies) if request["fed"] else None
                 report = broadcast_generation(group, store, source, _device(spec), fed)
                 print(json.dumps({"report": {**report, **joined}}), file=replies, flush=True)
                 joined = {"join_seconds": 0.0}

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,9 @@ from mooncake_rl.router.launch import RouterProcess
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
-from mooncake_rl.transport.buckets import pack
+from mooncake_rl.transport.buckets import pack, this_host_id
 from mooncake_rl.transport.claims import port_key
+from mooncake_rl.transport.rendezvous import SlotLauncher, serve_slot
 from mooncake_rl.transport.source import Source, read_buckets
 from mooncake_rl.transport.topology import TopologyError
 from tests.conftest import settings_for
@@ -615,7 +617,8 @@ def test_a_topology_no_transport_can_serve_is_refused_before_any_drain(
 
 def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: World) -> None:
     """Over gloo, TP2 then TP1 broadcast receivers; CPU buckets by HTTP and by shared
-    memory; auto splits a declared mixed topology and passes the mixed assertion."""
+    memory; auto splits a declared mixed topology and passes the mixed assertion, reading
+    the Store once with the CLI's sender and with a trainer rank's (VeRL's slot) alike."""
     b = world.engines["b"].url
     a = world.engines["a"].url
     generation = world.publish(3)  # strict broadcast to the TP=2 engine alone
@@ -661,6 +664,26 @@ def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: W
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[2]
     assert_every_parameter_checked(world, result)
+
+    world.publish(3)  # auto, the sender a trainer rank on this host (VeRL's slot): fed too
+    slot = uuid.uuid4().hex
+    with (
+        transport_store(world, assert_mixed_transport=True) as store,
+        Coordinator(store, [a, b], token=TOKEN) as coordinator,
+        ThreadPoolExecutor(1) as trainer_rank_0,
+    ):
+        sent = trainer_rank_0.submit(serve_slot, store, slot, store.settings, 120.0)
+        launcher = SlotLauncher(store, slot, world.settings.hostname, this_host_id())
+        try:
+            result = coordinator.update(
+                MODEL, transport="auto", train_gpus="gpu-b0,gpu-b1", sender=launcher
+            )
+        finally:
+            launcher.close()  # as the bridge's finalize does
+        assert sent.result(timeout=30)["read_bytes"] == 0
+    assert sorted(result.committed) == sorted([a, b]) and result.store_read_bytes == read
+    for engine in world.engines.values():
+        assert engine.complete(PROMPT) == world.refs[3]
 
 
 def test_a_coordinator_keeps_its_broadcast_group_across_updates(world: World) -> None:

@@ -22,6 +22,7 @@ from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.services import EmbeddedMaster, free_port
 from mooncake_rl.store import StoreClient
+from mooncake_rl.transport.buckets import pack, shm_name, this_host_id, write_shm
 from mooncake_rl.transport.group import BroadcastGroup, GroupSpec
 from mooncake_rl.transport.layout import receive_layout
 from mooncake_rl.transport.rendezvous import (
@@ -32,7 +33,7 @@ from mooncake_rl.transport.rendezvous import (
     slot_key,
 )
 from mooncake_rl.transport.sender import SenderFailed, SenderSpec
-from mooncake_rl.transport.source import Source
+from mooncake_rl.transport.source import Source, read_buckets
 from tests.conftest import settings_for
 
 
@@ -86,15 +87,17 @@ def test_a_sender_that_never_answers_fails_the_coordinators_future(store: StoreC
 
 
 def broadcast_through_slot(
-    store: StoreClient, master: EmbeddedMaster, model: str, port: int
-) -> None:
+    store: StoreClient, master: EmbeddedMaster, model: str, port: int, fed: bool = False
+) -> dict:
     """Trainer side in a thread, one gloo receiver in another: the bytes arrive exactly,
-    the coordinator's future resolves with the sender's report, the slot is cleared."""
+    the coordinator's future resolves with the sender's report, the slot is cleared.
+    ``fed``: this thread plays the CPU leg on the sender's host, feeding it every bucket
+    it read through shared memory (as ``TransportLegs`` does); the sender reads nothing."""
     record, tensors = published(store, model)
     manifest = GenerationRegistry(store, model).load_manifest(record.generation)
     layout = receive_layout(manifest, 1 << 10)
     slot = uuid.uuid4().hex
-    spec = spec_for(record, port)
+    spec = replace(spec_for(record, port), fed=fed)
     received = torch.zeros(layout.total_bytes, dtype=torch.uint8)
 
     def receive() -> None:
@@ -105,27 +108,45 @@ def broadcast_through_slot(
             member.broadcast(received[bucket.start : bucket.end])
         member.close()
 
-    launcher = SlotLauncher(store, slot, "127.0.0.1")
+    launcher = SlotLauncher(store, slot, "127.0.0.1", this_host_id() if fed else "")
+    assert launcher.same_host is fed
     with ThreadPoolExecutor(2) as pool:
         trainer = pool.submit(serve_slot, store, slot, settings_for(master), 60.0)
         receiver = threading.Thread(target=receive)
         receiver.start()
         sender = launcher.start(spec)
+        if fed:
+            session = uuid.uuid4().hex
+            _, buckets = read_buckets(store, spec.source)
+            for bucket, read in buckets:
+                path = write_shm(shm_name(session, bucket.index), pack(read))
+                sender.offer(bucket.index, shm_name(session, bucket.index)).result(timeout=30)
+                path.unlink()
         report = sender.future.result(timeout=60)
         receiver.join()
         launcher.close()
         assert trainer.result(timeout=10) == report
     assert report["sent_bytes"] == layout.total_bytes and report["buckets"] == len(layout.buckets)
+    assert report["read_bytes"] == (0 if fed else layout.total_bytes)
     for tensor in layout.tensors:
         landed = received[tensor.offset : tensor.offset + tensor.nbytes]
         assert torch.equal(landed, tensors[tensor.name].reshape(-1).view(torch.uint8))
     assert not any(slot_records(store, slot))
+    return report
 
 
 def test_the_slot_carries_a_real_broadcast_and_its_outcome(
     store: StoreClient, master: EmbeddedMaster
 ) -> None:
     broadcast_through_slot(store, master, "slot-broadcast", free_port())
+
+
+def test_a_slot_sender_on_this_host_is_fed_and_reads_nothing(
+    store: StoreClient, master: EmbeddedMaster
+) -> None:
+    """Trainer rank 0 on the coordinator's host (VeRL's first node): the CPU leg's buckets
+    reach the sender through shared memory, so an ``auto`` update reads the Store once."""
+    broadcast_through_slot(store, master, "slot-fed", free_port(), fed=True)
 
 
 def test_a_sigkilled_trainers_slot_is_swept_and_the_next_sync_claims_cleanly(
