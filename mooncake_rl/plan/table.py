@@ -34,18 +34,19 @@ from mooncake_rl.plan import grid
 from mooncake_rl.plan.demand import STAGING_REGION, CompatLayout
 from mooncake_rl.plan.params import PlanParams
 
+SOURCE_SPAN = [("src_offset", np.int64), ("src_stride", np.int64)]
+DESTINATION_SPAN = [("dst_offset", np.int64), ("dst_stride", np.int64)]
+REPEAT = [("length", np.int64), ("count", np.int64)]
+"""Every record moves ``count`` runs of ``length`` bytes, each span stepping by its stride."""
 READ_DTYPE = np.dtype(
     [
         ("worker", np.int32),
         ("batch", np.int32),
         ("object", np.int32),
-        ("src_offset", np.int64),
-        ("src_stride", np.int64),
+        *SOURCE_SPAN,
         ("dst_region", np.int32),
-        ("dst_offset", np.int64),
-        ("dst_stride", np.int64),
-        ("length", np.int64),
-        ("count", np.int64),
+        *DESTINATION_SPAN,
+        *REPEAT,
     ]
 )
 PUSH_DTYPE = np.dtype(
@@ -55,13 +56,10 @@ PUSH_DTYPE = np.dtype(
         ("batch", np.int32),
         ("peer", np.int32),
         ("src_region", np.int32),
-        ("src_offset", np.int64),
-        ("src_stride", np.int64),
+        *SOURCE_SPAN,
         ("dst_region", np.int32),
-        ("dst_offset", np.int64),
-        ("dst_stride", np.int64),
-        ("length", np.int64),
-        ("count", np.int64),
+        *DESTINATION_SPAN,
+        *REPEAT,
     ]
 )
 # What each worker must end up holding: object bytes -> its region (the coverage contract).
@@ -69,13 +67,10 @@ DEMAND_DTYPE = np.dtype(
     [
         ("worker", np.int32),
         ("dst_region", np.int32),
-        ("dst_offset", np.int64),
-        ("dst_stride", np.int64),
+        *DESTINATION_SPAN,
         ("object", np.int32),
-        ("src_offset", np.int64),
-        ("src_stride", np.int64),
-        ("length", np.int64),
-        ("count", np.int64),
+        *SOURCE_SPAN,
+        *REPEAT,
     ]
 )
 REGION_DTYPE = np.dtype([("worker", np.int32), ("region", np.int32), ("size", np.int64)])
