@@ -253,15 +253,8 @@ class UpdateWorker(ABC):
         """Load full checkpoint tensors into the live model (the engine's ``load_weights``)."""
 
     @abstractmethod
-    def land_direct(
-        self,
-        staged: Mapping[str, torch.Tensor],
-        fallback: Iterator[tuple[str, torch.Tensor]],
-        in_place: Collection[str],
-    ) -> None:
-        """Load this worker's staged parameters (model format, by parameter name), and the
-        full checkpoint tensors of parameters discovery could not describe. The parameters
-        named in ``in_place`` already hold their new bytes: leave them as they are."""
+    def land_direct(self, landing: DirectLanding) -> None:
+        """Load ``landing`` into the live model (see :class:`DirectLanding`)."""
 
     def in_place_parameters(self) -> dict[str, torch.Tensor]:
         """Live parameters that can be their own receive regions, by region name.
@@ -708,12 +701,13 @@ class UpdateWorker(ABC):
         if state.mode == "compat":
             self.land_compat(staged_tensors(state.layout, state.buffers))
         else:
-            fallback = staged_tensors(state.fallback, state.buffers)
             staged = self.staged_parameters()
             self.land_direct(
-                {n: t for n, t in staged.items() if n not in state.in_place},
-                fallback,
-                set(state.in_place),
+                DirectLanding(
+                    {n: t for n, t in staged.items() if n not in state.in_place},
+                    staged_tensors(state.fallback, state.buffers),
+                    frozenset(state.in_place),
+                )
             )
         landed = time.perf_counter()
         compared = state.stage_runner.submit(self._compare, check).result()
@@ -902,6 +896,18 @@ def live_receivers(
         taken.add(tensor.untyped_storage().data_ptr())
         found[region.name] = tensor.data
     return found
+
+
+@dataclass(frozen=True)
+class DirectLanding:
+    """What a direct-mode commit lands: the staged parameters (model format, by parameter
+    name), the full checkpoint tensors of the parameters discovery could not describe (the
+    fallback), and the parameters received in place, which already hold their new bytes
+    and are left as they are."""
+
+    staged: Mapping[str, torch.Tensor]
+    fallback: Iterator[tuple[str, torch.Tensor]]
+    in_place: frozenset[str]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ through ``model.load_weights`` (compat) or per-rank parameters through
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from engine_ext.placement import ParamRow, RegionSpec, describe_shards
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from engine_ext.shards import ShardSpec
-from engine_ext.worker import UpdateWorker, live_receivers
+from engine_ext.worker import DirectLanding, UpdateWorker, live_receivers
 from mooncake_rl.apply.landing import Landing
 
 QKV_ORDER = {"q": 0, "k": 1, "v": 2}
@@ -89,21 +89,16 @@ class SglangUpdateWorker(UpdateWorker):
         }
         return live_receivers(model, self.regions()[0], self.device(), repacked)
 
-    def land_direct(
-        self,
-        staged: Mapping[str, torch.Tensor],
-        fallback: Iterator[tuple[str, torch.Tensor]],
-        in_place: Collection[str],
-    ) -> None:
+    def land_direct(self, landing: DirectLanding) -> None:
         """What SGLang's ``direct`` load format does (a plain copy per parameter, no
         post-load processing), as one batched landing: a MoE rank stages thousands of
         parameters, and a copy call per parameter costs more than its bytes. The landing is
         planned (and every pair checked) before the fallback touches the live model; the
         fallback goes through ``load_weights``."""
         params = dict(self.model().named_parameters())
-        landing = Landing.of((params[name], tensor) for name, tensor in staged.items())
-        self.model().load_weights(fallback)
-        landing.run()
+        planned = Landing.of((params[n], tensor) for n, tensor in landing.staged.items())
+        self.model().load_weights(landing.fallback)
+        planned.run()
 
 
 def handle_request(scheduler: Any, request: MooncakeRLReqInput) -> MooncakeRLReqOutput:

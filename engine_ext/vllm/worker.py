@@ -25,6 +25,7 @@ from engine_ext.shards import ShardSpec
 from engine_ext.vllm.placement import describe_vllm_shards, holds_kv_cache_scales
 from engine_ext.worker import (
     Comparison,
+    DirectLanding,
     LandingMismatch,
     UpdateWorker,
     live_receivers,
@@ -79,12 +80,7 @@ class VllmUpdateWorker(UpdateWorker):
                 excluded.add(name)
         return live_receivers(model, self.regions()[0], self.device(), excluded)
 
-    def land_direct(
-        self,
-        staged: Mapping[str, torch.Tensor],
-        fallback: Iterator[tuple[str, torch.Tensor]],
-        in_place: Collection[str],
-    ) -> None:
+    def land_direct(self, landing: DirectLanding) -> None:
         """Model-format staged tensors, one layer at a time, as vLLM's layerwise reload does.
 
         Fallback tensors go first, through ``load_weights``: a layer they complete is
@@ -99,14 +95,15 @@ class VllmUpdateWorker(UpdateWorker):
         )
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
-        rows = list(fallback)  # views into the staging arena: no copy
+        rows = list(landing.fallback)  # views into the staging arena: no copy
         model = self.model()
+        in_place = landing.in_place
         whole = in_place_layers(model, in_place)
         # A layer received only in part in place (its bias left to the fallback) is reloaded
         # whole: its in-place tensors are fed back from their live storage.
         live = dict(model.named_parameters())
         staged = {
-            **staged,
+            **landing.staged,
             **{n: live[n].data for n in in_place if n.rpartition(".")[0] not in whole},
         }
 

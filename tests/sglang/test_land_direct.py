@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("sglang")
 
 from engine_ext.sglang.worker import SglangUpdateWorker
+from engine_ext.worker import DirectLanding
 
 
 class Toy(torch.nn.Module):
@@ -42,7 +43,7 @@ def test_staged_parameters_land_bit_exact_and_the_fallback_goes_to_load_weights(
         if name != "up.bias"
     }
     fallback = [("up.bias", torch.ones(40))]
-    SglangUpdateWorker(lambda: toy).land_direct(staged, iter(fallback), set())
+    SglangUpdateWorker(lambda: toy).land_direct(DirectLanding(staged, iter(fallback), frozenset()))
 
     live = dict(toy.named_parameters())
     for name, tensor in staged.items():
@@ -59,6 +60,7 @@ def test_a_staged_tensor_that_does_not_fit_its_parameter_changes_nothing() -> No
     before = {n: p.detach().clone() for n, p in toy.named_parameters()}
     staged = {"norm": torch.ones(24), "up.weight": torch.ones(24, 40, dtype=torch.bfloat16)}
     with pytest.raises(ValueError, match=r"\(24, 40\) tensor into a torch.bfloat16 \(40, 24\)"):
-        SglangUpdateWorker(lambda: toy).land_direct(staged, iter([("up.bias", None)]), set())
+        landing = DirectLanding(staged, iter([("up.bias", None)]), frozenset())
+        SglangUpdateWorker(lambda: toy).land_direct(landing)
     assert toy.loaded == []  # refused before the fallback reached the live model
     assert all(torch.equal(p.detach(), before[n]) for n, p in toy.named_parameters())
