@@ -206,7 +206,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"(Store incarnation {status['incarnation']})"
     )
     if usage is not None:
-        print(f"etcd: {usage.describe()}; see docs/deployment.md#etcd-growth")
+        print(f"etcd: {usage.describe()}; see docs/etcd-growth.md")
         if (warning := usage.warning()) is not None:
             print(f"WARNING: {warning}")
     for row in status["generations"]:  # type: ignore[union-attr]
@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         default=None,
         help="the embedded etcd's --quota-backend-bytes (default etcd's 2 GiB; the operation "
-        "log is never pruned: docs/deployment.md#etcd-growth)",
+        "log is never pruned: docs/etcd-growth.md)",
     )
     master.add_argument(
         "--cluster-id",

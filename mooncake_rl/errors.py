@@ -141,7 +141,7 @@ class NotLogged(MooncakeError):
     codes = (-1010,)
     hint = (
         "a durable Store's master could not log this change in etcd: `mooncake-rl status` "
-        "says whether etcd is out of space (docs/deployment.md#etcd-growth)"
+        "says whether etcd is out of space (docs/etcd-growth.md)"
     )
 
 

@@ -164,7 +164,7 @@ WAY_OUT = (
     "BYTES to match), then clear the alarm (etcdctl alarm disarm); or move to a fresh Store "
     "(a new --cluster-id, or a fresh etcd), republish there, and delete the old /oplog/<id>/ "
     "prefix. Compaction and defragmentation free little: the log's keys stay live. See "
-    "docs/deployment.md#etcd-growth"
+    "docs/etcd-growth.md"
 )
 
 

@@ -135,7 +135,7 @@ def test_the_out_of_space_error_names_the_quota_and_the_way_out() -> None:
         "1,900,000,000 bytes of its 2,147,483,648-byte quota (88.5%)" in text
         and "etcdctl alarm disarm" in text
     )
-    assert "docs/deployment.md#etcd-growth" in text
+    assert "docs/etcd-growth.md" in text
 
 
 @pytest.mark.parametrize(("db_bytes", "warns"), [(0, False), (799, False), (800, True)])
