@@ -584,8 +584,9 @@ class GenerationRegistry:
             self._publish_side_records(record)
             self.store.require_log_space(
                 f"generation {record.generation} of {self.model} became active on the leading "
-                f"master (fence {record.fence}), but etcd filled up while it did (another writer "
-                "took the space): the change may be missing from the operation log, and a "
+                f"master (fence {record.fence}), but etcd filled up as it did (its own record or "
+                "another writer took the last space): the change may be missing from the "
+                "operation log, and a "
                 f"failover would bring back generation {record.previous}"
             )
             return record
