@@ -9,7 +9,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_ext.backend import WorkerBackend
@@ -48,6 +48,7 @@ class ScriptedRanks(WorkerBackend):
     async def set_weight_version(self, version: str) -> None: ...
 
 
+@settings(max_examples=30, deadline=None)  # each poll waits POLL_S, as the backend does
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=4))
 def test_ranks_that_refuse_at_different_polls_are_one_refusal(polls: list[int]) -> None:
     ranks = ScriptedRanks(polls, [REFUSED] * len(polls))
@@ -57,6 +58,7 @@ def test_ranks_that_refuse_at_different_polls_are_one_refusal(polls: list[int]) 
     assert raised.value.detail.count("rank ") == len(polls)
 
 
+@settings(max_examples=16, deadline=None)
 @given(st.integers(0, 3), st.integers(0, 3))
 def test_one_rank_refusing_while_another_succeeds_is_a_failure(first: int, second: int) -> None:
     ranks = ScriptedRanks([first, second], [REFUSED, {"ok": True, "seconds": 0.5}])
