@@ -257,7 +257,7 @@ class PeerBook:
                     f"in session {self.session} (differing: {', '.join(differ)})",
                 )
             adverts[worker_id] = advert
-        peers = peers_from(list(adverts.values()))
+        peers = peers_from(list(adverts.values()), batches)
         for batch in batches:
             for op in batch.pushes:
                 region = peers[op.peer].regions.get(op.dst_region)

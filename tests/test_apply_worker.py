@@ -10,12 +10,14 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from mooncake_rl.apply.executor import Batch, PushOp
 from mooncake_rl.apply.registration import Region
 from mooncake_rl.apply.worker import (
     ALIGN,
     ApplyWorker,
     allocate_arena,
     covering_spans,
+    peers_from,
     region_of,
 )
 from mooncake_rl.engine import TransferEngineClient, Write
@@ -182,3 +184,38 @@ def test_arena_change_keeps_the_endpoint_and_refuses_the_released_arena(
             assert not first.any()
     finally:
         worker.close()
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(
+    pushes=st.lists(
+        st.tuples(st.sampled_from(["w0", "w1", "w2"]), st.sampled_from(["a", "b", "c", "d"])),
+        max_size=8,
+    )
+)
+def test_a_stage_builds_only_the_peers_and_regions_it_pushes_into(
+    pushes: list[tuple[str, str]],
+) -> None:
+    """Peers as their descriptions advertise them, limited to what the stage's pushes
+    target: every pushed region is there with its advertised base and size, nothing else."""
+    descriptions = [
+        {
+            "worker_id": worker,
+            "endpoint": f"127.0.0.1:{port}",
+            "regions": {
+                n: {"base": 4096 * (i + 1) + port, "size": 64 * (i + 1)}
+                for i, n in enumerate("abcd")
+            },
+        }
+        for port, worker in enumerate(["w0", "w1", "w2"])
+    ]
+    batches = [Batch(pushes=tuple(PushOp(p, "staging", 0, r, 0, 8) for p, r in pushes))]
+    everything = peers_from(descriptions)
+    limited = peers_from(descriptions, batches)
+    wanted: dict[str, set[str]] = {}
+    for peer, region in pushes:
+        wanted.setdefault(peer, set()).add(region)
+    assert {w: set(p.regions) for w, p in limited.items()} == wanted
+    for worker, peer in limited.items():
+        assert peer.endpoint == everything[worker].endpoint
+        assert all(peer.regions[n] == everything[worker].regions[n] for n in peer.regions)

@@ -90,7 +90,7 @@ def serve_worker(
                     before = COUNTERS.snapshot()
                     # An engine keeps its slice from prepare; so does a stage run by index.
                     batches = prepared[command[1]] if isinstance(command[1], int) else command[1]
-                    result = worker.run_stage(batches, peers_from(command[2]))
+                    result = worker.run_stage(batches, peers_from(command[2], batches))
                     delta = COUNTERS.snapshot() - before
                     outbox.put(("ok", {"result": result, "counters": delta}))
                 elif command[0] == "dump":

@@ -225,11 +225,28 @@ class ApplyWorker:
         self.store.close()
 
 
-def peers_from(descriptions: Sequence[Mapping[str, Any]]) -> dict[str, Peer]:
+def peers_from(
+    descriptions: Sequence[Mapping[str, Any]], batches: Sequence[Batch] | None = None
+) -> dict[str, Peer]:
+    """The peers that ``descriptions`` advertise; with ``batches``, only the peers those
+    batches push to, each with only the regions the pushes land in. A MoE worker advertises
+    a region per parameter (tens of thousands) while a stage pushes into a few (sieved spans
+    land in staging): building every region costs ~3 us each, per stage."""
+    needed: dict[str, set[str]] | None = None
+    if batches is not None:
+        needed = {}
+        for batch in batches:
+            for push in batch.pushes:
+                needed.setdefault(push.peer, set()).add(push.dst_region)
     return {
         d["worker_id"]: Peer(
             d["endpoint"],
-            {n: Region(n, r["base"], r["size"]) for n, r in d["regions"].items()},
+            {
+                n: Region(n, r["base"], r["size"])
+                for n, r in d["regions"].items()
+                if needed is None or n in needed[d["worker_id"]]
+            },
         )
         for d in descriptions
+        if needed is None or d["worker_id"] in needed
     }
