@@ -63,8 +63,9 @@ def serve_worker(
     memory: WorkerMemory = WorkerMemory(),
 ) -> None:
     """Commands: ("prepare", stages[, checksums]) -> description; ("run", batches or the index
-    of a prepared stage, descriptions) -> result; ("dump", region) -> bytes; ("land",) ->
-    landing figures; ("digest",) -> XXH3-64 of every parameter; ("stop",)."""
+    of a prepared stage, descriptions or None for the last ones sent) -> result; ("dump",
+    region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of every
+    parameter; ("stop",)."""
     params = _parameters(region_sizes, memory)
     in_place = params if memory.in_place else {}
     received = {n: size for n, size in region_sizes.items() if n not in in_place}
@@ -76,6 +77,7 @@ def serve_worker(
     buffers |= in_place
     worker = ApplyWorker(settings, worker_id)
     prepared: tuple = ()
+    described: list[dict[str, Any]] = []
     try:
         while True:
             command = inbox.get(timeout=300)
@@ -90,7 +92,9 @@ def serve_worker(
                     before = COUNTERS.snapshot()
                     # An engine keeps its slice from prepare; so does a stage run by index.
                     batches = prepared[command[1]] if isinstance(command[1], int) else command[1]
-                    result = worker.run_stage(batches, peers_from(command[2], batches))
+                    # The peers' descriptions come once; later stages reuse them (None).
+                    described = command[2] if command[2] is not None else described
+                    result = worker.run_stage(batches, peers_from(described, batches))
                     delta = COUNTERS.snapshot() - before
                     outbox.put(("ok", {"result": result, "counters": delta}))
                 elif command[0] == "dump":
@@ -262,7 +266,7 @@ def run_planned_update(
         for w in workers
     }
     for stage in range(plan.stages):
-        commands = {w: ("run", stage, descriptions) for w in workers}
+        commands = {w: ("run", stage, descriptions if stage == 0 else None) for w in workers}
         for worker, (status, value) in cluster.call_all(commands, timeout_s).items():
             if status != "ok":
                 raise RuntimeError(f"{worker} failed in stage {stage}: {value}")
