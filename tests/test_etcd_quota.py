@@ -9,6 +9,7 @@ parked at close and ends with the process (``exit_process``), with no 30 s close
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -59,9 +60,9 @@ exit_process(0)
 """
 
 
-@pytest.fixture(scope="module")
-def small_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DurableStore, str]]:
-    log_dir = tmp_path_factory.mktemp("quota-logs")
+@contextlib.contextmanager
+def small_durable_store(log_dir: Path) -> Iterator[tuple[DurableStore, str]]:
+    """One HA master logging to an etcd of ``QUOTA`` bytes, and a segment holder."""
     config = DurableConfig(
         masters=1, lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=log_dir, etcd_quota_bytes=QUOTA
     )
@@ -75,6 +76,12 @@ def small_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Durab
         )
         with holder.start():
             yield durable, holder.segment
+
+
+@pytest.fixture(scope="module")
+def small_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DurableStore, str]]:
+    with small_durable_store(tmp_path_factory.mktemp("quota-logs")) as running:
+        yield running
 
 
 def client_env(durable: DurableStore, segment: str) -> dict[str, str]:
@@ -196,25 +203,14 @@ def test_etcd_filled_by_another_writer_during_an_announce_is_named(tmp_path: Pat
     """A writer elsewhere fills etcd between the announce's space check and its fence: the
     master answers the fence with success without logging it, and the publish raises,
     naming the generation a failover would bring back, instead of returning."""
-    config = DurableConfig(
-        masters=1, lease_ttl_ms=TEST_LEASE_TTL_MS, log_dir=tmp_path, etcd_quota_bytes=QUOTA
-    )
-    with DurableStore(config) as durable:
-        holder = SegmentHolder(
-            durable.master_address,
-            durable.metadata_url,
-            64 << 20,
-            log_dir=tmp_path,
-            cluster_id=durable.cluster_id,
+    with small_durable_store(tmp_path) as (durable, segment):
+        done = subprocess.run(
+            [sys.executable, "-c", FILL_DURING_THE_ANNOUNCE],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=client_env(durable, segment),
         )
-        with holder.start():
-            done = subprocess.run(
-                [sys.executable, "-c", FILL_DURING_THE_ANNOUNCE],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                env=client_env(durable, holder.segment),
-            )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     name, message = result["error"]
