@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -182,6 +182,21 @@ def check_reads(store: StoreClient, model: str, generation: int, worker_slice: W
 
 
 # -- advertisements --------------------------------------------------------------------------
+def disagreement(
+    advert: Mapping[str, Any], body: Mapping[str, Any], pushed: Collection[str]
+) -> list[str]:
+    """Where an apply body's description of a peer departs from its advertisement: fields
+    that differ, regions named otherwise than advertised, and pushed-into regions the body
+    leaves out (as ``regions.<name>``)."""
+    differ = sorted(k for k in {*advert, *body} - {"regions"} if advert.get(k) != body.get(k))
+    advertised, named = advert.get("regions") or {}, body.get("regions") or {}
+    return differ + sorted(
+        f"regions.{name}"
+        for name in {*named, *pushed}
+        if name not in named or advertised.get(name) != named[name]
+    )
+
+
 def advertise(store: StoreClient, session: str, description: Mapping[str, Any]) -> None:
     """Publish where peers may write into this worker, for this session only.
 
@@ -231,13 +246,18 @@ class PeerBook:
     def trusted(self, batches: Sequence[Batch], given: Mapping[str, Any]) -> dict[str, Peer]:
         """The peers these batches push to, as they advertised themselves in the Store.
 
-        ``given`` (the apply body's peer table) must agree with every advertisement, and
-        every push must lie inside the region it targets. A mismatch against a cached
-        advertisement is re-read once: the peer may have re-prepared in this session.
+        ``given`` (the apply body's peer table) must agree with every advertisement: the
+        body names each peer the stage pushes to, with at least the regions it pushes into
+        (the coordinator sends only those), each as advertised. Every push must lie inside
+        the region it targets. A mismatch against a cached advertisement is re-read once:
+        the peer may have re-prepared in this session.
         """
-        targets = sorted({op.peer for batch in batches for op in batch.pushes})
+        targets: dict[str, set[str]] = {}
+        for batch in batches:
+            for op in batch.pushes:
+                targets.setdefault(op.peer, set()).add(op.dst_region)
         adverts: dict[str, dict[str, Any]] = {}
-        for worker_id in targets:
+        for worker_id, regions in sorted(targets.items()):
             body = given.get(worker_id)
             if body is None:
                 raise RequestRefused(
@@ -246,10 +266,10 @@ class PeerBook:
                     f"the stage pushes to {worker_id}, which the apply body's peers do not name",
                 )
             advert = self._advert(worker_id, fresh=False)
-            if advert != body:
+            if disagreement(advert, body, regions):
                 advert = self._advert(worker_id, fresh=True)
-            if advert != body:
-                differ = sorted(k for k in {*advert, *body} if advert.get(k) != body.get(k))
+            differ = disagreement(advert, body, regions)
+            if differ:
                 raise RequestRefused(
                     422,
                     "untrusted_peer",

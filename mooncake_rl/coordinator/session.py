@@ -282,7 +282,19 @@ def advertised_peers(prepared: Mapping[str, dict[str, Any]]) -> dict[str, dict[s
 def stage_peers(
     plan: UpdatePlan, url: str, stage: int, peers: Mapping[str, dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """The advertised peers that ``url``'s workers push to in ``stage``: all an apply body
-    needs. Naming every prepared worker instead makes each body grow with the fleet, and a
-    stage's bytes with its square (1,000 engines: gigabytes of JSON per stage)."""
-    return {worker: peers[worker] for worker in sorted(plan.push_peers(url, stage))}
+    """The advertised peers that ``url``'s workers push to in ``stage``, each with only the
+    regions those pushes land in: all an apply body needs. Naming every prepared worker
+    makes each body grow with the fleet, and a stage's bytes with its square (1,000 engines:
+    gigabytes of JSON per stage); naming every region of a peer makes it grow with the
+    model (a MoE worker advertises a region per parameter: megabytes per stage)."""
+    return {
+        worker: {
+            **peers[worker],
+            "regions": {
+                name: peers[worker]["regions"][name]
+                for name in sorted(regions)
+                if name in peers[worker]["regions"]  # else the worker refuses it, naming it
+            },
+        }
+        for worker, regions in sorted(plan.push_regions(url, stage).items())
+    }

@@ -131,13 +131,18 @@ class UpdatePlan:
                 for worker in self.engines[url]
             }
 
-    def push_peers(self, url: str, stage: int) -> set[str]:
-        """The workers ``url``'s workers push to in ``stage`` (from 0), read off the table."""
+    def push_regions(self, url: str, stage: int) -> dict[str, set[str]]:
+        """The workers ``url``'s workers push to in ``stage`` (from 0), each with the regions
+        those pushes land in, read off the table."""
         table = self.routing.table
         ids = [table.worker_ids[w] for w in self.engines[url] if w in table.worker_ids]
         pushes = table.pushes
         mine = pushes[np.isin(pushes["worker"], ids) & (pushes["stage"] == stage + 1)]
-        return set(map(table.workers.__getitem__, np.unique(mine["peer"]).tolist()))
+        found: dict[str, set[str]] = {}
+        pairs = np.unique(np.stack([mine["peer"], mine["dst_region"]]), axis=1)
+        for peer, region in pairs.T.tolist():
+            found.setdefault(table.workers[peer], set()).add(table.regions[region])
+        return found
 
     def _encoded_slice(
         self, worker: str, checksums: Mapping[str, ObjectChecksum] | None
