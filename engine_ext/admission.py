@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from mooncake_rl.apply.executor import Batch, Peer
 from mooncake_rl.apply.wire import WorkerSlice
-from mooncake_rl.apply.worker import peers_from
+from mooncake_rl.apply.worker import peers_from, pushed_regions
 from mooncake_rl.errors import InvariantViolation, MooncakeError, ObjectNotFound
 from mooncake_rl.generations.keys import advert_key, adverts_pattern, group_id, payload_prefix
 from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationRegistry
@@ -252,10 +252,7 @@ class PeerBook:
         the region it targets. A mismatch against a cached advertisement is re-read once:
         the peer may have re-prepared in this session.
         """
-        targets: dict[str, set[str]] = {}
-        for batch in batches:
-            for op in batch.pushes:
-                targets.setdefault(op.peer, set()).add(op.dst_region)
+        targets = pushed_regions(batches)
         adverts: dict[str, dict[str, Any]] = {}
         for worker_id, regions in sorted(targets.items()):
             body = given.get(worker_id)
@@ -277,7 +274,7 @@ class PeerBook:
                     f"in session {self.session} (differing: {', '.join(differ)})",
                 )
             adverts[worker_id] = advert
-        peers = peers_from(list(adverts.values()), batches)
+        peers = peers_from(list(adverts.values()), targets)
         for batch in batches:
             for op in batch.pushes:
                 region = peers[op.peer].regions.get(op.dst_region)

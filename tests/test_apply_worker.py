@@ -18,6 +18,7 @@ from mooncake_rl.apply.worker import (
     allocate_arena,
     covering_spans,
     peers_from,
+    pushed_regions,
     region_of,
 )
 from mooncake_rl.engine import TransferEngineClient, Write
@@ -211,7 +212,7 @@ def test_a_stage_builds_only_the_peers_and_regions_it_pushes_into(
     ]
     batches = [Batch(pushes=tuple(PushOp(p, "staging", 0, r, 0, 8) for p, r in pushes))]
     everything = peers_from(descriptions)
-    limited = peers_from(descriptions, batches)
+    limited = peers_from(descriptions, pushed_regions(batches))
     wanted: dict[str, set[str]] = {}
     for peer, region in pushes:
         wanted.setdefault(peer, set()).add(region)

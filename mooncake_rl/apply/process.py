@@ -25,6 +25,7 @@ from mooncake_rl.apply.worker import (
     arena_views,
     covering_spans,
     peers_from,
+    pushed_regions,
     region_of,
 )
 from mooncake_rl.counters import COUNTERS
@@ -94,7 +95,8 @@ def serve_worker(
                     batches = prepared[command[1]] if isinstance(command[1], int) else command[1]
                     # The peers' descriptions come once; later stages reuse them (None).
                     described = command[2] if command[2] is not None else described
-                    result = worker.run_stage(batches, peers_from(described, batches))
+                    peers = peers_from(described, pushed_regions(batches))
+                    result = worker.run_stage(batches, peers)
                     delta = COUNTERS.snapshot() - before
                     outbox.put(("ok", {"result": result, "counters": delta}))
                 elif command[0] == "dump":

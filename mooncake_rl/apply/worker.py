@@ -8,7 +8,7 @@ they are registered in both domains at prepare and reused across generations.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -225,19 +225,23 @@ class ApplyWorker:
         self.store.close()
 
 
+def pushed_regions(batches: Sequence[Batch]) -> dict[str, set[str]]:
+    """The peers ``batches`` push to, each with the regions those pushes land in."""
+    found: dict[str, set[str]] = {}
+    for batch in batches:
+        for push in batch.pushes:
+            found.setdefault(push.peer, set()).add(push.dst_region)
+    return found
+
+
 def peers_from(
-    descriptions: Sequence[Mapping[str, Any]], batches: Sequence[Batch] | None = None
+    descriptions: Sequence[Mapping[str, Any]],
+    needed: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, Peer]:
-    """The peers that ``descriptions`` advertise; with ``batches``, only the peers those
-    batches push to, each with only the regions the pushes land in. A MoE worker advertises
-    a region per parameter (tens of thousands) while a stage pushes into a few (sieved spans
-    land in staging): building every region costs ~3 us each, per stage."""
-    needed: dict[str, set[str]] | None = None
-    if batches is not None:
-        needed = {}
-        for batch in batches:
-            for push in batch.pushes:
-                needed.setdefault(push.peer, set()).add(push.dst_region)
+    """The peers that ``descriptions`` advertise; with ``needed`` (:func:`pushed_regions`),
+    only those peers, each with only those regions. A MoE worker advertises a region per
+    parameter (tens of thousands) while a stage pushes into a few (sieved spans land in
+    staging): building every region costs ~3 us each, per stage."""
     return {
         d["worker_id"]: Peer(
             d["endpoint"],

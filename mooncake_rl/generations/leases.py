@@ -23,8 +23,8 @@ import json
 import math
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
 
 from mooncake_rl import etcd
 from mooncake_rl.errors import (
@@ -48,20 +48,24 @@ class Lease:
         return self.expires_at > now
 
 
-class LeaseBook(Protocol):
+class LeaseBook(ABC):
     """One model's serving leases."""
 
+    @abstractmethod
     def renew(
         self, engine_id: str, generation: int, ttl_s: float, now: float | None = None
     ) -> Lease: ...
 
+    @abstractmethod
     def release(self, engine_id: str) -> None: ...
 
+    @abstractmethod
     def leases(self) -> dict[str, Lease]: ...
 
     def live_generations(self, now: float | None = None) -> set[int]:
         """The generations some unexpired lease names."""
-        ...
+        moment = time.time() if now is None else now
+        return {lease.generation for lease in self.leases().values() if lease.live(moment)}
 
 
 def lease_book(store: StoreClient, model: str) -> LeaseBook:
@@ -76,16 +80,11 @@ def check_holder(engine_id: str) -> None:
         raise InvariantViolation(f"engine id {engine_id!r} must be non-empty without '/'")
 
 
-def live_generations(leases: dict[str, Lease], now: float | None) -> set[int]:
-    moment = time.time() if now is None else now
-    return {lease.generation for lease in leases.values() if lease.live(moment)}
-
-
 ENGINE_SLOT_PROBE = 64
 """Engine slots probed per existence check when listing lease holders."""
 
 
-class StoreLeaseBook:
+class StoreLeaseBook(LeaseBook):
     """Leases as Store records, found through engine slots: ``engines/1``, ``engines/2``,
     ... each created exclusively (the master arbitrates) and naming one engine, so two
     engines that register at once both get listed, and a lease is visible to GC as soon as
@@ -165,9 +164,6 @@ class StoreLeaseBook:
                 continue
         return found
 
-    def live_generations(self, now: float | None = None) -> set[int]:
-        return live_generations(self.leases(), now)
-
 
 @dataclass
 class _Held:
@@ -184,7 +180,7 @@ book per call (the loader, the serving task and the update worker share one hold
 _HELD_LOCK = threading.Lock()
 
 
-class EtcdLeaseBook:
+class EtcdLeaseBook(LeaseBook):
     """Leases as etcd keys on etcd leases, in the durable Store's etcd."""
 
     def __init__(self, master: str, cluster_id: str, model: str) -> None:
@@ -228,6 +224,3 @@ class EtcdLeaseBook:
                 body["engine_id"], int(body["generation"]), math.inf
             )
         return found
-
-    def live_generations(self, now: float | None = None) -> set[int]:
-        return live_generations(self.leases(), now)
