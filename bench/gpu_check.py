@@ -44,8 +44,10 @@ import torch
 import xxhash
 
 from bench.common import get_into_gbps, parse_size, store_services, synthetic_model
+from bench.common import specs_of as bench_specs
 from mooncake_rl.apply.process import WorkerCluster, WorkerMemory, run_planned_update
 from mooncake_rl.generations.catalog import specs_of
+from mooncake_rl.generations.pack_order import PackOrder, save_pack_order
 from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
@@ -70,6 +72,9 @@ class GpuCheckConfig:
     workers: int = 2
     batch_bytes: int = 64 << 20
     modes: tuple[str, ...] = ("in_place", "staged")
+    pack_order: bool = True
+    """Publish as an RL run's steady state: packs laid out by the order the engines' first
+    update taught (``generations.pack_order``); off, tensor after tensor."""
 
     def __post_init__(self) -> None:
         if not self.modes or set(self.modes) - {"in_place", "staged"}:
@@ -195,6 +200,10 @@ def run(config: GpuCheckConfig) -> dict[str, Any]:
             model = synthetic_model(nbytes, tensors)
             clock = time.perf_counter()
             with StoreClient(settings) as store:
+                if config.pack_order:  # what the coordinator learns from the engines
+                    cluster = [("node0", config.workers)]
+                    engines = simulated_engines(bench_specs(model), cluster, "direct")
+                    save_pack_order(store, f"gpu-check-{name}", PackOrder.of_engines(engines))
                 record = publish_local(store, f"gpu-check-{name}", model, dtype="bfloat16")
                 manifest = GenerationRegistry(store, f"gpu-check-{name}").load_manifest(
                     record.generation, record.manifest_digest
@@ -307,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="TP ranks on the one device")
     parser.add_argument("--batch", default="64MiB")
     parser.add_argument("--modes", nargs="+", choices=["in_place", "staged"])
+    parser.add_argument(
+        "--no-pack-order",
+        action="store_true",
+        help="pack tensor after tensor, as before the engines' first update (the baseline)",
+    )
     args = parser.parse_args(argv)
     config = GpuCheckConfig(
         device=args.device,
@@ -317,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers,
         batch_bytes=parse_size(args.batch),
         modes=tuple(args.modes or ("in_place", "staged")),
+        pack_order=not args.no_pack_order,
     )
     result = run(config)
     print(json.dumps(result, indent=2))

@@ -438,7 +438,7 @@ def publish_layout(model: ModelShape, cluster: Cluster, pack_bytes: int) -> Publ
     node_bytes = np.zeros(cluster.trainer_nodes, I64)
     for spec, rank in zip(model.tensors, rank_of, strict=True):
         placed = placements.get(spec.name)
-        node_of_object[placed.object_name if placed else spec.name] = rank // per_node
+        node_of_object[placed[0].object_name if placed else spec.name] = rank // per_node
         node_bytes[rank // per_node] += spec.nbytes
     return Published(
         weight_manifest(model, 1, placements),

@@ -20,7 +20,7 @@ import torch
 
 from engine_ext.admission import RequestRefused
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.checksums import CorruptObject, ObjectChecksum
+from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.protocol import BucketWire, PrepareRequest, ReceiveWire
 from mooncake_rl.store import StoreClient
@@ -213,9 +213,4 @@ def _check(reception: Reception, tensors: tuple[ReceivedTensor, ...]) -> None:
     buffer = reception.buffer
     for tensor in tensors:
         data = buffer[tensor.offset : tensor.offset + tensor.nbytes]
-        if data.device.type != "cpu":
-            data = data.cpu()
-        checksum = reception.checksums.get(tensor.checksum_key)
-        if checksum is None:
-            raise CorruptObject(f"no published checksum for {tensor.checksum_key}")
-        checksum.check(tensor.checksum_key, data)
+        tensor.check(data.cpu(), reception.checksums)

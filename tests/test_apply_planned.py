@@ -7,7 +7,8 @@ import torch
 import xxhash
 
 from mooncake_rl.apply.process import WorkerCluster, WorkerMemory, run_planned_update
-from mooncake_rl.generations.catalog import specs_of
+from mooncake_rl.generations.catalog import TensorSpec, specs_of
+from mooncake_rl.generations.pack_order import PackOrder, save_pack_order
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.plan.demand import COMPAT_REGION
@@ -159,3 +160,42 @@ def test_a_sieved_pack_of_tp_split_tensors_lands_exactly_read_once_and_checked(
     assert sum(w["verified"] for w in figures) == nbytes
     assert sum(w["copied"] for w in figures) == nbytes  # every shard copied out of a span
     assert sum(w["pushed"] for w in figures) == plan.pushed_bytes
+
+
+def test_a_rank_major_pack_is_read_by_each_rank_alone_with_nothing_pushed(
+    master: EmbeddedMaster, holders
+) -> None:
+    """The same 200 small tensors, published after the engines' cut was learnt
+    (``generations.pack_order``): each rank's rows of the whole pack are one run, so each
+    rank reads its own run once, checks every byte of it, and pushes nothing to the other."""
+    generator = torch.Generator().manual_seed(5)
+    model = [(f"s{i}", torch.randn(8, 16, generator=generator)) for i in range(200)]
+    name = "rank-major"
+    specs = [TensorSpec.of(n, t, "float32") for n, t in model]
+    engines = simulated_engines(specs, [("node-a", 2)], "direct")
+    with StoreClient(trainer_settings(master, holders("apply-store"), "trainer")) as store:
+        assert save_pack_order(store, name, PackOrder.of_engines(engines))
+        publish_local(store, name, model, dtype="float32")
+        registry = GenerationRegistry(store, name)
+        record = registry.active()
+        manifest = registry.load_manifest(record.generation)
+        checksums = registry.load_checksums(record.generation, record.checksums_digest).objects
+    assert len({f.object_key for f in manifest.fragments}) == 1  # still one pack
+    assert len(manifest.fragments) == 400  # a fragment per rank's rows of each tensor
+    batch = 256 << 10
+    plan = plan_update(manifest, engines, "direct", batch, RoutingCache())
+    assert len(plan.routing.table.reads) == 2  # one run per rank
+    assert plan.pushed_bytes == 0
+    memory = WorkerMemory(parameters=True)
+    workers = workers_for(master, engines, staging_watermark_bytes=4 * batch)
+    with WorkerCluster(workers, plan.routing.regions, memory) as cluster:
+        run = run_planned_update(cluster, plan, checksums=checksums)
+        cluster.call_all({w: ("land",) for w in cluster.processes})
+        digests = {w: cluster.call(w, "digest") for w in cluster.processes}
+    for worker, regions in shard_bytes(engines, dict(model)).items():
+        assert digests[worker] == {r: xxhash.xxh3_64_hexdigest(b) for r, b in regions.items()}
+    figures = run["workers"].values()
+    nbytes = sum(t.nbytes for _, t in model)
+    assert [w["read"] for w in figures] == [nbytes // 2, nbytes // 2]
+    assert sum(w["verified"] for w in figures) == nbytes
+    assert sum(w["pushed"] for w in figures) == 0

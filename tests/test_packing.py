@@ -83,7 +83,7 @@ def test_packer_fills_one_dtype_per_pack_back_to_back_and_reports_each_pack_once
         assert end == closed[pack] <= pack_bytes
     # The simulator's layout is the publishers' layout.
     assert pack_layout(specs, pack_bytes) == {
-        name: placement for name, placement in _replayed(specs, pack_bytes).items()
+        name: (placement,) for name, placement in _replayed(specs, pack_bytes).items()
     }
 
 
@@ -115,7 +115,7 @@ def test_tensor_names_cannot_take_the_pack_prefix() -> None:
         TensorSpec(f"{PACK_PREFIX}x", (2,), "float32")
 
 
-def _manifest(placements: dict[str, Placement], sizes: dict[str, int]):
+def _manifest(placements: dict[str, tuple[Placement, ...]], sizes: dict[str, int]):
     specs = [TensorSpec(name, (n // 4,), "float32") for name, n in sizes.items()]
     return build_manifest("m", 1, specs, "2026-12-05T00:00:00+00:00", placements)
 
@@ -123,12 +123,14 @@ def _manifest(placements: dict[str, Placement], sizes: dict[str, int]):
 def test_overlapping_packed_entries_are_refused_naming_the_tensor() -> None:
     pack = pack_name(0, "float32", 0)
     with pytest.raises(InvariantViolation, match=r"object ranges overlap: a and b in \S+~pack"):
-        _manifest({"a": Placement(pack, 0), "b": Placement(pack, 12)}, {"a": 16, "b": 16})
+        _manifest({"a": (Placement(pack, 0),), "b": (Placement(pack, 12),)}, {"a": 16, "b": 16})
 
 
 def test_an_entry_past_its_object_is_refused_naming_the_tensor() -> None:
     pack = pack_name(0, "float32", 0)
-    manifest = _manifest({"a": Placement(pack, 0), "b": Placement(pack, 16)}, {"a": 16, "b": 16})
+    manifest = _manifest(
+        {"a": (Placement(pack, 0),), "b": (Placement(pack, 16),)}, {"a": 16, "b": 16}
+    )
     key = payload_key(group_id("m", 1), pack)
     assert object_extents(manifest)[key].nbytes == 32
     with pytest.raises(InvariantViolation, match=r"tensor 'b' runs past the end of object"):
@@ -241,16 +243,20 @@ def test_announce_refuses_packed_entries_past_their_pack_and_changes_nothing(sto
         store, model, generation, 0, TrainerTopology.single(), "float32", attempt=attempt
     )
     report = publisher.publish([("a", torch.ones(4)), ("b", torch.ones(4) * 2)])
-    placed = {name: Placement(obj, offset) for name, obj, offset in report.placements}
+    placed = {name: Placement(obj, offset) for name, obj, offset, _ in report.placements}
     placed["b"] = dataclasses.replace(placed["b"], offset=24)  # past the pack's 32 bytes
-    manifest = build_manifest(model, 1, publisher.specs, "2026-12-05T00:00:00+00:00", placed)
+    manifest = build_manifest(model, 1, publisher.specs, "2026-12-05T00:00:00+00:00", _one(placed))
     registry = GenerationRegistry(store, model)
     with pytest.raises(InvariantViolation, match="tensor 'b' runs past the end of object"):
         registry.announce(manifest, ChecksumTable(dict(report.checksums)), attempt)
     assert registry.active() is None
     placed["b"] = dataclasses.replace(placed["b"], offset=8)  # into a's last 8 bytes
     with pytest.raises(InvariantViolation, match="object ranges overlap: a and b"):
-        build_manifest(model, 1, publisher.specs, "2026-12-05T00:00:00+00:00", placed)
+        build_manifest(model, 1, publisher.specs, "2026-12-05T00:00:00+00:00", _one(placed))
+
+
+def _one(placed: dict[str, Placement]) -> dict[str, tuple[Placement, ...]]:
+    return {name: (placement,) for name, placement in placed.items()}
 
 
 def test_pack_size_is_refused_before_anything_is_claimed(store) -> None:

@@ -1,8 +1,9 @@
 """Check ranged reads against the generation's checksum table as they land.
 
 A worker reads byte ranges of objects, not whole objects, so it checks what its ranges
-cover: every 4 MiB block (``checksums.BLOCK_BYTES``) that the reads of one batch cover
-entirely, against the block's XXH3-64; an object of at most one block is checked against
+cover: every 4 MiB block (``checksums.BLOCK_BYTES``; a rank-major pack's blocks are also cut
+where each rank's run starts) that the reads of one batch cover entirely, against the
+block's XXH3-64; an object of at most one block is checked against
 its whole XXH3-128 when the batch covers all of it. Coverage is the union of the batch's
 reads of that object, wherever in the worker's regions they landed, so a block read as many
 strided rows (a column shard) is still checked. Bytes of a block that the batch covers only
@@ -23,7 +24,7 @@ import xxhash
 
 from mooncake_rl.apply.registration import Region
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.checksums import BLOCK_BYTES, CorruptObject, ObjectChecksum
+from mooncake_rl.generations.checksums import CorruptObject, ObjectChecksum
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,9 @@ def host_bytes(address: int, length: int, device: str = "cpu") -> memoryview:
 
 def checkable_units(checksum: ObjectChecksum) -> list[tuple[int, int, str]]:
     """(start, end, expected hash) of every unit a read can be checked against."""
-    if checksum.nbytes <= BLOCK_BYTES:
+    if not checksum.blocks:
         return [(0, checksum.nbytes, checksum.whole)]
-    return [
-        (i * BLOCK_BYTES, min((i + 1) * BLOCK_BYTES, checksum.nbytes), h)
-        for i, h in enumerate(checksum.blocks)
-    ]
+    return [(s, e, h) for (s, e), h in zip(checksum.spans(), checksum.blocks, strict=True)]
 
 
 def _runs(pieces: Sequence[Landed]) -> Iterator[tuple[int, int]]:
@@ -124,16 +122,16 @@ def verify_object(key: str, checksum: ObjectChecksum, pieces: Sequence[Landed]) 
         )
     starts = [p.src_offset for p in pieces]
     units = checkable_units(checksum)
+    unit_starts = [start for start, _, _ in units]
     verified = 0
     for run_start, run_end in _runs(pieces):
-        first = -(-run_start // BLOCK_BYTES) if checksum.nbytes > BLOCK_BYTES else 0
-        for unit in range(first, len(units)):
+        for unit in range(bisect.bisect_left(unit_starts, run_start), len(units)):
             start, end, expected = units[unit]
             if start < run_start:
                 continue
             if end > run_end:
                 break
-            hasher = xxhash.xxh3_128() if len(units) == 1 else xxhash.xxh3_64()
+            hasher = xxhash.xxh3_64() if checksum.blocks else xxhash.xxh3_128()
             cursor = start
             index = max(bisect.bisect_right(starts, start) - 1, 0)
             while cursor < end:
@@ -146,7 +144,7 @@ def verify_object(key: str, checksum: ObjectChecksum, pieces: Sequence[Landed]) 
                 hasher.update(host_bytes(offset, take, piece.device))
                 cursor += take
             if hasher.hexdigest() != expected:
-                where = "" if len(units) == 1 else f" (block {unit}, bytes [{start}, {end}))"
+                where = f" (block {unit}, bytes [{start}, {end}))" if checksum.blocks else ""
                 raise CorruptObject(
                     f"object {key} does not match its published checksum{where}: the Store "
                     "holds corrupted bytes; republish, or `mooncake-rl activate` an older "

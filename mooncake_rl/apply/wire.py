@@ -99,8 +99,8 @@ class NameTable:
         return list(self._indices)
 
     def checksums(self, checksums: Mapping[str, ObjectChecksum]) -> list[tuple[Any, ...]]:
-        """A slice's ``checksums``: ``(key, nbytes, whole, blocks)`` arrays."""
-        return [(self(key), c.nbytes, c.whole, c.blocks) for key, c in checksums.items()]
+        """A slice's ``checksums``: ``(key, nbytes, whole, blocks, cuts)`` arrays."""
+        return [(self(key), c.nbytes, c.whole, c.blocks, c.cuts) for key, c in checksums.items()]
 
     def regions(
         self, regions: Mapping[str, int], dtypes: Mapping[str, str]
@@ -203,12 +203,16 @@ def decode_slice(raw: Mapping[str, Any]) -> WorkerSlice:
         checksums: dict[str, ObjectChecksum] | None = None
         if raw.get("checksums") is not None:
             checksums = {}
-            for index, nbytes, whole, blocks in raw["checksums"]:
+            for index, nbytes, whole, blocks, *cuts in raw["checksums"]:  # cuts: newer
                 key = name(index)
                 if key in checksums:
                     raise InvariantViolation(f"the slice gives the checksum of {key!r} twice")
-                blocks = tuple(str(b) for b in blocks)
-                checksums[key] = ObjectChecksum(int(nbytes), str(whole), blocks)
+                checksums[key] = ObjectChecksum(
+                    int(nbytes),
+                    str(whole),
+                    tuple(str(b) for b in blocks),
+                    tuple(int(c) for c in (cuts[0] if cuts else ())),
+                )
     except (KeyError, TypeError, ValueError) as error:
         raise InvariantViolation(f"malformed routing slice: {error}") from error
     return WorkerSlice(regions, tuple(stages), checksums, dtypes)

@@ -9,6 +9,7 @@ Engines serve throughout, and a refusal here leaves every engine as it was.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,17 +21,22 @@ from mooncake_rl.coordinator.result import (
     left_out,
     require_enough,
 )
+from mooncake_rl.errors import MooncakeError
 from mooncake_rl.generations.checksums import ChecksumTable
+from mooncake_rl.generations.pack_order import PackOrder, save_pack_order
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, payload_problems
 from mooncake_rl.plan.planner import planning_mode
 from mooncake_rl.plan.update import UpdatePlan, encode_workers, plan_update, require_staging
 from mooncake_rl.router.probe import require_compatible
+from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.modes import TransportMode
 from mooncake_rl.transport.sender import SenderLauncher
 from mooncake_rl.transport.topology import Classification, classify, require_mixed
 
 if TYPE_CHECKING:
     from mooncake_rl.coordinator.orchestration import Coordinator
+
+logger = logging.getLogger(__name__)
 
 BARE_PLACEMENT = "placement?boxes=false"
 """Placements without boxes (``protocol.BOXES``): what an update reads first."""
@@ -105,6 +111,18 @@ class Survey:
         if plan is self.planned and url in self.encoded:
             return self.encoded[url]
         return encode_workers(plan.engine_workers(url, self.checksums.objects))
+
+
+def learn_pack_order(
+    store: StoreClient, model: str, described: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """Tell the next publish how these engines cut their tensors (:mod:`.pack_order`): a
+    hint only, so a Store that refuses it costs this update nothing."""
+    order = PackOrder.of_engines({url: reply["workers"] for url, reply in described.items()})
+    try:
+        save_pack_order(store, model, order)
+    except MooncakeError as error:
+        logger.warning("the pack order of %s was not stored: %s", model, error)
 
 
 def serves(placement: Mapping[str, Any], record: ActiveRecord) -> bool:
@@ -220,6 +238,8 @@ def survey_targets(
         left_out(result, failed)
         placements.update(described)
         result.described = sorted(described)
+        if mode == "direct":
+            learn_pack_order(coordinator.store, model, described)
         targets = [u for u in targets if u not in failed]
         require_enough(result, targets, needed, "placement")
     phase("placement")

@@ -131,14 +131,14 @@ def build_manifest(
     generation: int,
     specs: Sequence[TensorSpec],
     created_at: str,
-    placements: Mapping[str, Placement] | None = None,
+    placements: Mapping[str, Sequence[Placement]] | None = None,
 ) -> WeightManifest:
     """One fragment per full tensor, raw contiguous bytes: in its own object at offset 0, or
-    where ``placements`` put it in a pack (:mod:`.packing`)."""
+    where ``placements`` put it in a pack (:mod:`.packing`); a tensor placed in row blocks
+    (a rank-major pack, :mod:`.pack_order`) has a fragment per block."""
     check_specs(specs)
     group = group_id(model, generation)
     placed = placements or {}
-    whole = Placement("", 0)
     tensors = tuple(
         TensorDescriptor(
             tensor_id=spec.name,
@@ -152,21 +152,27 @@ def build_manifest(
         for spec in specs
     )
     fragments = tuple(
-        StoredFragment(
-            fragment_id=spec.name,
-            tensor_id=spec.name,
-            global_offset=(0,) * len(spec.shape),
-            local_shape=spec.shape,
-            object_key=payload_key(group, placed.get(spec.name, whole).object_name or spec.name),
-            object_offset=placed.get(spec.name, whole).offset,
-            nbytes=spec.nbytes,
-        )
+        _fragment(group, spec, placement)
         for spec in specs
+        for placement in placed.get(spec.name) or (Placement(spec.name, 0),)
     )
     try:
         return _manifest(model, generation, group, tensors, fragments, created_at)
     except ValueError as error:  # mooncake.reshard's checks: e.g. packed tensors overlapping
         raise InvariantViolation(f"not a valid manifest: {error}") from error
+
+
+def _fragment(group: str, spec: TensorSpec, placement: Placement) -> StoredFragment:
+    first, end = placement.rows or (0, spec.shape[0])
+    return StoredFragment(
+        fragment_id=placement.fragment_id(spec.name),
+        tensor_id=spec.name,
+        global_offset=(first,) + (0,) * (len(spec.shape) - 1),
+        local_shape=(end - first, *spec.shape[1:]),
+        object_key=payload_key(group, placement.object_name),
+        object_offset=placement.offset,
+        nbytes=spec.nbytes // spec.shape[0] * (end - first),
+    )
 
 
 def _manifest(

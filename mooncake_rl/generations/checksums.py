@@ -13,8 +13,9 @@ chain: its digest travels in the active record.
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -44,10 +45,11 @@ def object_hash(data: bytes | bytearray | memoryview | torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(_buffer(data))
 
 
-def block_spans(nbytes: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of every block of an object of ``nbytes`` (the last one may be short)."""
-    for start in range(0, nbytes, BLOCK_BYTES):
-        yield start, min(start + BLOCK_BYTES, nbytes)
+def block_spans(nbytes: int, cuts: Sequence[int] = ()) -> Iterator[tuple[int, int]]:
+    """(start, end) of every block of an object of ``nbytes``: ``BLOCK_BYTES`` apart, also
+    cut at ``cuts`` (a rank-major pack's rank runs, so no block straddles two readers)."""
+    bounds = sorted({*range(0, nbytes, BLOCK_BYTES), *cuts, nbytes})
+    yield from itertools.pairwise(bounds)
 
 
 def block_hash(data: memoryview) -> str:
@@ -57,29 +59,45 @@ def block_hash(data: memoryview) -> str:
 
 @dataclass(frozen=True)
 class ObjectChecksum:
-    """One object's size, whole hash and (for objects over one block) block hashes."""
+    """One object's size, whole hash and (for objects over one block, or cut at ``cuts``)
+    block hashes."""
 
     nbytes: int
     whole: str
     blocks: tuple[str, ...] = ()
+    cuts: tuple[int, ...] = ()
+    """Block boundaries besides every ``BLOCK_BYTES``: where a rank-major pack's rank runs
+    start (:mod:`.pack_order`), so each rank checks every block of its run."""
 
     def __post_init__(self) -> None:
-        if self.nbytes <= 0 or len(self.whole) != 32:
+        if (
+            self.nbytes <= 0
+            or len(self.whole) != 32
+            or list(self.cuts) != sorted(set(self.cuts))
+            or any(not 0 < c < self.nbytes for c in self.cuts)
+        ):
             raise InvariantViolation(f"malformed object checksum {self}")
-        expected = len(list(block_spans(self.nbytes))) if self.nbytes > BLOCK_BYTES else 0
+        expected = len(self.spans()) if self.nbytes > BLOCK_BYTES or self.cuts else 0
         if len(self.blocks) != expected:
             raise InvariantViolation(
                 f"an object of {self.nbytes} bytes has {expected} block hashes, not "
                 f"{len(self.blocks)}"
             )
 
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each block hash's bytes."""
+        return list(block_spans(self.nbytes, self.cuts))
+
     @classmethod
-    def of(cls, data: bytes | bytearray | memoryview | torch.Tensor) -> ObjectChecksum:
+    def of(
+        cls, data: bytes | bytearray | memoryview | torch.Tensor, cuts: Sequence[int] = ()
+    ) -> ObjectChecksum:
         view = _buffer(data)
+        cuts = tuple(sorted({c for c in cuts if 0 < c < len(view)}))
         blocks: tuple[str, ...] = ()
-        if len(view) > BLOCK_BYTES:
-            blocks = tuple(block_hash(view[s:e]) for s, e in block_spans(len(view)))
-        return cls(len(view), object_hash(view), blocks)
+        if len(view) > BLOCK_BYTES or cuts:
+            blocks = tuple(block_hash(view[s:e]) for s, e in block_spans(len(view), cuts))
+        return cls(len(view), object_hash(view), blocks, cuts)
 
     def check(self, key: str, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
         """Raise :class:`CorruptObject` naming ``key`` unless ``data`` is this object."""
@@ -92,6 +110,19 @@ class ObjectChecksum:
             )
 
 
+def _row(checksum: ObjectChecksum) -> list[Any]:
+    """A table row: (nbytes, whole, blocks), and cuts where there are any (older tables
+    have none, and stay byte-identical)."""
+    row = [checksum.nbytes, checksum.whole, list(checksum.blocks)]
+    return [*row, list(checksum.cuts)] if checksum.cuts else row
+
+
+def _checksum(
+    nbytes: int, whole: str, blocks: list[str], cuts: Sequence[int] = ()
+) -> ObjectChecksum:
+    return ObjectChecksum(nbytes, whole, tuple(blocks), tuple(cuts))
+
+
 @dataclass(frozen=True)
 class ChecksumTable:
     """Every object key of one generation and its checksum."""
@@ -102,14 +133,14 @@ class ChecksumTable:
         object.__setattr__(self, "objects", MappingProxyType(dict(self.objects)))
 
     def encode(self) -> bytes:
-        rows = {key: [c.nbytes, c.whole, list(c.blocks)] for key, c in sorted(self.objects.items())}
+        rows = {key: _row(c) for key, c in sorted(self.objects.items())}
         return json.dumps(rows, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> ChecksumTable:
         try:
             rows: dict[str, Any] = json.loads(data)
-            return cls({k: ObjectChecksum(n, w, tuple(b)) for k, (n, w, b) in rows.items()})
+            return cls({k: _checksum(*row) for k, row in rows.items()})
         except (ValueError, TypeError, AttributeError) as error:
             raise CorruptObject(f"checksum table is not valid ({error})") from error
 

@@ -143,3 +143,8 @@ def adverts_pattern(worker_id: str) -> str:
     """Every advertisement of ``worker_id``, whatever its session."""
     sessions = regex_literal(f"{NAMESPACE}/sessions/")
     return f"^{sessions}[0-9a-f]{{32}}/{regex_literal(worker_id)}$"
+
+
+def pack_order_key(model: str) -> str:
+    """How the engines last cut ``model``'s tensors: publishers lay packs out by it."""
+    return f"{model_prefix(model)}/pack-order"

@@ -57,10 +57,16 @@ def pack_name(rank: int, dtype: str, index: int) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a packed tensor sits: object name and byte offset in it."""
+    """Where a packed tensor sits: object name and byte offset in it; or, in a rank-major
+    pack (:mod:`.pack_order`), where its rows ``rows`` (first, end) sit."""
 
     object_name: str
     offset: int
+    rows: tuple[int, int] | None = None
+
+    def fragment_id(self, tensor: str) -> str:
+        """The manifest's id of what this places: the tensor's name, or its rows'."""
+        return tensor if self.rows is None else f"{tensor}[{self.rows[0]}:{self.rows[1]}]"
 
 
 @dataclass
@@ -100,15 +106,16 @@ class Packer:
 
 def pack_layout(
     specs: Iterable[tuple[str, int, str, int]], pack_bytes: int
-) -> dict[str, Placement]:
+) -> dict[str, tuple[Placement, ...]]:
     """Placement of every packed tensor of ``(name, nbytes, dtype, publisher rank)`` rows,
-    in publish order: what the publishers would do (for planning and simulation)."""
+    in publish order, tensor after tensor: what the publishers would do with no pack order
+    (for planning and simulation)."""
     packers: dict[int, Packer] = {}
-    placed: dict[str, Placement] = {}
+    placed: dict[str, tuple[Placement, ...]] = {}
     for name, nbytes, dtype, rank in specs:
         if is_packed(nbytes, pack_bytes):
             packer = packers.setdefault(rank, Packer(rank, pack_bytes))
-            placed[name] = packer.place(nbytes, dtype)[0]
+            placed[name] = (packer.place(nbytes, dtype)[0],)
     return placed
 
 
@@ -155,10 +162,11 @@ def is_pack_key(group: str, key: str) -> bool:
 
 def tensor_checksum_key(group: str, fragment: StoredFragment) -> str:
     """The checksum-table key that checks ``fragment``'s bytes on their own: its object's
-    for a tensor stored alone, the tensor's own name for a packed one (a receiver of single
-    tensors, e.g. broadcast, checks each tensor without its pack)."""
+    for a tensor stored alone, the fragment's own id for a packed one (the tensor's name, or
+    its rows' in a rank-major pack: a receiver of single tensors, e.g. broadcast, checks
+    each piece without its pack)."""
     if is_pack_key(group, fragment.object_key):
-        return payload_key(group, fragment.tensor_id)
+        return payload_key(group, fragment.fragment_id)
     return fragment.object_key
 
 

@@ -48,6 +48,13 @@ from mooncake_rl.generations.keys import (
     report_key,
     report_prefix,
 )
+from mooncake_rl.generations.pack_order import (
+    PackOrder,
+    Piece,
+    load_pack_order,
+    rank_major,
+    run_starts,
+)
 from mooncake_rl.generations.packing import (
     DEFAULT_PACK_BYTES,
     Packer,
@@ -81,8 +88,8 @@ class PublishReport:
     failures: tuple[tuple[str, str], ...] = ()
     nonlocal_put_bytes: int = 0
     checksums: tuple[tuple[str, ObjectChecksum], ...] = ()
-    placements: tuple[tuple[str, str, int], ...] = ()
-    """Packed tensors: (tensor name, pack object name, offset)."""
+    placements: tuple[tuple[str, str, int, tuple[int, int] | None], ...] = ()
+    """Packed tensors: (tensor name, pack object name, offset, rows or ``None``: whole)."""
 
     @property
     def ok(self) -> bool:
@@ -95,9 +102,12 @@ class PublishReport:
     def decode(cls, data: bytes) -> PublishReport:
         raw = json.loads(data)
         raw["failures"] = tuple(tuple(f) for f in raw["failures"])
-        raw["placements"] = tuple(tuple(p) for p in raw.get("placements", ()))
+        raw["placements"] = tuple(
+            (n, o, offset, tuple(rows) if rows else None)
+            for n, o, offset, rows in raw.get("placements", ())
+        )
         raw["checksums"] = tuple(
-            (key, ObjectChecksum(c["nbytes"], c["whole"], tuple(c["blocks"])))
+            (key, ObjectChecksum(c["nbytes"], c["whole"], tuple(c["blocks"]), tuple(c["cuts"])))
             for key, c in raw["checksums"]
         )
         return cls(**raw)
@@ -125,7 +135,7 @@ class GenerationPublisher:
     _checksums: dict[str, ObjectChecksum] = field(default_factory=dict, init=False)
     _put_bytes: int = field(default=0, init=False)
     _nonlocal_bytes: int = field(default=0, init=False)
-    _placements: dict[str, Placement] = field(default_factory=dict, init=False)
+    _placements: dict[str, list[Placement]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         publish_format(self.dtype)
@@ -147,7 +157,9 @@ class GenerationPublisher:
         loads = PublisherLoads(self.topology)
         failures: list[tuple[str, str]] = []
         seen: set[str] = set()
-        packs = _Packs(self, Packer(self.rank, self.pack_bytes))
+        packs = _Packs(
+            self, Packer(self.rank, self.pack_bytes), load_pack_order(self.store, self.model)
+        )
         try:
             for name, tensor in named_tensors:
                 try:
@@ -196,7 +208,9 @@ class GenerationPublisher:
             failures=tuple(failures),
             nonlocal_put_bytes=self._nonlocal_bytes,
             placements=tuple(
-                (name, p.object_name, p.offset) for name, p in self._placements.items()
+                (name, p.object_name, p.offset, p.rows)
+                for name, placed in self._placements.items()
+                for p in sorted(placed, key=lambda p: p.rows or (0, 0))
             ),
         )
         self.store.put_bytes(report_key(self.group, self.rank), report.encode())
@@ -256,12 +270,18 @@ class GenerationPublisher:
 
 class _Packs:
     """The publisher's open packs: one registered host buffer per dtype, reused pack after
-    pack (a put is synchronous), registered once per publish, not once per tensor."""
+    pack (a put is synchronous), registered once per publish, not once per tensor.
 
-    def __init__(self, publisher: GenerationPublisher, packer: Packer) -> None:
-        self.publisher, self.packer = publisher, packer
+    A pack fills tensor after tensor; with a pack order (:mod:`.pack_order`) it is put in
+    its rank-major form, copied once into a second registered buffer."""
+
+    def __init__(
+        self, publisher: GenerationPublisher, packer: Packer, order: PackOrder | None
+    ) -> None:
+        self.publisher, self.packer, self.order = publisher, packer, order
         self.buffers: dict[str, torch.Tensor] = {}
-        self.tensors: dict[str, list[str]] = {}  # pack name -> its tensors, in order
+        self.rank_major: dict[str, torch.Tensor] = {}
+        self.contents: dict[str, list[tuple[TensorSpec, int]]] = {}  # pack -> (spec, offset)
         self.failed_tensor = ""
         """The first tensor of a pack whose put failed: what the failure names."""
 
@@ -269,26 +289,45 @@ class _Packs:
         placement, full = self.packer.place(spec.nbytes, spec.dtype)
         if full is not None:
             self._put(*full, spec.dtype)
-        buffer = self.buffers.get(spec.dtype)
-        if buffer is None:
-            buffer = torch.empty(self.packer.pack_bytes, dtype=torch.uint8)
-            self.buffers[spec.dtype] = buffer
-            self.publisher.store.register(buffer.data_ptr(), buffer.numel())
         end = placement.offset + spec.nbytes
-        buffer[placement.offset : end].copy_(staged.view(torch.uint8))
-        publisher = self.publisher
-        publisher._placements[spec.name] = placement
-        publisher._checksums[payload_key(publisher.group, spec.name)] = ObjectChecksum.of(staged)
-        self.tensors.setdefault(placement.object_name, []).append(spec.name)
+        self._buffer(self.buffers, spec.dtype)[placement.offset : end].copy_(
+            staged.view(torch.uint8)
+        )
+        self.contents.setdefault(placement.object_name, []).append((spec, placement.offset))
 
     def put_open(self) -> None:
         for name, size, dtype in self.packer.open_packs():
             self._put(name, size, dtype)
 
+    def _buffer(self, buffers: dict[str, torch.Tensor], dtype: str) -> torch.Tensor:
+        buffer = buffers.get(dtype)
+        if buffer is None:
+            buffer = torch.empty(self.packer.pack_bytes, dtype=torch.uint8)
+            buffers[dtype] = buffer
+            self.publisher.store.register(buffer.data_ptr(), buffer.numel())
+        return buffer
+
+    def _laid_out(self, name: str, size: int, dtype: str) -> tuple[torch.Tensor, list[Piece]]:
+        """The pack's bytes as they are put, and where each tensor (or its rows) sits."""
+        contents = self.contents[name]
+        filled = self.buffers[dtype][:size]
+        if self.order is None:
+            return filled, [Piece(s.name, None, o, o, s.nbytes) for s, o in contents]
+        rows = [(s.name, s.shape, o, s.nbytes) for s, o in contents]
+        pieces = rank_major(rows, self.order)
+        if all(p.source == p.target for p in pieces):
+            return filled, pieces
+        data = self._buffer(self.rank_major, dtype)[:size]
+        for p in pieces:
+            data[p.target : p.target + p.nbytes].copy_(filled[p.source : p.source + p.nbytes])
+        return data, pieces
+
     def _put(self, name: str, size: int, dtype: str) -> None:
-        data = self.buffers[dtype][:size]
+        data, pieces = self._laid_out(name, size, dtype)
         publisher = self.publisher
-        publisher._checksums[payload_key(publisher.group, name)] = ObjectChecksum.of(data)
+        # Blocks also cut where a rank's run starts: each rank checks all it reads.
+        checksum = ObjectChecksum.of(data, run_starts(pieces))
+        publisher._checksums[payload_key(publisher.group, name)] = checksum
         try:
             publisher.store.put_from(
                 payload_key(publisher.group, name),
@@ -299,18 +338,25 @@ class _Packs:
                 hard_pin=True,
             )
         except MooncakeError as error:
-            self.failed_tensor = self.tensors[name][0]
-            count = len(self.tensors[name])
+            self.failed_tensor = self.contents[name][0][0].name
+            count = len(self.contents[name])
             raise type(error)(
                 error.code, error.operation, f"{error.context}, a pack of {count} tensors"
             ) from error
+        for piece in pieces:
+            placement = Placement(name, piece.target, piece.rows)
+            key = payload_key(publisher.group, placement.fragment_id(piece.tensor))
+            bytes_ = data[piece.target : piece.target + piece.nbytes]
+            publisher._checksums[key] = ObjectChecksum.of(bytes_)
+            publisher._placements.setdefault(piece.tensor, []).append(placement)
         publisher._stored(name, size)
-        del self.tensors[name]
+        del self.contents[name]
 
     def close(self) -> None:
-        for buffer in self.buffers.values():
+        for buffer in (*self.buffers.values(), *self.rank_major.values()):
             self.publisher.store.unregister(buffer.data_ptr())
         self.buffers.clear()
+        self.rank_major.clear()
 
 
 def _wait_reports(
@@ -363,7 +409,7 @@ def finalize_generation(
     reports = _wait_reports(store, publisher.group, world, timeout_s)
     problems: list[str] = []
     checksums = ChecksumTable()
-    placements: dict[str, Placement] = {}
+    placements: dict[str, list[Placement]] = {}
     for rank, other in enumerate(reports):
         if other is None:
             problems.append(f"rank {rank} did not report within {timeout_s}s")
@@ -372,7 +418,8 @@ def finalize_generation(
         else:
             problems.extend(f"rank {rank}: tensor {n!r}: {e}" for n, e in other.failures)
             checksums = checksums.merged(dict(other.checksums))
-            placements.update((n, Placement(o, offset)) for n, o, offset in other.placements)
+            for name, obj, offset, rows in other.placements:
+                placements.setdefault(name, []).append(Placement(obj, offset, rows))
     if not problems:
         try:
             check_specs(publisher.specs)

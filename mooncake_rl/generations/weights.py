@@ -3,7 +3,8 @@
 This is what ``--load-format mooncake`` feeds an engine's own ``load_weights`` (vLLM and
 SGLang alike): a restarted or newly added engine starts from the Store, never from disk.
 Each Store object (one tensor, or a pack of small ones) is read once and checked against the
-generation's checksum table (its whole XXH3-128) before any of its tensors is yielded, so a
+generation's checksum table (its whole XXH3-128) before any of its tensors is yielded (a
+tensor stored in row blocks, :mod:`.pack_order`, once its last block is read), so a
 corrupted object fails the load with ``CorruptObject`` naming it and an engine never starts
 on bytes its publisher did not write. A manifest whose packed tensors overlap or run past
 their object is refused before anything is read.
@@ -39,19 +40,33 @@ def active_weights(
         )
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        assembling: dict[str, tuple[torch.Tensor, int]] = {}  # rows of a rank-major pack
         for key, stored in objects.items():
             data = bytearray(store.get_bytes(key))
             checksums[key].check(key, data)
             for fragment in stored.fragments:
                 spec = specs[fragment.tensor_id]
-                yield (
-                    spec.tensor_id,
-                    torch.frombuffer(
-                        data,
-                        dtype=rollout_dtype(spec.dtype),
-                        count=fragment.nbytes // rollout_dtype(spec.dtype).itemsize,
-                        offset=fragment.object_offset,
-                    ).view(spec.global_shape),
+                dtype = rollout_dtype(spec.dtype)
+                piece = torch.frombuffer(
+                    data,
+                    dtype=dtype,
+                    count=fragment.nbytes // dtype.itemsize,
+                    offset=fragment.object_offset,
+                ).view(fragment.local_shape)
+                if tuple(fragment.local_shape) == tuple(spec.global_shape):
+                    yield spec.tensor_id, piece
+                    continue
+                full, rows = assembling.get(spec.tensor_id) or (
+                    torch.empty(spec.global_shape, dtype=dtype),
+                    0,
                 )
+                first = fragment.global_offset[0]
+                full[first : first + fragment.local_shape[0]] = piece
+                rows += fragment.local_shape[0]
+                if rows < spec.global_shape[0]:
+                    assembling[spec.tensor_id] = (full, rows)
+                else:
+                    assembling.pop(spec.tensor_id, None)
+                    yield spec.tensor_id, full
 
     return record, tensors()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mooncake.reshard.weight import (
@@ -298,7 +298,9 @@ MODELS = {
 
 
 def weight_manifest(
-    model: ModelShape, generation: int, placements: Mapping[str, Placement] | None = None
+    model: ModelShape,
+    generation: int,
+    placements: Mapping[str, Sequence[Placement]] | None = None,
 ) -> WeightManifest:
     """The manifest the publisher announces (``catalog.build_manifest``: each tensor's
     contiguous bytes in its own Store object, or where ``placements`` put it in a pack),

@@ -156,10 +156,24 @@ def _runs(ranges: Ranges, worker_node: np.ndarray, piece_limit: int):
     segment = np.cumsum(breaks) - 1
     s_owner, s_within = grid.expand_counts(counts[cand])
     s_worker = ranges.worker[ranges.ptr[cand][s_owner] + s_within]
-    pairs = np.unique(segment[s_owner] * n_workers + s_worker)
-    consumers = np.bincount(pairs // n_workers, minlength=segment[-1] + 1)
+    consumers = _consumers(segment, s_owner, s_worker, n_workers)
+    # A run whose consumers each take one block of it (a rank-major pack, ``pack_order``)
+    # is one run per consumer: each reads its own bytes, and nothing is pushed.
+    first_worker = ranges.worker[ranges.ptr[cand]]
+    turns = np.zeros(len(cand), bool)
+    turns[1:] = (first_worker[1:] != first_worker[:-1]) & (segment[1:] == segment[:-1])
+    blocked = np.bincount(segment, turns, len(consumers)) == consumers - 1
+    if (turns & blocked[segment]).any():
+        segment = np.cumsum(breaks | (turns & blocked[segment])) - 1
+        consumers = _consumers(segment, s_owner, s_worker, n_workers)
     many = (np.bincount(segment) >= SIEVE_MIN_GAIN * consumers)[segment]
     return cand[many], segment[many]
+
+
+def _consumers(segment, s_owner, s_worker, n_workers: int) -> np.ndarray:
+    """How many workers consume each run's ranges."""
+    pairs = np.unique(segment[s_owner] * n_workers + s_worker)
+    return np.bincount(pairs // n_workers, minlength=segment[-1] + 1)
 
 
 def _staging(pair_worker, pair_span, size, align: int, n_workers: int):

@@ -10,38 +10,70 @@ holding whole tensors, and a receiver lands it without being told where anything
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
+from mooncake_rl.generations.checksums import CorruptObject, ObjectChecksum
 from mooncake_rl.generations.packing import tensor_checksum_key
+from mooncake_rl.store import RangeRead
 
 ALIGN = 64
 """Every tensor starts on this boundary, so each is viewable as its dtype in place."""
 
 
 @dataclass(frozen=True)
-class ReceivedTensor:
-    """One full tensor: its checkpoint name, where it is stored (an object, or a pack and
-    the offset in it), the checksum-table key of its own bytes, and its place in the buffer."""
+class StoredPiece:
+    """Bytes ``[within, within + nbytes)`` of a tensor: stored at ``object_offset`` of
+    ``object_key`` (its own object, or a pack), checked by ``checksum_key``'s entry."""
 
-    name: str
     object_key: str
     object_offset: int
     checksum_key: str
+    within: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReceivedTensor:
+    """One full tensor: its checkpoint name, where its bytes are stored (one piece, or a
+    piece per row block of a rank-major pack) and its place in the buffer."""
+
+    name: str
+    pieces: tuple[StoredPiece, ...]
     offset: int
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
 
     def __post_init__(self) -> None:
+        ends = [0, *(p.within + p.nbytes for p in self.pieces)]
         if (
             self.offset % ALIGN
             or self.nbytes != math.prod(self.shape) * rollout_dtype(self.dtype).itemsize
+            or [p.within for p in self.pieces] != ends[:-1]
+            or ends[-1] != self.nbytes
         ):
             raise InvariantViolation(f"malformed received tensor {self}")
+
+    def reads(self, start: int) -> list[RangeRead]:
+        """Its pieces' ranged reads into a buffer whose byte 0 is layout offset ``start``."""
+        at = self.offset - start
+        return [
+            RangeRead(p.object_key, p.object_offset, at + p.within, p.nbytes) for p in self.pieces
+        ]
+
+    def check(self, data: torch.Tensor, checksums: Mapping[str, ObjectChecksum]) -> None:
+        """``data`` (its bytes, on the host) against each piece's published checksum."""
+        for p in self.pieces:
+            checksum = checksums.get(p.checksum_key)
+            if checksum is None:
+                raise CorruptObject(f"no published checksum for {p.checksum_key}")
+            checksum.check(p.checksum_key, data[p.within : p.within + p.nbytes])
 
     def row(self, region: str) -> dict[str, object]:
         """The compat layout row :func:`engine_ext.worker.staged_tensors` reads."""
@@ -97,31 +129,28 @@ def receive_layout(manifest: WeightManifest, bucket_bytes: int) -> ReceiveLayout
     if bucket_bytes < 1:
         raise InvariantViolation(f"bucket_bytes must be positive, got {bucket_bytes}")
     specs = {t.tensor_id: t for t in manifest.tensors}
-    tensors: list[ReceivedTensor] = []
-    offset = 0
+    stored: dict[str, list[StoredPiece]] = {}
     for fragment in manifest.fragments:
-        spec = specs[fragment.tensor_id]
-        shape = tuple(int(d) for d in spec.global_shape)
-        nbytes = math.prod(shape) * rollout_dtype(spec.dtype).itemsize
-        offset = -(-offset // ALIGN) * ALIGN
-        tensors.append(
-            ReceivedTensor(
-                spec.tensor_id,
+        row_bytes = fragment.nbytes // fragment.local_shape[0]
+        stored.setdefault(fragment.tensor_id, []).append(
+            StoredPiece(
                 fragment.object_key,
                 fragment.object_offset,
                 tensor_checksum_key(manifest.group_id, fragment),
-                offset,
-                shape,
-                spec.dtype,
-                nbytes,
+                fragment.global_offset[0] * row_bytes,
+                fragment.nbytes,
             )
         )
+    tensors: list[ReceivedTensor] = []
+    offset = 0
+    for name, pieces in stored.items():
+        spec = specs[name]
+        shape = tuple(int(d) for d in spec.global_shape)
+        nbytes = math.prod(shape) * rollout_dtype(spec.dtype).itemsize
+        offset = -(-offset // ALIGN) * ALIGN
+        ordered = tuple(sorted(pieces, key=lambda p: p.within))
+        tensors.append(ReceivedTensor(name, ordered, offset, shape, spec.dtype, nbytes))
         offset += nbytes
-    if len({t.name for t in tensors}) != len(tensors):
-        raise InvariantViolation(
-            f"generation {manifest.weight_generation} stores a tensor in several fragments; "
-            "broadcast and CPU serialization deliver whole tensors only"
-        )
     buckets: list[Bucket] = []
     first = 0
     for index, tensor in enumerate(tensors):

@@ -15,7 +15,7 @@ from mooncake_rl.apply.coalesce import coalesced_reads
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry
-from mooncake_rl.store import RangeRead, StoreClient
+from mooncake_rl.store import StoreClient
 from mooncake_rl.transport.layout import Bucket, ReceiveLayout, receive_layout
 
 T = TypeVar("T")
@@ -57,10 +57,7 @@ def read_buckets(
         for bucket in layout.buckets:
             members = layout.bucket_tensors(bucket)
             data = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            reads = [
-                RangeRead(t.object_key, t.object_offset, t.offset - bucket.start, t.nbytes)
-                for t in members
-            ]
+            reads = [read for t in members for read in t.reads(bucket.start)]
             store.register(data.data_ptr(), data.numel())
             try:
                 store.read_ranges(data.data_ptr(), coalesced_reads(reads))
@@ -69,7 +66,7 @@ def read_buckets(
             tensors = {}
             for tensor in members:
                 own = data[tensor.offset - bucket.start :][: tensor.nbytes]
-                checksums[tensor.checksum_key].check(tensor.checksum_key, own)
+                tensor.check(own, checksums)
                 dtype = rollout_dtype(tensor.dtype)
                 tensors[tensor.name] = own.view(dtype).view(tensor.shape)
             yield bucket, tensors
