@@ -44,7 +44,7 @@ class ReceivedTensor:
             raise InvariantViolation(f"malformed received tensor {self}")
 
     def row(self, region: str) -> dict[str, object]:
-        """The compat layout row :func:`engine_ext.worker.staged_tensors` reads."""
+        """The compat layout row :func:`engine_ext.landing.staged_tensors` reads."""
         return {
             "name": self.name,
             "region": region,
