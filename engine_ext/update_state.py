@@ -3,9 +3,10 @@
 Prepare fills it (the staging arena and its regions, the routing slice or a reception, the
 session and the stages it declares, the update lease); each apply stage runs on its stage
 thread and counts itself in ``ran``; ``expect`` keeps the post-landing check's reference;
-commit lands from it. Commit, abort, a newer prepare or a rebuild then drop it:
-registrations rolled back, advertisement withdrawn, update lease released. The arena and a
-reception's buffer outlive it, reused by the next update while the layout fits.
+commit lands from it. Commit, abort or a rebuild then drop it (registrations rolled back,
+advertisement withdrawn) and release its update lease, commit once the serving lease moved
+onto the generation; a newer prepare replaces it. The arena and a reception's buffer
+outlive it, reused by the next update while the layout fits.
 """
 
 from __future__ import annotations
