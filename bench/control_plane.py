@@ -41,7 +41,8 @@ from typing import Any
 
 from bench.common import specs_of, store_services, synthetic_model
 from engine_ext.backend import WorkerBackend
-from engine_ext.receiver import Receiver, ServedRecord
+from engine_ext.receiver import Receiver
+from engine_ext.served import ServedRecord
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.plan.synthetic import simulated_engines
 from mooncake_rl.protocol import DrainRequest, reported_placement, without_boxes

@@ -23,7 +23,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from engine_ext.receiver import ReceiverError, ServedRecord, weight_version
+from engine_ext.served import ServedRecord, weight_version
+from engine_ext.sessions import ReceiverError
 from mooncake_rl.protocol import PAUSE_MODES, ApplyRequest, DrainRequest, PrepareRequest
 
 POLL_S = (0.005, 0.01, 0.02, 0.05)

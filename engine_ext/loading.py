@@ -22,7 +22,7 @@ from engine_ext.leases import (
     lease_id,
     loader_engine_id,
 )
-from engine_ext.receiver import ServedRecord
+from engine_ext.served import ServedRecord
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations.leases import lease_book
 from mooncake_rl.generations.registry import ActiveRecord

@@ -27,7 +27,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.routing import Mount
 
-from engine_ext.receiver import Receiver, ReceiverState
+from engine_ext.receiver import Receiver
+from engine_ext.sessions import ReceiverState
 from mooncake_rl.metrics import receiver_families
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from engine_ext.receiver import Receiver, ReceiverError
+from engine_ext.receiver import Receiver
+from engine_ext.sessions import ReceiverError
 from mooncake_rl.protocol import (
     ApplyRequest,
     BucketUpload,

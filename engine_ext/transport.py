@@ -5,7 +5,7 @@ Both deliver the generation's full tensors into one receive buffer laid out by
 manifest itself. Every tensor is checked against the generation's published checksums as it
 lands in the buffer, so neither a rogue group member nor a stale bucket file can put bytes
 into the model that its publisher did not write. Live weights change only at commit, through
-the same landing as the Store's compat mode (:meth:`engine_ext.worker.UpdateWorker._commit`).
+the same landing as the Store's compat mode (:meth:`engine_ext.landing.LandingWorker._commit`).
 """
 
 from __future__ import annotations

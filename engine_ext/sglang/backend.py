@@ -37,8 +37,8 @@ from sglang.srt.managers.io_struct import (
 )
 
 from engine_ext.backend import WorkerBackend
-from engine_ext.receiver import ReceiverError
 from engine_ext.rpc import within
+from engine_ext.sessions import ReceiverError
 from engine_ext.sglang.ipc import MooncakeRLReqInput
 from mooncake_rl.protocol import PAUSE_MODES, DrainRequest
 from mooncake_rl.settings import Settings

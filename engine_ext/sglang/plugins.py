@@ -38,9 +38,10 @@ from fastapi import Request
 
 from engine_ext.leases import export_engine_identity, renew_leases
 from engine_ext.loading import LOAD_FORMAT, model_name_from
-from engine_ext.receiver import Receiver, weight_version
+from engine_ext.receiver import Receiver
 from engine_ext.routes import GenerationHeaders, build_router
 from engine_ext.security import guard_tokens
+from engine_ext.served import weight_version
 from engine_ext.sglang.backend import COMMUNICATOR, SglangBackend
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from mooncake_rl.errors import ConfigurationError

@@ -20,7 +20,8 @@ import torch
 from engine_ext.placement import ParamRow, RegionSpec, describe_shards
 from engine_ext.sglang.ipc import MooncakeRLReqInput, MooncakeRLReqOutput
 from engine_ext.shards import ShardSpec
-from engine_ext.worker import DirectLanding, UpdateWorker, live_receivers
+from engine_ext.worker import UpdateWorker
+from engine_ext.worker_base import DirectLanding, live_receivers
 from mooncake_rl.apply.landing import Landing
 
 QKV_ORDER = {"q": 0, "k": 1, "v": 2}

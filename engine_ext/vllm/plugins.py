@@ -24,9 +24,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from engine_ext.leases import engine_identity, renew_leases
-from engine_ext.receiver import Receiver, weight_version
+from engine_ext.receiver import Receiver
 from engine_ext.routes import GenerationHeaders, build_router
 from engine_ext.security import guard_tokens
+from engine_ext.served import weight_version
 from engine_ext.vllm.backend import VllmBackend
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.settings import Settings

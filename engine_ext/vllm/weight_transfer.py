@@ -45,7 +45,7 @@ from engine_ext.admission import RequestRefused, check_generation, parsed
 from engine_ext.leases import loader_engine_id
 from engine_ext.loading import mark_served, served_by, served_record
 from engine_ext.ranks import gather_json
-from engine_ext.receiver import weight_version
+from engine_ext.served import weight_version
 from engine_ext.vllm.native_errors import BACKEND, Refusal, Refused
 from engine_ext.vllm.worker import VllmUpdateWorker
 from mooncake_rl.coordinator import advertised_peers

@@ -23,11 +23,11 @@ import torch
 from engine_ext.placement import RegionSpec
 from engine_ext.shards import ShardSpec
 from engine_ext.vllm.placement import describe_vllm_shards, holds_kv_cache_scales
-from engine_ext.worker import (
+from engine_ext.worker import UpdateWorker
+from engine_ext.worker_base import (
     Comparison,
     DirectLanding,
     LandingMismatch,
-    UpdateWorker,
     live_receivers,
     same_bytes,
 )

@@ -76,7 +76,7 @@ class ReceivedTensor:
             checksum.check(p.checksum_key, data[p.within : p.within + p.nbytes])
 
     def row(self, region: str) -> dict[str, object]:
-        """The compat layout row :func:`engine_ext.worker.staged_tensors` reads."""
+        """The compat layout row :func:`engine_ext.landing.staged_tensors` reads."""
         return {
             "name": self.name,
             "region": region,
