@@ -46,6 +46,32 @@ def require_master(settings: Settings, durable: bool) -> None:
         _require_reachable(settings.master)
 
 
+def set_up(settings: Settings, durable: bool) -> Any:
+    """A new native client set up with ``settings`` (after :func:`require_master`); a
+    durable Store's first one binds this process to its etcd cluster."""
+    from mooncake.store import MooncakeDistributedStore
+
+    native = MooncakeDistributedStore()
+    with unpinned_native_threads(), native_setup(settings):
+        code = native.setup(
+            settings.hostname,
+            settings.metadata,
+            settings.segment_bytes,
+            settings.buffer_bytes,
+            settings.protocol,
+            settings.rdma_devices,
+            settings.master,
+        )
+    if code != 0:
+        raise ConfigurationError(
+            f"Store setup failed ({code}): is mooncake_master reachable at "
+            f"{settings.master} and metadata at {settings.metadata}?"
+        )
+    if durable and not _BOUND_ETCD:
+        _BOUND_ETCD.append(_require_bound_etcd(settings.master))
+    return native
+
+
 def _require_reachable(address: str, timeout_s: float = 3.0) -> None:
     """Fail fast with a clear message; Mooncake's own setup retries for minutes."""
     host, _, port = address.rpartition(":")
@@ -110,31 +136,6 @@ def _require_bound_etcd(master: str) -> frozenset[str]:
             f"met); connect to {master} from another process"
         )
     return endpoints
-
-
-def set_up(settings: Settings, durable: bool) -> Any:
-    """A new native client set up with ``settings`` (after :func:`require_master`)."""
-    from mooncake.store import MooncakeDistributedStore
-
-    native = MooncakeDistributedStore()
-    with unpinned_native_threads(), native_setup(settings):
-        code = native.setup(
-            settings.hostname,
-            settings.metadata,
-            settings.segment_bytes,
-            settings.buffer_bytes,
-            settings.protocol,
-            settings.rdma_devices,
-            settings.master,
-        )
-    if code != 0:
-        raise ConfigurationError(
-            f"Store setup failed ({code}): is mooncake_master reachable at "
-            f"{settings.master} and metadata at {settings.metadata}?"
-        )
-    if durable and not _BOUND_ETCD:
-        _BOUND_ETCD.append(_require_bound_etcd(settings.master))
-    return native
 
 
 _PARKED: dict[tuple[object, ...], list[Any]] = defaultdict(list)
