@@ -6,7 +6,8 @@
 
 Sources: the ``mooncake-rl`` argument parser (``mooncake_rl.cli.build_parser``), the settings
 object (``mooncake_rl.settings.Settings``), the engines' route table
-(``engine_ext.routes.build_router``) and the ``EXIT_*`` constants of ``mooncake_rl/cli.py``.
+(``engine_ext.routes.build_router``) and the ``EXIT_*`` constants of ``update``
+(``mooncake_rl/commands/engines.py``).
 Each generated section sits in docs/reference.md between ``<!-- generated: NAME -->`` and
 ``<!-- end generated: NAME -->``; everything outside those markers is written by hand.
 
@@ -31,7 +32,8 @@ REFERENCE = ROOT / "docs" / "reference.md"
 MiB = 1 << 20
 
 CLIENT_FLAGS = ("--master", "--metadata", "--protocol", "--hostname", "--node", "--local-segment")
-"""The Store client's flags every command that opens a Store takes (``cli._client_flags``)."""
+"""The Store client's flags every command that opens a Store takes
+(``mooncake_rl.commands.store_client.add_client_flags``)."""
 
 ROUTE_NOTES = {
     "GET /mooncake/status": "the engine's receiver state, served generation and session",
@@ -295,8 +297,8 @@ def routes_section() -> list[str]:
 
 
 def _exit_constants() -> list[tuple[int, str, str]]:
-    """``EXIT_*`` constants of cli.py with the docstring that follows each."""
-    tree = ast.parse((ROOT / "mooncake_rl" / "cli.py").read_text())
+    """``EXIT_*`` constants of commands/engines.py with the docstring that follows each."""
+    tree = ast.parse((ROOT / "mooncake_rl" / "commands" / "engines.py").read_text())
     found = []
     for node, after in zip(tree.body, [*tree.body[1:], None], strict=True):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):

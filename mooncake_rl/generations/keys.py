@@ -8,6 +8,8 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.store import regex_literal
 
 NAMESPACE = "mooncake-rl"
+_PLANS = f"{NAMESPACE}/_plans/"  # routing tables, by source layout (no model's prefix)
+_SESSIONS = f"{NAMESPACE}/sessions/"  # update sessions' records, by session
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SESSION = re.compile(r"^[0-9a-f]{32}$")
 
@@ -61,7 +63,7 @@ def segments_key(group: str) -> str:
 
 
 def report_key(group: str, rank: int) -> str:
-    return f"{group}/report/{rank}"
+    return report_prefix(group) + str(rank)
 
 
 def report_prefix(group: str) -> str:
@@ -87,13 +89,13 @@ def routing_tables_prefix(source_digest: str) -> str:
     """The routing tables planned from one source layout: GC removes them together once no
     generation it keeps has that layout. ``_`` starts no model name, so no model prefix
     covers them."""
-    return f"{NAMESPACE}/_plans/{source_digest}/"
+    return f"{_PLANS}{source_digest}/"
 
 
 def legacy_routing_tables_pattern() -> str:
     """Routing tables of releases before issue 51, named by their plan key's digest alone
     (``mooncake-rl/_plans/<64 hex>``): no release reads them, and no GC knew their layout."""
-    return f"^{regex_literal(NAMESPACE + '/_plans/')}[0-9a-f]{{64}}$"
+    return f"^{regex_literal(_PLANS)}[0-9a-f]{{64}}$"
 
 
 def routing_table_key(source_digest: str, digest: str) -> str:
@@ -131,7 +133,7 @@ def check_session(session: str) -> str:
 
 def session_prefix(session: str) -> str:
     """Records of one update session; nothing outside the session reads them."""
-    return f"{NAMESPACE}/sessions/{check_session(session)}/"
+    return f"{_SESSIONS}{check_session(session)}/"
 
 
 def advert_key(session: str, worker_id: str) -> str:
@@ -141,8 +143,7 @@ def advert_key(session: str, worker_id: str) -> str:
 
 def adverts_pattern(worker_id: str) -> str:
     """Every advertisement of ``worker_id``, whatever its session."""
-    sessions = regex_literal(f"{NAMESPACE}/sessions/")
-    return f"^{sessions}[0-9a-f]{{32}}/{regex_literal(worker_id)}$"
+    return f"^{regex_literal(_SESSIONS)}[0-9a-f]{{32}}/{regex_literal(worker_id)}$"
 
 
 def pack_order_key(model: str) -> str:

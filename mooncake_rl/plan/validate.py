@@ -95,14 +95,19 @@ class _V:
             self.land[name] = np.concatenate([r[name], p[name]])
 
     # -- naming helpers for messages -------------------------------------------------------
+    @staticmethod
+    def _named(names: tuple[str, ...], i) -> str:
+        """``names[i]``, or ``#i`` for an index out of range (a malformed record's)."""
+        return names[int(i)] if 0 <= int(i) < len(names) else f"#{int(i)}"
+
     def _w(self, i) -> str:
-        return self.t.workers[int(i)] if 0 <= int(i) < len(self.t.workers) else f"#{int(i)}"
+        return self._named(self.t.workers, i)
 
     def _r(self, i) -> str:
-        return self.t.regions[int(i)] if 0 <= int(i) < self.n_regions else f"#{int(i)}"
+        return self._named(self.t.regions, i)
 
     def _o(self, i) -> str:
-        return self.t.objects[int(i)] if 0 <= int(i) < len(self.t.objects) else f"#{int(i)}"
+        return self._named(self.t.objects, i)
 
     def _read(self, i) -> str:
         r = self.t.reads[int(i)]
