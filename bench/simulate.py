@@ -33,6 +33,7 @@ import numpy as np
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import fp8
 from mooncake_rl.generations.assignment import TrainerTopology, assign_publishers
+from mooncake_rl.generations.pack_order import PackOrder, rank_major_layout
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, check_pack_bytes, pack_layout
 from mooncake_rl.plan import (
     CompatDemand,
@@ -49,6 +50,7 @@ from mooncake_rl.plan.shapes import (
     MODELS,
     ModelShape,
     cluster,
+    instance_parts,
     model_shape,
     weight_manifest,
 )
@@ -178,6 +180,7 @@ class Scenario:
     balance_slack: float = PlanParams().balance_slack  # the planner's chunking knob
     broadcast_chunk_bytes: int = 4 << 20  # NCCL_BUFFSIZE default: the pipelined unit
     pack_bytes: int = DEFAULT_PACK_BYTES  # the publisher's pack size; 0: one object per tensor
+    pack_order: bool = True  # packs rank by rank, as publishes after the first update are
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -411,10 +414,13 @@ class Published:
         return len(self.node_of_object)
 
 
-def publish_layout(model: ModelShape, cluster: Cluster, pack_bytes: int) -> Published:
+def publish_layout(
+    model: ModelShape, cluster: Cluster, pack_bytes: int, order: PackOrder | None = None
+) -> Published:
     """What the publishers would store (pure): the real publisher assignment over every
     trainer rank (``generations.assignment``: a source tensor, with its fp8 block scales, to
-    one rank), then each rank's packs (``packing.pack_layout``; ``pack_bytes`` 0: none)."""
+    one rank), then each rank's packs (``packing.pack_layout``; ``pack_bytes`` 0: none),
+    laid out rank by rank with ``order`` (``pack_order.rank_major_layout``)."""
     per_node = cluster.trainer_gpus_per_node
     labels = tuple(f"trainer{r // per_node:04d}" for r in range(cluster.trainer_gpus))
     heads: list[str] = []  # the source tensor each stored tensor belongs to
@@ -434,6 +440,9 @@ def publish_layout(model: ModelShape, cluster: Cluster, pack_bytes: int) -> Publ
         if pack_bytes
         else {}
     )
+    if order is not None:
+        specs = ((t.name, t.shape, t.nbytes) for t in model.tensors)
+        placements = rank_major_layout(placements, specs, order)
     node_of_object: dict[str, int] = {}
     node_bytes = np.zeros(cluster.trainer_nodes, I64)
     for spec, rank in zip(model.tensors, rank_of, strict=True):
@@ -888,7 +897,12 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
         "generations.assignment on every trainer GPU, a source tensor with its fp8 scales to "
         "one rank): stored tensors of at most pack_bytes / 4 share per-rank, per-dtype pack "
         "objects in publish order; larger ones, and every tensor with pack_bytes 0, are one "
-        "object each",
+        "object each"
+        + (
+            "; each pack laid out rank by rank by one instance's cut (generations.pack_order)"
+            if scenario.pack_order
+            else "; packs tensor after tensor (--no-pack-order)"
+        ),
         "per_operation": {
             "costs_us": {name: getattr(c, name) for name in OP_COST_FIELDS},
             "presets_us": {
@@ -956,7 +970,16 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
         model, c.rollout_instances, c.rollout_tp, c.rollout_gpus_per_node, c.rollout_layout
     )
     say("assign published tensors to trainer ranks and packs")
-    layout = publish_layout(model, c, scenario.pack_bytes)
+    order = None
+    if scenario.pack_order:  # the cut one instance's GPUs report, as the coordinator learns it
+        parts = instance_parts(model, c.rollout_tp, c.rollout_layout)
+        shapes = {t.name: t.shape for t in model.tensors}
+        order = PackOrder.of_boxes(
+            (r, f.tensor_id, shapes[f.tensor_id], f.global_offset, f.local_shape)
+            for r, part in enumerate(parts)
+            for f in part.fragments
+        )
+    layout = publish_layout(model, c, scenario.pack_bytes, order)
     manifest, by_name, published = layout.manifest, layout.node_of_object, layout.node_bytes
     say("distinct bytes per rollout node (the physical bound)")
     bound = physical_bound(node_demand_bytes(manifest, topology, direct_demand), published, c)
@@ -1132,6 +1155,11 @@ def parser() -> argparse.ArgumentParser:
         help="the publisher's pack size (small tensors share objects); 0: one object per tensor",
     )
     p.add_argument(
+        "--no-pack-order",
+        action="store_true",
+        help="packs tensor after tensor, as the first publish before any update (the baseline)",
+    )
+    p.add_argument(
         "--op-costs",
         choices=sorted(OP_COSTS),
         default="tcp",
@@ -1172,6 +1200,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         batch_bytes=args.batch_bytes,
         balance_slack=args.balance_slack,
         pack_bytes=args.pack_bytes,
+        pack_order=not args.no_pack_order,
     )
 
 

@@ -157,8 +157,16 @@ class SliceWire(Wire):
         max_length=1 << 24, description="[name, bytes(, stored dtype: direct mode)]"
     )
     stages: list[list[BatchWire]] = Field(max_length=MAX_STAGES)
-    checksums: list[tuple[Count, Length, Hex32, list[Hex16]]] | None = Field(
-        None, max_length=1 << 24, description="[key, nbytes, whole, [block, ...]]"
+    checksums: (
+        list[
+            tuple[Count, Length, Hex32, list[Hex16]]
+            | tuple[Count, Length, Hex32, list[Hex16], list[Length]]
+        ]
+        | None
+    ) = Field(
+        None,
+        max_length=1 << 24,
+        description="[key, nbytes, whole, [block, ...](, [cut, ...]: a rank-major pack's)]",
     )
 
 

@@ -21,9 +21,10 @@ from mooncake_rl.generations.pack_order import (
     RowBlocks,
     load_pack_order,
     rank_major,
+    rank_major_layout,
     save_pack_order,
 )
-from mooncake_rl.generations.packing import object_extents
+from mooncake_rl.generations.packing import object_extents, pack_layout
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
 from mooncake_rl.generations.weights import active_weights
@@ -175,6 +176,14 @@ def test_a_rank_major_generation_loads_delivers_and_verifies_whole_tensors(store
         ("norm", 1120),
     ]
     record = GenerationRegistry(store, model).active()
+    # The simulator's layout (pack_layout, then rank_major_layout) is the publisher's.
+    rows = [(s.name, s.nbytes, s.dtype, 0) for s in specs]
+    shapes = [(s.name, s.shape, s.nbytes) for s in specs]
+    simulated = rank_major_layout(pack_layout(rows, 1 << 20), shapes, order)
+    stored = {(f.tensor_id, f.object_offset, f.fragment_id) for f in pack.fragments}
+    assert stored == {
+        (name, p.offset, p.fragment_id(name)) for name, ps in simulated.items() for p in ps
+    }
     checksums = GenerationRegistry(store, model).load_checksums(1, record.checksums_digest).objects
     assert checksums[pack.key].cuts == (560, 1120)  # where rank 1's run and the rest start
     expected = {name: t.numpy().tobytes() for name, t in tensors}

@@ -2,6 +2,7 @@
 
     engines' boxes (the coordinator's survey) --PackOrder.of_engines--> row blocks per tensor
     coordinator: save_pack_order (a Store write only when the order changed)
+    simulator: rank_major_layout over the pack layout publishers would make
     publisher: load_pack_order at publish; a full pack, tensors back to back
         --rank_major(pack contents, order)--> pieces (tensor rows, from, to)
     publisher: copies each piece into the outgoing pack; the manifest stores a fragment per piece
@@ -34,6 +35,7 @@ from typing import Any
 
 from mooncake_rl.errors import InvariantViolation, ObjectNotFound
 from mooncake_rl.generations.keys import pack_order_key
+from mooncake_rl.generations.packing import Placement
 from mooncake_rl.store import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -87,23 +89,34 @@ class PackOrder:
         described = sorted((-len(ws), url) for url, ws in engines.items() if _boxes(ws))
         if not described or described[0][0] == -1:  # one worker reads every pack alone
             return cls({})
-        url = described[0][1]
+        return cls.of_boxes(
+            (
+                int(worker.get("tp_rank", index)),
+                shard["tensor"],
+                tuple(shard["global_shape"]),
+                tuple(shard["global_offset"]),
+                tuple(shard["local_shape"]),
+            )
+            for index, worker in enumerate(engines[described[0][1]])
+            for shard in worker.get("shards", ())
+        )
+
+    @classmethod
+    def of_boxes(cls, boxes: Iterable[tuple[int, str, tuple, tuple, tuple]]) -> PackOrder:
+        """The order of one engine's boxes: (rank, tensor, global shape, offset, local
+        shape) each."""
         held: dict[str, list[tuple[int, int, int]]] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
+        rows: dict[str, int] = {}
         cut_otherwise: set[str] = set()
-        for index, worker in enumerate(engines[url]):
-            rank = int(worker.get("tp_rank", index))
-            for shard in worker.get("shards", ()):
-                name, shape = shard["tensor"], tuple(shard["global_shape"])
-                offset, local = tuple(shard["global_offset"]), tuple(shard["local_shape"])
-                shapes[name] = shape
-                if any(offset[1:]) or local[1:] != shape[1:]:
-                    cut_otherwise.add(name)
-                else:
-                    held.setdefault(name, []).append((offset[0], local[0], rank))
+        for rank, name, shape, offset, local in boxes:
+            rows[name] = shape[0]
+            if any(offset[1:]) or tuple(local[1:]) != tuple(shape[1:]):
+                cut_otherwise.add(name)
+            else:
+                held.setdefault(name, []).append((offset[0], local[0], rank))
         tensors = {}
-        for name, boxes in held.items():
-            blocks = _tiling(sorted(set(boxes)), shapes[name][0])
+        for name, cuts in held.items():
+            blocks = _tiling(sorted(set(cuts)), rows[name])
             if name not in cut_otherwise and blocks is not None:
                 tensors[name] = blocks
         return cls(tensors)
@@ -180,6 +193,28 @@ def rank_major(
         pieces.append(Piece(name, rows, source, cursor, nbytes, None if rank == UNRANKED else rank))
         cursor += nbytes
     return pieces
+
+
+def rank_major_layout(
+    placements: Mapping[str, Sequence[Placement]],
+    specs: Iterable[tuple[str, tuple[int, ...], int]],
+    order: PackOrder,
+) -> dict[str, tuple[Placement, ...]]:
+    """``placements`` of tensors packed one after another (``packing.pack_layout``) laid
+    out rank by rank, pack by pack, as publishers with ``order`` put them; ``specs``: (name,
+    shape, bytes) of every tensor. Pure: for planning and simulation."""
+    by_pack: dict[str, list[tuple[str, tuple[int, ...], int, int]]] = {}
+    for name, shape, nbytes in specs:
+        placed = placements.get(name)
+        if placed:
+            by_pack.setdefault(placed[0].object_name, []).append(
+                (name, shape, placed[0].offset, nbytes)
+            )
+    out: dict[str, list[Placement]] = {}
+    for pack, contents in by_pack.items():
+        for piece in rank_major(sorted(contents, key=lambda c: c[2]), order):
+            out.setdefault(piece.tensor, []).append(Placement(pack, piece.target, piece.rows))
+    return {name: tuple(sorted(p, key=lambda p: p.rows or (0, 0))) for name, p in out.items()}
 
 
 def load_pack_order(store: StoreClient, model: str) -> PackOrder | None:

@@ -29,6 +29,7 @@ from mooncake_rl.coordinator import Coordinator, UpdateFailed, UpdateResult
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
+from mooncake_rl.generations.pack_order import load_pack_order
 from mooncake_rl.metrics import UpdateMetrics
 from mooncake_rl.protocol import PLACEMENT_DIGEST, placement_digest, without_boxes
 from mooncake_rl.router import open_router
@@ -354,10 +355,16 @@ def test_direct_update_tp2_ranks_receive_only_their_shards(world: World) -> None
     for engine in world.engines.values():
         assert engine.complete(PROMPT) == world.refs[2]
     assert_every_parameter_checked(world, result)
+    # The TP=2 engine's row cut is remembered: from now on packs are laid out rank by rank
+    # (every later test here publishes, restarts and updates such generations).
+    order = load_pack_order(world.store, MODEL)
+    assert order is not None and (0, 1) in {blocks.ranks for blocks in order.tensors.values()}
 
 
 def test_prepare_failure_keeps_every_engine_on_its_generation(world: World) -> None:
     assert world.publish(3, dtype="bfloat16") == 4
+    packed = GenerationRegistry(world.store, MODEL).load_active_manifest()
+    assert any(f.global_offset[0] > 0 for f in packed.fragments)  # rank 1's rows, apart
     with world.coordinator() as coordinator, pytest.raises(UpdateFailed) as failed:
         coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
     message = str(failed.value)
