@@ -1,6 +1,14 @@
 """A model's generation numbers, active record, index and announce: the publication contract.
 
-``docs/generations.md`` states the scheme; in short:
+    publish attempt --claim_generation--> number N (its exclusive ``claim`` record)
+      ... ranks put the payloads ...
+    rank 0 --announce--> payloads checked whole (``payloads``), checksums/segments/manifest
+      put, fence record F + 1 created exclusively --> ``active`` copy and index upserted
+    readers --active()--> the ``active`` copy, then fence records probed forward
+      --> load_manifest / load_checksums / segment_hints of that generation
+
+The records themselves and their sealed encoding are ``records``; this module reads and
+writes them in order. ``docs/generations.md`` states the scheme; in short:
 
 - **Claims.** A publish attempt claims its generation number by creating the group's
   ``claim`` record exclusively (the master arbitrates: no read-then-write). A number is
@@ -19,31 +27,23 @@
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
-from typing import TypeVar
 
 from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import (
-    ConfigurationError,
     InvariantViolation,
     MooncakeError,
     MooncakeRLError,
     ObjectAlreadyExists,
     ObjectNotFound,
 )
-from mooncake_rl.generations import layout
 from mooncake_rl.generations.checksums import ChecksumTable, CorruptObject
 from mooncake_rl.generations.keys import (
-    INCARNATION_KEY,
     active_key,
     check_model_name,
     checksums_key,
@@ -52,12 +52,49 @@ from mooncake_rl.generations.keys import (
     group_id,
     index_key,
     manifest_key,
-    payload_prefix,
     segments_key,
 )
-from mooncake_rl.generations.layout import SegmentMap, is_digest
-from mooncake_rl.generations.packing import checksum_sizes, object_extents
+from mooncake_rl.generations.layout import SegmentMap
+from mooncake_rl.generations.packing import checksum_sizes
+from mooncake_rl.generations.payloads import payload_problems, payload_state
+from mooncake_rl.generations.records import (
+    ActiveRecord,
+    Claim,
+    FenceError,
+    GenerationIndex,
+    GenerationInfo,
+    Incarnation,
+    NoActiveGeneration,
+    StoreStateLost,
+    _decoded,
+    _sealed,
+    _unsealed,
+    lost_state_hint,
+)
 from mooncake_rl.store import StoreClient
+
+# The records and the payload checks live in their own modules; code across the repo imports
+# them from here, the contract's one entry point.
+__all__ = [
+    "CLAIM_PROBES",
+    "FENCES_KEPT",
+    "ActiveRecord",
+    "Claim",
+    "FenceError",
+    "GenerationIndex",
+    "GenerationInfo",
+    "GenerationRegistry",
+    "Incarnation",
+    "NoActiveGeneration",
+    "StoreStateLost",
+    "active_generation",
+    "load_manifest",
+    "lost_state_hint",
+    "no_active_message",
+    "payload_problems",
+    "payload_state",
+    "require_active",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,269 +102,6 @@ CLAIM_PROBES = 1000
 """Claims tried past the newest known number before giving up (aborted attempts skip one)."""
 FENCES_KEPT = 16
 """Fence records kept below the newest, so a reader whose ``active`` copy lags still probes."""
-
-
-class FenceError(InvariantViolation):
-    """A stale or losing announce, or a record that does not match what it claims."""
-
-
-class StoreStateLost(InvariantViolation):
-    """The master restarted without its state: every record and object is gone."""
-
-
-class NoActiveGeneration(ConfigurationError):
-    """Nothing was announced for the model in this Store incarnation."""
-
-
-def _sealed(body: dict[str, object]) -> bytes:
-    """JSON with a checksum of its own content, so a torn or foreign record is detected."""
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"body": body, "sha256": hashlib.sha256(text.encode()).hexdigest()}).encode()
-
-
-def _unsealed(data: bytes, what: str) -> dict[str, object]:
-    try:
-        outer = json.loads(data)
-        body = outer["body"]
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        ok = hashlib.sha256(text.encode()).hexdigest() == outer["sha256"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise FenceError(f"{what} is not a valid record") from error
-    if not ok:
-        raise FenceError(f"{what} failed its checksum (torn or corrupted)")
-    return body
-
-
-T = TypeVar("T")
-
-
-def _decoded(cls: Callable[..., T], body: dict[str, object], what: str) -> T:
-    try:
-        return cls(**body)
-    except TypeError as error:
-        raise FenceError(f"{what} has unexpected fields ({error})") from error
-
-
-# -- incarnation -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Incarnation:
-    """One lifetime of the master's state."""
-
-    id: str
-    created_at: str
-
-    @classmethod
-    def read(cls, store: StoreClient) -> Incarnation | None:
-        try:
-            body = _unsealed(store.get_bytes(INCARNATION_KEY), "Store incarnation record")
-        except ObjectNotFound:
-            return None
-        return _decoded(cls, body, "Store incarnation record")
-
-    @classmethod
-    def ensure(cls, store: StoreClient) -> Incarnation:
-        """The current incarnation; the first writer of a fresh master creates it."""
-        found = cls.read(store)
-        if found is not None:
-            return found
-        fresh = cls(uuid.uuid4().hex[:16], datetime.now(UTC).isoformat())
-        with contextlib.suppress(ObjectAlreadyExists):
-            store.create_exclusive(INCARNATION_KEY, _sealed(asdict(fresh)))
-        created = cls.read(store)
-        if created is None:
-            raise StoreStateLost("the Store incarnation record vanished while being created")
-        return created
-
-
-def lost_state_hint(model: str, what: str) -> str:
-    """The documented message when readers find the master without the state they expect."""
-    return (
-        f"{what}: the Store has lost its state for model {model!r} (mooncake_master restarted "
-        "without persistence, so every generation it held is gone). Engines keep serving what "
-        f"they hold. Way out: republish (`mooncake-rl publish --name {model} ...`, or the next "
-        "trainer sync), then `mooncake-rl update`; see docs/generations.md#lost-master"
-    )
-
-
-# -- records -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ActiveRecord:
-    """Active record number ``fence``: the generation engines must serve, and how to check it.
-
-    ``layout_digest`` is computed once at announce, so every consumer's plan-cache lookup
-    reads it instead of re-hashing the manifest. ``segments_digest``: the digest of the
-    generation's segment map (``segments_key``: which segment holds each payload, the
-    planner's locality hints); None in records written before it was recorded. ``newest``
-    is the newest generation ever announced (the floor every later announce must exceed,
-    whatever ``activate`` did); ``previous`` the generation this record replaced; ``at`` its
-    wall-clock time.
-    """
-
-    model: str
-    generation: int
-    manifest_key: str
-    manifest_digest: str
-    layout_digest: str
-    checksums_digest: str
-    incarnation: str
-    fence: int
-    newest: int
-    previous: int | None
-    at: float
-    tensors: int
-    bytes: int
-    created_at: str
-    segments_digest: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.segments_digest is not None and not is_digest(self.segments_digest):
-            raise FenceError(f"active record segments digest {self.segments_digest!r} is malformed")
-        if not is_digest(self.manifest_digest):
-            raise FenceError(f"active record manifest digest {self.manifest_digest!r} is malformed")
-        if not is_digest(self.layout_digest):
-            raise FenceError(f"active record layout digest {self.layout_digest!r} is malformed")
-        if self.fence < 1 or self.newest < self.generation:
-            raise FenceError(f"active record fence {self.fence} / newest {self.newest} invalid")
-
-    def encode(self) -> bytes:
-        return _sealed(asdict(self))
-
-    @classmethod
-    def decode(cls, data: bytes) -> ActiveRecord:
-        return _decoded(cls, _unsealed(data, "active-generation record"), "active record")
-
-    @classmethod
-    def replacing(
-        cls,
-        current: ActiveRecord | None,
-        manifest: WeightManifest,
-        checksums_digest: str,
-        incarnation: str,
-        newest: int,
-        segments_digest: str | None = None,
-    ) -> ActiveRecord:
-        """The record that follows ``current`` (fence + 1) and makes ``manifest`` active."""
-        return cls(
-            manifest.resource_id,
-            manifest.weight_generation,
-            manifest.manifest_key,
-            manifest.manifest_digest,
-            layout.layout_digest(manifest),
-            checksums_digest,
-            incarnation,
-            current.fence + 1 if current else 1,
-            newest,
-            current.generation if current else None,
-            time.time(),
-            len(manifest.tensors),
-            sum(f.nbytes for f in manifest.fragments),
-            manifest.created_at,
-            segments_digest,
-        )
-
-    def info(self) -> GenerationInfo:
-        return GenerationInfo(
-            self.generation,
-            self.tensors,
-            self.bytes,
-            self.manifest_digest,
-            self.created_at,
-            self.checksums_digest,
-        )
-
-
-@dataclass(frozen=True)
-class GenerationInfo:
-    """One announced generation as the index lists it; ``retired_at``: when it stopped
-    being active (``None`` while active or never replaced), which GC's grace period uses."""
-
-    generation: int
-    tensors: int
-    bytes: int
-    digest: str
-    created_at: str
-    checksums_digest: str
-    retired_at: float | None = None
-
-
-@dataclass(frozen=True)
-class GenerationIndex:
-    """Every announced generation the Store still holds, as of fence ``through_fence``;
-    ``swept_through``: every unannounced number up to it left nothing behind (GC's mark)."""
-
-    through_fence: int
-    generations: tuple[GenerationInfo, ...]
-    swept_through: int = 0
-
-    def with_records(self, records: list[ActiveRecord]) -> GenerationIndex:
-        """Fold fence records after ``through_fence`` in, in order (pure, idempotent)."""
-        infos = {i.generation: i for i in self.generations}
-        through = self.through_fence
-        for record in sorted(records, key=lambda r: r.fence):
-            if record.fence <= through:
-                continue
-            through = record.fence
-            known = infos.get(record.generation)
-            infos[record.generation] = replace(known or record.info(), retired_at=None)
-            previous = infos.get(record.previous) if record.previous is not None else None
-            if previous is not None and record.previous != record.generation:
-                infos[previous.generation] = replace(previous, retired_at=record.at)
-        ordered = tuple(sorted(infos.values(), key=lambda i: i.generation))
-        return replace(self, through_fence=through, generations=ordered)
-
-    def without(self, generations: set[int]) -> GenerationIndex:
-        kept = tuple(i for i in self.generations if i.generation not in generations)
-        return replace(self, generations=kept)
-
-    def encode(self) -> bytes:
-        body = asdict(self)
-        body["generations"] = [asdict(info) for info in self.generations]
-        return _sealed(body)
-
-    @classmethod
-    def decode(cls, data: bytes) -> GenerationIndex:
-        body = _unsealed(data, "generation index")
-        try:
-            rows = tuple(GenerationInfo(**row) for row in body.pop("generations"))  # type: ignore[union-attr]
-            return cls(generations=rows, **body)  # type: ignore[arg-type]
-        except (KeyError, TypeError) as error:
-            raise FenceError(f"generation index has unexpected fields ({error})") from error
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Who owns a generation number: one publish attempt, in one Store incarnation."""
-
-    attempt: str
-    incarnation: str
-    claimed_at: str
-    aborted_at: float | None = None
-
-
-def payload_problems(store: StoreClient, manifest: WeightManifest) -> list[str]:
-    """Fragments not held whole: absent, not yet complete, or of another size than declared."""
-    return payload_state(store, manifest)[0]
-
-
-def payload_state(store: StoreClient, manifest: WeightManifest) -> tuple[list[str], SegmentMap]:
-    """``payload_problems`` and, from the same replica descriptors, the segment of every
-    payload held whole (the announce's locality hints)."""
-    objects = object_extents(manifest)
-    problems: list[str] = []
-    segments: dict[str, str] = {}
-    prefix = len(payload_prefix(manifest.group_id))
-    for stored, found in zip(objects.values(), store.complete_replicas(list(objects)), strict=True):
-        if found is None:
-            problems.append(f"missing {stored.key}")
-        elif found[0] != stored.nbytes:
-            problems.append(f"{stored.key} holds {found[0]} bytes, expected {stored.nbytes}")
-        else:
-            segments[stored.key[prefix:]] = found[1]
-    return problems, SegmentMap.of(segments)
 
 
 class GenerationRegistry:
