@@ -199,3 +199,18 @@ def test_a_rank_major_pack_is_read_by_each_rank_alone_with_nothing_pushed(
     assert [w["read"] for w in figures] == [nbytes // 2, nbytes // 2]
     assert sum(w["verified"] for w in figures) == nbytes
     assert sum(w["pushed"] for w in figures) == 0
+
+
+def test_a_reply_that_comes_after_its_call_gave_up_is_not_taken_for_the_next(
+    master: EmbeddedMaster, holders
+) -> None:
+    """A call that gives up (a worker slow to answer on a loaded host) leaves its reply to
+    come; the next call must get its own answer, not that one."""
+    manifest = published(master, holders, "planned-late", seed=13)
+    engines = simulated_engines(specs_of(manifest), [("node-a", 1)], "compat")
+    plan = plan_update(manifest, engines, "compat", 4096, RoutingCache())
+    with WorkerCluster(workers_for(master, engines), plan.routing.regions) as cluster:
+        (worker,) = cluster.processes
+        late = cluster.call_all({worker: ("dump", COMPAT_REGION)}, timeout_s=0)
+        assert late[worker] == ("error", "no reply within 0s (process alive: True)")
+        assert isinstance(cluster.call(worker, "digest"), dict)  # not the dump's bytes

@@ -63,8 +63,9 @@ def serve_worker(
     outbox: Any,
     memory: WorkerMemory = WorkerMemory(),
 ) -> None:
-    """Commands: ("prepare", stages[, checksums]) -> description; ("run", batches or the index
-    of a prepared stage, descriptions or None for the last ones sent) -> result; ("dump",
+    """Commands, each as ``(sequence, command)``, answered ``(sequence, status, value)``:
+    ("prepare", stages[, checksums]) -> description; ("run", batches or the index of a
+    prepared stage, descriptions or None for the last ones sent) -> result; ("dump",
     region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of every
     parameter; ("stop",)."""
     params = _parameters(region_sizes, memory)
@@ -81,14 +82,14 @@ def serve_worker(
     described: list[dict[str, Any]] = []
     try:
         while True:
-            command = inbox.get(timeout=300)
+            sequence, command = inbox.get(timeout=300)
             try:
                 if command[0] == "prepare":
                     checksums = command[2] if len(command) > 2 else None
                     worker.prepare(spans, regions, command[1], checksums)
                     worker.promote()
                     prepared = tuple(command[1])
-                    outbox.put(("ok", worker.describe()))
+                    outbox.put((sequence, "ok", worker.describe()))
                 elif command[0] == "run":
                     before = COUNTERS.snapshot()
                     # An engine keeps its slice from prepare; so does a stage run by index.
@@ -98,22 +99,28 @@ def serve_worker(
                     peers = peers_from(described, pushed_regions(batches))
                     result = worker.run_stage(batches, peers)
                     delta = COUNTERS.snapshot() - before
-                    outbox.put(("ok", {"result": result, "counters": delta}))
+                    outbox.put((sequence, "ok", {"result": result, "counters": delta}))
                 elif command[0] == "dump":
-                    outbox.put(("ok", buffers[command[1]].cpu().numpy().tobytes()))
+                    outbox.put((sequence, "ok", buffers[command[1]].cpu().numpy().tobytes()))
                 elif command[0] == "land":
-                    outbox.put(("ok", _land(landing, params, memory)))
+                    outbox.put((sequence, "ok", _land(landing, params, memory)))
                 elif command[0] == "digest":
                     digests = {
                         n: xxhash.xxh3_64_hexdigest(t.cpu().numpy().tobytes())
                         for n, t in params.items()
                     }
-                    outbox.put(("ok", digests))
+                    outbox.put((sequence, "ok", digests))
                 elif command[0] == "stop":
-                    outbox.put(("ok", None))
+                    outbox.put((sequence, "ok", None))
                     return
             except Exception as error:
-                outbox.put(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+                outbox.put(
+                    (
+                        sequence,
+                        "error",
+                        f"{type(error).__name__}: {error}\n{traceback.format_exc()}",
+                    )
+                )
     finally:
         worker.close()
 
@@ -156,6 +163,7 @@ class WorkerCluster:
         memory: WorkerMemory = WorkerMemory(),
     ) -> None:
         context = mp.get_context("spawn")
+        self._sequence = 0  # of the last call; replies echo it
         self.inboxes: dict[str, Any] = {}
         self.outboxes: dict[str, Any] = {}
         self.processes: dict[str, Any] = {}
@@ -184,23 +192,36 @@ class WorkerCluster:
     def call_all(
         self, commands: Mapping[str, tuple], timeout_s: float = 600
     ) -> dict[str, tuple[str, Any]]:
-        """Send every command first (so workers run concurrently), then collect replies."""
+        """Send every command first (so workers run concurrently), then collect replies.
+
+        Each command carries a sequence number and its reply echoes it: a reply that comes
+        after its call gave up (a worker slow to start on a loaded host) is dropped, not
+        taken for the answer to the next call."""
+        self._sequence += 1
         for worker_id, command in commands.items():
-            self.inboxes[worker_id].put(command)
+            self.inboxes[worker_id].put((self._sequence, command))
         deadline = time.monotonic() + timeout_s
         return {worker_id: self._reply(worker_id, deadline, timeout_s) for worker_id in commands}
 
     def _reply(self, worker_id: str, deadline: float, timeout_s: float) -> tuple[str, Any]:
-        """The worker's reply; an error at once if its process died without one."""
+        """The worker's reply to the current call; an error at once if its process died
+        without one."""
         outbox, process = self.outboxes[worker_id], self.processes[worker_id]
+
+        def current(wait_s: float) -> tuple[str, Any]:
+            while True:
+                sequence, status, value = outbox.get(timeout=wait_s)
+                if sequence == self._sequence:
+                    return status, value
+
         while True:
             try:
-                return outbox.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                return current(max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
                 pass
             if not process.is_alive():
                 try:  # a reply sent just before it exited may still be in the pipe
-                    return outbox.get(timeout=0.5)
+                    return current(0.5)
                 except queue.Empty:
                     return (
                         "error",
@@ -213,7 +234,7 @@ class WorkerCluster:
     def close(self) -> None:
         for worker_id, process in self.processes.items():
             if process.is_alive():
-                self.inboxes[worker_id].put(("stop",))
+                self.inboxes[worker_id].put((self._sequence + 1, ("stop",)))
                 process.join(timeout=10)
             if process.is_alive():
                 process.kill()
