@@ -4,7 +4,10 @@ For each tiny random family (``mooncake_rl.tiny_model.FAMILIES``), tied and unti
 config allows, at TP 1 (and TP 2 where asked): publish generation 1, start a real vLLM
 engine from the Store, update it in compat mode to generation 2 and in direct mode to
 generation 3, and compare greedy outputs with plain vLLM serving each generation's weights
-from a local directory. Prints one JSON row per run, then a table.
+from a local directory. At TP 2 the direct update taught the coordinator the engine's cut,
+so generations 4 and 5 (generation 2's and 3's weights again) are packed rank by rank
+(``generations.pack_order``): compat then direct once more. Prints one JSON row per run,
+then a table.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class FamilyRun:
     tp: int
     compat: ModeRun = field(default_factory=ModeRun)
     direct: ModeRun = field(default_factory=ModeRun)
+    rank_major: ModeRun | None = None
+    """TP > 1: then compat and direct again, to generations packed rank by rank (the cut the
+    direct update taught, ``generations.pack_order``): generation 2's weights once more."""
     error: str | None = None  # plain vLLM cannot serve the family: the cause
 
 
@@ -210,7 +216,8 @@ def finish_family(
     *,
     after: Callable[[VllmServer, FamilyRun, list[Path]], None] | None = None,
 ) -> FamilyRun:
-    """Wait for the row's engine, update it in compat then direct mode, and stop it.
+    """Wait for the row's engine, update it in compat then direct mode (at TP > 1 then both
+    again, to rank-major generations), and stop it.
 
     ``after(engine, run, model_dirs)`` runs on the updated engine before it stops (tests
     add steps there without starting another engine).
@@ -224,14 +231,19 @@ def finish_family(
         except Exception as error:
             _start_failed(run, engine, error)
             return run
-        for mode, model_dir, reference in (
+        steps = (
             ("compat", launched.dirs[1], launched.references[0]),
             ("direct", launched.dirs[2], launched.references[1]),
-        ):
+        )
+        for mode, model_dir, reference in steps:
             result = update_once(store, engine, launched.name, model_dir, mode)
-            result.reference = reference
-            result.ok = result.error is None and result.outputs == reference
-            setattr(run, mode, result)
+            setattr(run, mode, _checked(result, reference))
+        if run.tp > 1:  # the direct update taught the engine's cut: packs go rank by rank
+            again = [
+                _checked(update_once(store, engine, launched.name, model_dir, mode), reference)
+                for mode, model_dir, reference in steps
+            ]
+            run.rank_major = next((r for r in again if not r.ok), again[-1])
         if after is not None:
             after(engine, run, launched.dirs)
     finally:
@@ -239,26 +251,34 @@ def finish_family(
     return run
 
 
+def _checked(result: ModeRun, reference: list[int]) -> ModeRun:
+    result.reference = reference
+    result.ok = result.error is None and result.outputs == reference
+    return result
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     """The docs table from JSON rows: family, direct OK, compat OK, bytes by landing kind
     (direct: into parameters / through load_weights; compat: full tensors), seconds."""
     lines = [
-        "| family | tied | TP | direct | compat | direct: into parameters | direct: fallback "
-        "| compat: full tensors | direct s | compat s | check s (max) | parameters checked "
-        "| note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| family | tied | TP | direct | compat | rank-major packs | direct: into parameters "
+        "| direct: fallback | compat: full tensors | direct s | compat s | check s (max) "
+        "| parameters checked | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         direct, compat = run["direct"], run["compat"]
-        note = run["error"] or direct["error"] or compat["error"] or ""
+        ranked = run.get("rank_major")
+        note = run["error"] or direct["error"] or compat["error"] or (ranked or {}).get("error")
         check = max(direct["verify_seconds"], compat["verify_seconds"])
+        packed = "n/a" if ranked is None else "OK" if ranked["ok"] else "FAIL"
         lines.append(
             f"| {run['family']} | {'yes' if run['tied'] else 'no'} | {run['tp']} "
-            f"| {'OK' if direct['ok'] else 'FAIL'} | {'OK' if compat['ok'] else 'FAIL'} "
+            f"| {'OK' if direct['ok'] else 'FAIL'} | {'OK' if compat['ok'] else 'FAIL'} | {packed} "
             f"| {direct['received_bytes'] - direct['fallback_bytes']:,} "
             f"| {direct['fallback_bytes']:,} | {compat['received_bytes']:,} "
             f"| {direct['seconds']:.2f} | {compat['seconds']:.2f} | {check:.3f} "
-            f"| {direct['checked']} | {note[:160]} |"
+            f"| {direct['checked']} | {(note or '')[:160]} |"
         )
     return "\n".join(lines)
 
@@ -316,14 +336,20 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     run = finish_family(launched, store)
                     row = asdict(run)
-                    for mode in ("compat", "direct"):
-                        row[mode].pop("result")
+                    for mode in ("compat", "direct", "rank_major"):
+                        if row[mode] is not None:
+                            row[mode].pop("result")
                     runs.append(row)
                     print(json.dumps(row), flush=True)
         finally:
             holder.stop()
     print(table(runs))
-    return 0 if all(r["error"] or (r["direct"]["ok"] and r["compat"]["ok"]) for r in runs) else 1
+    passed = [
+        r["error"]
+        or (r["direct"]["ok"] and r["compat"]["ok"] and (r["rank_major"] or {"ok": 1})["ok"])
+        for r in runs
+    ]
+    return 0 if all(passed) else 1
 
 
 if __name__ == "__main__":

@@ -341,5 +341,5 @@ def test_models_table_counts_bytes_by_landing_kind(tmp_path) -> None:
     log.write_text("vLLM noise\n" + json.dumps(row) + "\n")
     lines = table(rows_of(log)).splitlines()
     assert len(lines) == 3
-    assert lines[2].startswith("| qwen2 | yes | 2 | OK | FAIL | 904 | 96 | 2,048 |")
+    assert lines[2].startswith("| qwen2 | yes | 2 | OK | FAIL | n/a | 904 | 96 | 2,048 |")
     assert lines[2].endswith("| 7 | commit failed: x |")
