@@ -5,8 +5,8 @@ config allows, at TP 1 (and TP 2 where asked): publish generation 1, start a rea
 engine from the Store, update it in compat mode to generation 2 and in direct mode to
 generation 3, and compare greedy outputs with plain vLLM serving each generation's weights
 from a local directory. At TP 2 the direct update taught the coordinator the engine's cut,
-so generations 4 and 5 (generation 2's and 3's weights again) are packed rank by rank
-(``generations.pack_order``): compat then direct once more. Prints one JSON row per run,
+so generations 4 and 5 (generation 3's and 2's weights again) are packed rank by rank
+(``generations.pack_order``): direct then compat once more. Prints one JSON row per run,
 then a table.
 """
 
@@ -55,8 +55,8 @@ class FamilyRun:
     compat: ModeRun = field(default_factory=ModeRun)
     direct: ModeRun = field(default_factory=ModeRun)
     rank_major: ModeRun | None = None
-    """TP > 1: then compat and direct again, to generations packed rank by rank (the cut the
-    direct update taught, ``generations.pack_order``): generation 2's weights once more."""
+    """TP > 1: then direct and compat again, to generations packed rank by rank (the cut the
+    direct update taught, ``generations.pack_order``); the first that failed, else compat."""
     error: str | None = None  # plain vLLM cannot serve the family: the cause
 
 
@@ -239,9 +239,9 @@ def finish_family(
             result = update_once(store, engine, launched.name, model_dir, mode)
             setattr(run, mode, _checked(result, reference))
         if run.tp > 1:  # the direct update taught the engine's cut: packs go rank by rank
-            again = [
+            again = [  # direct first: a compat update forgets the cut
                 _checked(update_once(store, engine, launched.name, model_dir, mode), reference)
-                for mode, model_dir, reference in steps
+                for mode, model_dir, reference in reversed(steps)
             ]
             run.rank_major = next((r for r in again if not r.ok), again[-1])
         if after is not None:

@@ -116,8 +116,10 @@ class Survey:
 def learn_pack_order(
     store: StoreClient, model: str, described: Mapping[str, Mapping[str, Any]]
 ) -> None:
-    """Tell the next publish how these engines cut their tensors (:mod:`.pack_order`): a
-    hint only, so a Store that refuses it costs this update nothing."""
+    """Tell the next publish how these engines cut their tensors (:mod:`.pack_order`); no
+    engines described (a compat or non-Store update, whose receivers read whole tensors):
+    to pack tensor after tensor again. A hint only, so a Store that refuses it costs this
+    update nothing; a write only when it changes."""
     order = PackOrder.of_engines({url: reply["workers"] for url, reply in described.items()})
     try:
         save_pack_order(store, model, order)
@@ -238,10 +240,12 @@ def survey_targets(
         left_out(result, failed)
         placements.update(described)
         result.described = sorted(described)
-        if mode == "direct":
+        if mode == "direct" and described:
             learn_pack_order(coordinator.store, model, described)
         targets = [u for u in targets if u not in failed]
         require_enough(result, targets, needed, "placement")
+    if chosen is not TransportMode.STORE or mode != "direct":
+        learn_pack_order(coordinator.store, model, {})
     phase("placement")
     survey = Survey(result, phase, checksums, placements, targets, classification, mixed)
     if not targets:

@@ -638,6 +638,9 @@ def test_broadcast_cpu_serialize_and_auto_updates_serve_the_new_weights(world: W
     assert 0.99 * model_bytes < read <= model_bytes
     assert world.engines["b"].complete(PROMPT) == world.refs[3]
     assert world.engines["b"].mooncake("GET", "status").json()["generation"] == generation
+    # Its receivers read whole tensors: the cut the direct update taught is forgotten.
+    forgotten = load_pack_order(world.store, MODEL)
+    assert forgotten is None or not forgotten.tensors
 
     world.publish(1)  # CPU serialization to both, bucket bodies over HTTP
     with (
