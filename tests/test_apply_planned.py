@@ -170,7 +170,7 @@ def test_a_rank_major_pack_is_read_by_each_rank_alone_with_nothing_pushed(
     rank reads its own run once, checks every byte of it, and pushes nothing to the other."""
     generator = torch.Generator().manual_seed(5)
     model = [(f"s{i}", torch.randn(8, 16, generator=generator)) for i in range(200)]
-    name = "rank-major"
+    name = "rank-major-planned"
     specs = [TensorSpec.of(n, t, "float32") for n, t in model]
     engines = simulated_engines(specs, [("node-a", 2)], "direct")
     with StoreClient(trainer_settings(master, holders("apply-store"), "trainer")) as store:

@@ -156,7 +156,7 @@ def store(master: EmbeddedMaster):
 
 
 def test_a_rank_major_generation_loads_delivers_and_verifies_whole_tensors(store) -> None:
-    model, tensors = "rank-major", _model()
+    model, tensors = "rank-major-loaded", _model()
     specs = [TensorSpec.of(n, t, "float32") for n, t in tensors]
     order = PackOrder.of_engines(simulated_engines(specs, [("n", 2)], "direct"))
     assert save_pack_order(store, model, order)
@@ -184,7 +184,11 @@ def test_a_rank_major_generation_loads_delivers_and_verifies_whole_tensors(store
     assert stored == {
         (name, p.offset, p.fragment_id(name)) for name, ps in simulated.items() for p in ps
     }
-    checksums = GenerationRegistry(store, model).load_checksums(1, record.checksums_digest).objects
+    checksums = (
+        GenerationRegistry(store, model)
+        .load_checksums(record.generation, record.checksums_digest)
+        .objects
+    )
     assert checksums[pack.key].cuts == (560, 1120)  # where rank 1's run and the rest start
     expected = {name: t.numpy().tobytes() for name, t in tensors}
     _, loaded = active_weights(store, model)
