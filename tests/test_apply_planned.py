@@ -123,6 +123,19 @@ def test_dead_reader_makes_prepare_fail_with_nothing_written(
                 )
 
 
+def landed_exactly(master, engines, plan, checksums, model, memory, batch) -> list[dict]:
+    """Run ``plan`` on worker processes, land it, check every worker's parameters hold
+    exactly its shards of ``model``; each worker's run figures."""
+    workers = workers_for(master, engines, staging_watermark_bytes=4 * batch)
+    with WorkerCluster(workers, plan.routing.regions, memory) as cluster:
+        run = run_planned_update(cluster, plan, checksums=checksums)
+        cluster.call_all({w: ("land",) for w in cluster.processes})
+        digests = {w: cluster.call(w, "digest") for w in cluster.processes}
+    for worker, regions in shard_bytes(engines, dict(model)).items():
+        assert digests[worker] == {r: xxhash.xxh3_64_hexdigest(b) for r, b in regions.items()}
+    return list(run["workers"].values())
+
+
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 def test_a_sieved_pack_of_tp_split_tensors_lands_exactly_read_once_and_checked(
     master: EmbeddedMaster, holders, in_place: bool
@@ -147,14 +160,7 @@ def test_a_sieved_pack_of_tp_split_tensors_lands_exactly_read_once_and_checked(
     table = plan.routing.table
     assert len(table.reads) == 1  # not one per shard (400)
     memory = WorkerMemory(parameters=True, in_place=in_place)
-    workers = workers_for(master, engines, staging_watermark_bytes=4 * batch)
-    with WorkerCluster(workers, plan.routing.regions, memory) as cluster:
-        run = run_planned_update(cluster, plan, checksums=checksums)
-        cluster.call_all({w: ("land",) for w in cluster.processes})
-        digests = {w: cluster.call(w, "digest") for w in cluster.processes}
-    for worker, regions in shard_bytes(engines, dict(model)).items():
-        assert digests[worker] == {r: xxhash.xxh3_64_hexdigest(b) for r, b in regions.items()}
-    figures = run["workers"].values()
+    figures = landed_exactly(master, engines, plan, checksums, model, memory, batch)
     nbytes = sum(t.nbytes for _, t in model)
     assert sum(w["read"] for w in figures) == nbytes == plan.store_read_bytes
     assert sum(w["verified"] for w in figures) == nbytes
@@ -186,15 +192,9 @@ def test_a_rank_major_pack_is_read_by_each_rank_alone_with_nothing_pushed(
     plan = plan_update(manifest, engines, "direct", batch, RoutingCache())
     assert len(plan.routing.table.reads) == 2  # one run per rank
     assert plan.pushed_bytes == 0
-    memory = WorkerMemory(parameters=True)
-    workers = workers_for(master, engines, staging_watermark_bytes=4 * batch)
-    with WorkerCluster(workers, plan.routing.regions, memory) as cluster:
-        run = run_planned_update(cluster, plan, checksums=checksums)
-        cluster.call_all({w: ("land",) for w in cluster.processes})
-        digests = {w: cluster.call(w, "digest") for w in cluster.processes}
-    for worker, regions in shard_bytes(engines, dict(model)).items():
-        assert digests[worker] == {r: xxhash.xxh3_64_hexdigest(b) for r, b in regions.items()}
-    figures = run["workers"].values()
+    figures = landed_exactly(
+        master, engines, plan, checksums, model, WorkerMemory(parameters=True), batch
+    )
     nbytes = sum(t.nbytes for _, t in model)
     assert [w["read"] for w in figures] == [nbytes // 2, nbytes // 2]
     assert sum(w["verified"] for w in figures) == nbytes
