@@ -15,9 +15,10 @@ planner reads whole spans and pushes the other ranks' pieces over the node's fab
 rank-major pack, rank r's rows of all the pack's tensors are one run: each rank reads its
 own bytes, once, and nothing is pushed.
 
-The order is learnt from the engines (the last update that described their boxes), so a
-publisher is never told the engines' parallelism, and the first generation after engines
-change packs tensor after tensor as before. A tensor cut other than by rows (row-parallel
+The order is learnt from the engines (the last direct-mode update that described their
+boxes), so a publisher is never told the engines' parallelism; a compat or non-Store update
+empties it (its receivers read whole tensors, which rank-major packs scatter), and with no
+order packs go tensor after tensor as before. A tensor cut other than by rows (row-parallel
 layers), held whole by several ranks (replicated), or whose shape changed keeps one
 fragment, after every rank's rows. Pieces stay inside their pack, so a reader of whole
 tensors (a restarted engine, broadcast) still reads each pack once.
