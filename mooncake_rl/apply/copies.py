@@ -14,12 +14,11 @@ nothing beyond what the worker registered.
 from __future__ import annotations
 
 import ctypes
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
-from mooncake_rl.apply.coalesce import coalesced_writes
 from mooncake_rl.apply.registration import Region
 from mooncake_rl.apply.verify import device_span
 from mooncake_rl.engine import Write
@@ -36,28 +35,42 @@ class LocalCopier:
         """Copy each ``(src region, src offset, dst region, dst offset, length)``; returns the
         bytes copied once every copy is done (CUDA included). Copies adjacent on both sides
         merge first. On the CPU each is one ``memmove`` (ctypes releases the GIL while it
-        moves bytes); on CUDA they are one multi-tensor copy per device."""
-        writes: dict[str, list[Write]] = defaultdict(list)
-        for src, src_off, dst, dst_off, length in copies:
-            device = self.regions[dst].device
-            if self.regions[src].device != device:
-                raise InvariantViolation(f"a local copy from {src} to {dst} crosses devices")
-            writes[device].append(
-                Write(
-                    self.regions[src].address(src_off, length),
-                    self.regions[dst].address(dst_off, length),
-                    length,
-                )
-            )
+        moves bytes); on CUDA they are one multi-tensor copy per device. Every copy is
+        checked inside its regions, and on one device, before any byte moves."""
+        if not copies:
+            return 0
+        src_names, src_offsets, dst_names, dst_offsets, lengths = zip(*copies, strict=True)
+        names = list(dict.fromkeys((*src_names, *dst_names)))
+        regions = [self.regions[name] for name in names]
+        base = np.array([r.base for r in regions], np.int64)
+        size = np.array([r.size for r in regions], np.int64)
+        devices = sorted({r.device for r in regions})
+        device = np.array([devices.index(r.device) for r in regions], np.int64)
+        at = {name: i for i, name in enumerate(names)}
+        src_region = np.fromiter(map(at.__getitem__, src_names), np.int64, len(copies))
+        dst_region = np.fromiter(map(at.__getitem__, dst_names), np.int64, len(copies))
+        src_offset = np.array(src_offsets, np.int64)
+        dst_offset = np.array(dst_offsets, np.int64)
+        length = np.array(lengths, np.int64)
+        _check(copies, src_offset, dst_offset, length, size[src_region], size[dst_region])
+        crossing = np.flatnonzero(device[src_region] != device[dst_region])
+        if len(crossing):
+            src, _, dst, _, _ = copies[crossing[0]]
+            raise InvariantViolation(f"a local copy from {src} to {dst} crosses devices")
+        src = base[src_region] + src_offset
+        dst = base[dst_region] + dst_offset
         total = 0
-        for device, found in writes.items():
-            merged = coalesced_writes(found)
-            if device.startswith("cuda"):
-                self._cuda(device, merged)
+        for index, name in enumerate(devices):
+            mine = device[dst_region] == index
+            if not mine.any():
+                continue
+            writes = [a.tolist() for a in _coalesced(src[mine], dst[mine], length[mine])]
+            if name.startswith("cuda"):
+                self._cuda(name, [Write(*w) for w in zip(*writes, strict=True)])
             else:
-                for write in merged:
-                    ctypes.memmove(write.dst, write.src, write.length)
-            total += sum(w.length for w in merged)
+                for s, d, n in zip(*writes, strict=True):
+                    ctypes.memmove(d, s, n)
+            total += sum(writes[2])
         return total
 
     def _cuda(self, device: str, writes: Sequence[Write]) -> None:
@@ -66,3 +79,30 @@ class LocalCopier:
         with torch.inference_mode():
             torch._foreach_copy_(targets, sources)
         torch.cuda.synchronize(device)
+
+
+def _check(copies, src_offset, dst_offset, length, src_size, dst_size) -> None:
+    """Raise naming the first copy that is empty or leaves its source or destination."""
+    bad = (
+        (length <= 0)
+        | (src_offset < 0)
+        | (dst_offset < 0)
+        | (src_offset + length > src_size)
+        | (dst_offset + length > dst_size)
+    )
+    if bad.any():
+        src, src_off, dst, dst_off, n = copies[int(np.flatnonzero(bad)[0])]
+        raise InvariantViolation(
+            f"local copy of {n} bytes from {src}[{src_off}] to {dst}[{dst_off}] lies outside "
+            "its regions"
+        )
+
+
+def _coalesced(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
+    """(src, dst, length) arrays with every run adjacent on both sides merged, by source
+    (:func:`~mooncake_rl.apply.coalesce.coalesced_writes`, without a Python object per copy)."""
+    order = np.lexsort((dst, src))
+    src, dst, length = src[order], dst[order], length[order]
+    joins = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:])
+    heads = np.flatnonzero(np.concatenate([[True], ~joins]))
+    return src[heads], dst[heads], np.add.reduceat(length, heads)
