@@ -4,6 +4,7 @@ the broadcast source, verified, and a corrupted run named)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -13,7 +14,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import TensorSpec
+from mooncake_rl.generations.checksums import ChecksumTable, ObjectChecksum
 from mooncake_rl.generations.commands import verify_generation
 from mooncake_rl.generations.keys import pack_order_key
 from mooncake_rl.generations.pack_order import (
@@ -237,3 +240,16 @@ def test_engines_that_cut_nothing_replace_a_stored_order_and_write_nothing_else(
     assert load_pack_order(store, "cleared") == single
     assert not save_pack_order(store, "never-ordered", single)
     assert load_pack_order(store, "never-ordered") is None
+
+
+@pytest.mark.parametrize(
+    "cuts", [(8, 4), (0,), (64,), (4, 4)], ids=["unordered", "zero", "end", "twice"]
+)
+def test_checksum_cuts_outside_the_object_or_out_of_order_are_refused(cuts) -> None:
+    good = ObjectChecksum.of(bytes(64), (16, 32))
+    assert good.cuts == (16, 32) and len(good.blocks) == 3
+    with pytest.raises(InvariantViolation, match="malformed object checksum"):
+        ObjectChecksum(64, good.whole, good.blocks[: len(cuts) + 1], cuts)
+    row = json.dumps({"k": [64, good.whole, list(good.blocks[: len(cuts) + 1]), list(cuts)]})
+    with pytest.raises(InvariantViolation, match="malformed object checksum"):
+        ChecksumTable.decode(row.encode())
