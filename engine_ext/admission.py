@@ -243,16 +243,19 @@ class PeerBook:
             self._adverts[worker_id] = json.loads(data)
         return self._adverts[worker_id]
 
-    def trusted(self, batches: Sequence[Batch], given: Mapping[str, Any]) -> dict[str, Peer]:
+    def trusted(
+        self, batches: Sequence[Batch], given: Mapping[str, Any], worker_id: str
+    ) -> dict[str, Peer]:
         """The peers these batches push to, as they advertised themselves in the Store.
 
         ``given`` (the apply body's peer table) must agree with every advertisement: the
         body names each peer the stage pushes to, with at least the regions it pushes into
         (the coordinator sends only those), each as advertised. Every push must lie inside
         the region it targets. A mismatch against a cached advertisement is re-read once:
-        the peer may have re-prepared in this session.
+        the peer may have re-prepared in this session. Pushes to ``worker_id`` (this worker)
+        are local copies, checked against its own regions when it prepared.
         """
-        targets = pushed_regions(batches)
+        targets = pushed_regions(batches, worker_id)
         adverts: dict[str, dict[str, Any]] = {}
         for worker_id, regions in sorted(targets.items()):
             body = given.get(worker_id)
@@ -277,6 +280,8 @@ class PeerBook:
         peers = peers_from(list(adverts.values()), targets)
         for batch in batches:
             for op in batch.pushes:
+                if op.peer == worker_id:
+                    continue
                 region = peers[op.peer].regions.get(op.dst_region)
                 if region is None or op.dst_offset + op.length > region.size:
                     size = "no such region" if region is None else f"{region.size} bytes"

@@ -61,7 +61,10 @@ class ApplyingWorker(WorkerBase):
             batches = stages[call.stage] if call.stage < len(stages) else ()
             given = {w: p.model_dump() for w, p in call.peers.items()}
             run = functools.partial(
-                self._run_stage, state, batches, state.peers.trusted(batches, given)
+                self._run_stage,
+                state,
+                batches,
+                state.peers.trusted(batches, given, state.apply.worker_id),
             )
         state.running = state.stage_runner.submit(run)
         return {"started": call.stage}

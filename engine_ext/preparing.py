@@ -34,7 +34,13 @@ from engine_ext.update_state import UpdateState
 from engine_ext.worker_base import WorkerBase
 from engine_ext.written import fill_canary, session_canary
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
-from mooncake_rl.apply.worker import allocate_arena, arena_views, covering_spans, region_of
+from mooncake_rl.apply.worker import (
+    allocate_arena,
+    arena_views,
+    copied_into_order,
+    covering_spans,
+    region_of,
+)
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
@@ -90,9 +96,14 @@ class PreparingWorker(WorkerBase):
             free_device_bytes(device),
         )
         arena_device = torch.device(place.device)
-        if state.arena is None or state.sizes != sizes or state.arena.device != arena_device:
+        order = copied_into_order(worker_slice.stages, state.apply.worker_id)
+        if (
+            state.arena is None
+            or (state.sizes, state.order) != (sizes, order)
+            or state.arena.device != arena_device
+        ):
             arena, regions = allocate_arena(
-                sizes, reuse=state.arena, device=arena_device, pin=place.pinned
+                sizes, reuse=state.arena, device=arena_device, pin=place.pinned, order=order
             )
         else:
             arena, regions = state.arena, {n: state.apply.regions[n] for n in sizes}
@@ -103,7 +114,7 @@ class PreparingWorker(WorkerBase):
         state.apply.prepare(
             spans, regions | live_regions, worker_slice.stages, worker_slice.checksums
         )
-        state.arena, state.sizes = arena, sizes
+        state.arena, state.sizes, state.order = arena, sizes, order
         state.buffers = arena_views(arena, regions)
         state.canary = session_canary(call.session, call.generation)
         fill_canary(state.buffers.values(), state.canary)  # before peers learn of it

@@ -38,6 +38,8 @@ class UpdateState:
         self.apply = ApplyWorker(Settings().with_overrides(segment_bytes=0), worker_id)
         self.arena: torch.Tensor | None = None
         self.sizes: dict[str, int] = {}
+        # The arena's region order (``copied_into_order``): a change re-lays the arena out.
+        self.order: list[str] = []
         self.buffers: dict[str, torch.Tensor] = {}
         self.slice: WorkerSlice | None = None
         # Live parameters received in place (direct mode), by region name.

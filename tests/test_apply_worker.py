@@ -10,15 +10,19 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from mooncake_rl.apply.copies import LocalCopier
 from mooncake_rl.apply.executor import Batch, PushOp
 from mooncake_rl.apply.registration import Region
 from mooncake_rl.apply.worker import (
     ALIGN,
     ApplyWorker,
     allocate_arena,
+    arena_offsets,
+    copied_into_order,
     covering_spans,
     peers_from,
     pushed_regions,
+    region_align,
     region_of,
 )
 from mooncake_rl.engine import TransferEngineClient, Write
@@ -34,12 +38,19 @@ SIZES = st.dictionaries(
 
 
 @hypothesis_settings(max_examples=60, deadline=None)
-@given(sizes=SIZES, current=st.one_of(st.none(), st.integers(min_value=1, max_value=40000)))
-def test_layout_is_aligned_disjoint_and_reuses_an_arena_it_fits(
-    sizes: dict[str, int], current: int | None
+@given(
+    sizes=SIZES,
+    current=st.one_of(st.none(), st.integers(min_value=1, max_value=40000)),
+    order=st.lists(st.text(alphabet="abcdefgh.", min_size=1, max_size=6), max_size=6),
+)
+def test_layout_is_aligned_disjoint_ordered_and_reuses_an_arena_it_fits(
+    sizes: dict[str, int], current: int | None, order: list[str]
 ) -> None:
+    """Regions named in ``order`` come first, in that order (names not in ``sizes`` are
+    ignored); each starts at a multiple of ``region_align`` of its size, so a view of it
+    stays aligned to any dtype whose elements divide it."""
     reuse = None if current is None else torch.zeros(current, dtype=torch.uint8)
-    arena, regions = allocate_arena(sizes, reuse=reuse)
+    arena, regions = allocate_arena(sizes, reuse=reuse, order=order)
     base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
     assert set(regions) == set(sizes)
     spans = sorted((r.base, r.base + r.size) for r in regions.values())
@@ -47,12 +58,40 @@ def test_layout_is_aligned_disjoint_and_reuses_an_arena_it_fits(
         assert stop <= start
     for name, region in regions.items():
         assert region.size == sizes[name]
-        assert (region.base - base) % ALIGN == 0
+        assert (region.base - base) % region_align(region.size) == 0
+        assert (region.base - base) % min(ALIGN, region.size & -region.size) == 0
         assert base <= region.base and region.base + region.size <= end
-    needed = sum((s + ALIGN - 1) // ALIGN * ALIGN for s in sizes.values())
+    first = [n for n in dict.fromkeys(order) if n in sizes]
+    laid = sorted(regions, key=lambda n: regions[n].base)
+    assert laid == first + sorted(set(sizes) - set(first))
+    _, needed = arena_offsets(sizes, order)
+    needed = max(needed, ALIGN)
     assert (arena is reuse) == (reuse is not None and reuse.numel() >= needed)
     if arena is not reuse:
         assert arena.numel() == needed and not arena.any()
+
+
+def test_regions_a_spans_copies_fill_in_order_lie_back_to_back_so_the_copies_merge() -> None:
+    """A rank-major pack's pieces, copied out of one span in order, into an arena laid out
+    by ``copied_into_order``: one move, not one per piece."""
+    sizes = {f"w{i}": 6 * 2 for i in range(7)} | {"staging": 128}
+    pieces = [(f"w{i}", 12 * i) for i in (3, 0, 6, 1, 5, 2, 4)]  # span order, not names'
+    pushes = tuple(
+        PushOp("me", "staging", offset, name, 0, 12)
+        for name, offset in sorted(pieces, key=lambda p: p[1])
+    )
+    order = copied_into_order([[Batch((), pushes)]], "me")
+    assert order == [name for name, _ in sorted(pieces, key=lambda p: p[1])]
+    arena, regions = allocate_arena(sizes, order=order)
+    copier = LocalCopier(regions)
+    planned = copier.plan([(p.src_region, p.src_offset, p.dst_region, 0, 12) for p in pushes])
+    ((_, src, _, length),) = planned.by_device
+    assert len(src) == 1 and int(length[0]) == 7 * 12
+    arena[regions["staging"].base - arena.data_ptr() :][:84] = torch.arange(84, dtype=torch.uint8)
+    assert planned.run() == 84
+    for name, offset in pieces:
+        view = arena[regions[name].base - arena.data_ptr() :][:12]
+        assert view.tolist() == list(range(offset, offset + 12))
 
 
 @hypothesis_settings(max_examples=100, deadline=None)

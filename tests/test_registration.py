@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from mooncake_rl.apply.registration import Domain, Region, RegistrationManager
 from mooncake_rl.engine import TransferEngineClient, Write
@@ -94,3 +97,45 @@ def test_region_addresses_are_bounds_checked() -> None:
         region.address(10, 91)
     with pytest.raises(InvariantViolation):
         Region("bad", 0, 10)
+
+
+def test_provision_agrees_with_a_scan_of_every_registration(settings: Settings) -> None:
+    """Regions inside one real buffer, in random order: each one already held by a
+    registration is skipped, one that partially overlaps a registration is refused naming
+    it, and the rest are registered; as a scan of every registration would decide (the
+    manager looks only at its neighbours in base order)."""
+    buffer = torch.zeros(1 << 12, dtype=torch.uint8)
+    base = buffer.data_ptr()
+    spans = st.tuples(st.integers(0, 60), st.integers(1, 8)).map(
+        lambda t: (t[0] * 64, min(t[1] * 64, 4096 - t[0] * 64))
+    )
+
+    with StoreClient(settings) as store, TransferEngineClient(settings) as engine:
+
+        @hypothesis_settings(max_examples=40, deadline=None)
+        @given(st.lists(spans, min_size=1, max_size=12))
+        def check(layout: list[tuple[int, int]]) -> None:
+            recorded = {Domain.STORE: Recording(store), Domain.ENGINE: Recording(engine)}
+            manager = RegistrationManager("w", dict(recorded))
+            held: list[tuple[int, int]] = []
+            try:
+                for index, (offset, size) in enumerate(layout):
+                    region = Region(f"r{index}", base + offset, size)
+                    inside = any(s <= offset and offset + size <= s + n for s, n in held)
+                    clash = not inside and any(
+                        s < offset + size and offset < s + n for s, n in held
+                    )
+                    if clash:
+                        with pytest.raises(InvariantViolation, match="partially overlaps"):
+                            manager.provision([region])
+                        continue
+                    assert manager.provision([region]) == (0 if inside else 2)
+                    if not inside:
+                        held.append((offset, size))
+                for domain in recorded:
+                    keys = manager.keys(domain, provisional=True)
+                    assert [(k.base - base, k.size) for k in keys] == sorted(held)
+            finally:
+                manager.teardown()
+
+        check()

@@ -1,7 +1,8 @@
 """Local copies: bytes a worker moves between its own regions, without the Transfer Engine.
 
-    a stage's pushes to the worker itself --LocalCopier.copy--> byte views of its regions
-    --> one planned landing (batched torch copies) --> synchronized before the stage returns
+    a batch's pushes to the worker itself --LocalCopier.plan (at prepare)--> PlannedCopies:
+    checked, merged addresses --run (each stage)--> memmoves, or one batched torch copy per
+    device --> synchronized before the stage returns
 
 Why: a sieved span (``mooncake_rl.plan.sieve``) lands whole in a worker's staging, and the
 worker then copies its pieces out into their destinations. Through the Transfer Engine each
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +27,29 @@ from mooncake_rl.engine import Write
 from mooncake_rl.errors import InvariantViolation
 
 
+@dataclass(frozen=True, eq=False)
+class PlannedCopies:
+    """A batch's local copies as addresses, checked and merged: per device, ``(src, dst,
+    length)`` arrays. Planned once (a worker plans its slice at prepare), run every stage."""
+
+    by_device: tuple[tuple[str, np.ndarray, np.ndarray, np.ndarray], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(length.sum()) for _, _, _, length in self.by_device)
+
+    def run(self) -> int:
+        """Move the bytes; returns them once every copy is done (CUDA included)."""
+        for device, src, dst, length in self.by_device:
+            moves = zip(src.tolist(), dst.tolist(), length.tolist(), strict=True)
+            if device.startswith("cuda"):
+                _cuda_copy(device, [Write(*move) for move in moves])
+            else:
+                for s, d, n in moves:
+                    ctypes.memmove(d, s, n)
+        return self.nbytes
+
+
 class LocalCopier:
     """Copies between one worker's regions, by name and offset."""
 
@@ -32,13 +57,18 @@ class LocalCopier:
         self.regions = regions
 
     def copy(self, copies: Sequence[tuple[str, int, str, int, int]]) -> int:
-        """Copy each ``(src region, src offset, dst region, dst offset, length)``; returns the
-        bytes copied once every copy is done (CUDA included). Copies adjacent on both sides
-        merge first. On the CPU each is one ``memmove`` (ctypes releases the GIL while it
-        moves bytes); on CUDA they are one multi-tensor copy per device. Every copy is
-        checked inside its regions, and on one device, before any byte moves."""
+        """Copy each ``(src region, src offset, dst region, dst offset, length)`` now
+        (:meth:`plan`, then run); returns the bytes copied."""
+        return self.plan(copies).run()
+
+    def plan(self, copies: Sequence[tuple[str, int, str, int, int]]) -> PlannedCopies:
+        """Each ``(src region, src offset, dst region, dst offset, length)`` as addresses.
+        Copies adjacent on both sides merge. On the CPU each is then one ``memmove``
+        (ctypes releases the GIL while it moves bytes); on CUDA they are one multi-tensor
+        copy per device. Every copy is checked inside its regions, and on one device, here:
+        before any byte moves."""
         if not copies:
-            return 0
+            return PlannedCopies()
         src_names, src_offsets, dst_names, dst_offsets, lengths = zip(*copies, strict=True)
         names = list(dict.fromkeys((*src_names, *dst_names)))
         regions = [self.regions[name] for name in names]
@@ -59,26 +89,20 @@ class LocalCopier:
             raise InvariantViolation(f"a local copy from {src} to {dst} crosses devices")
         src = base[src_region] + src_offset
         dst = base[dst_region] + dst_offset
-        total = 0
+        planned = []
         for index, name in enumerate(devices):
             mine = device[dst_region] == index
-            if not mine.any():
-                continue
-            writes = [a.tolist() for a in _coalesced(src[mine], dst[mine], length[mine])]
-            if name.startswith("cuda"):
-                self._cuda(name, [Write(*w) for w in zip(*writes, strict=True)])
-            else:
-                for s, d, n in zip(*writes, strict=True):
-                    ctypes.memmove(d, s, n)
-            total += sum(writes[2])
-        return total
+            if mine.any():
+                planned.append((name, *_coalesced(src[mine], dst[mine], length[mine])))
+        return PlannedCopies(tuple(planned))
 
-    def _cuda(self, device: str, writes: Sequence[Write]) -> None:
-        targets = [device_span(w.dst, w.length, device) for w in writes]
-        sources = [device_span(w.src, w.length, device) for w in writes]
-        with torch.inference_mode():
-            torch._foreach_copy_(targets, sources)
-        torch.cuda.synchronize(device)
+
+def _cuda_copy(device: str, writes: Sequence[Write]) -> None:
+    targets = [device_span(w.dst, w.length, device) for w in writes]
+    sources = [device_span(w.src, w.length, device) for w in writes]
+    with torch.inference_mode():
+        torch._foreach_copy_(targets, sources)
+    torch.cuda.synchronize(device)
 
 
 def _check(copies, src_offset, dst_offset, length, src_size, dst_size) -> None:

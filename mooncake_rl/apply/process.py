@@ -6,6 +6,7 @@ plane across real processes without an inference engine.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import queue
 import time
@@ -18,11 +19,13 @@ import torch
 import xxhash
 
 from mooncake_rl.apply.landing import Landing
+from mooncake_rl.apply.registration import Region
 from mooncake_rl.apply.wire import with_checksums
 from mooncake_rl.apply.worker import (
     ApplyWorker,
     allocate_arena,
     arena_views,
+    copied_into_order,
     covering_spans,
     peers_from,
     pushed_regions,
@@ -33,6 +36,9 @@ from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.plan.update import UpdatePlan
 from mooncake_rl.settings import Settings
+
+CARVE_BYTES = 512
+"""CUDA's caching allocator rounds every block to 512 bytes."""
 
 
 @dataclass(frozen=True)
@@ -68,15 +74,8 @@ def serve_worker(
     prepared stage, descriptions or None for the last ones sent) -> result; ("dump",
     region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of every
     parameter; ("stop",)."""
-    params = _parameters(region_sizes, memory)
-    in_place = params if memory.in_place else {}
-    received = {n: size for n, size in region_sizes.items() if n not in in_place}
-    arena, regions = allocate_arena(received, device=memory.device)
-    regions |= {name: region_of(name, tensor) for name, tensor in in_place.items()}
-    spans = covering_spans([region_of("arena", arena), *(regions[name] for name in in_place)])
-    buffers = arena_views(arena, {n: r for n, r in regions.items() if n in received})
-    landing = Landing.of((params[n], buffers[n]) for n in params if n not in in_place)
-    buffers |= in_place
+    params, slabs = _parameters(region_sizes, memory)
+    received = _Received.laid_out(region_sizes, params, slabs, memory, order=())
     worker = ApplyWorker(settings, worker_id)
     prepared: tuple = ()
     described: list[dict[str, Any]] = []
@@ -86,7 +85,12 @@ def serve_worker(
             try:
                 if command[0] == "prepare":
                     checksums = command[2] if len(command) > 2 else None
-                    worker.prepare(spans, regions, command[1], checksums)
+                    order = copied_into_order(command[1], worker_id)
+                    if order != received.order:  # as an engine lays its arena out at prepare
+                        received = _Received.laid_out(
+                            region_sizes, params, slabs, memory, order, received.arena
+                        )
+                    worker.prepare(received.spans, received.regions, command[1], checksums)
                     worker.promote()
                     prepared = tuple(command[1])
                     outbox.put((sequence, "ok", worker.describe()))
@@ -96,14 +100,15 @@ def serve_worker(
                     batches = prepared[command[1]] if isinstance(command[1], int) else command[1]
                     # The peers' descriptions come once; later stages reuse them (None).
                     described = command[2] if command[2] is not None else described
-                    peers = peers_from(described, pushed_regions(batches))
+                    peers = peers_from(described, pushed_regions(batches, worker_id))
                     result = worker.run_stage(batches, peers)
                     delta = COUNTERS.snapshot() - before
                     outbox.put((sequence, "ok", {"result": result, "counters": delta}))
                 elif command[0] == "dump":
-                    outbox.put((sequence, "ok", buffers[command[1]].cpu().numpy().tobytes()))
+                    dump = received.buffers[command[1]].cpu().numpy().tobytes()
+                    outbox.put((sequence, "ok", dump))
                 elif command[0] == "land":
-                    outbox.put((sequence, "ok", _land(landing, params, memory)))
+                    outbox.put((sequence, "ok", _land(received.landing, params, memory)))
                 elif command[0] == "digest":
                     digests = {
                         n: xxhash.xxh3_64_hexdigest(t.cpu().numpy().tobytes())
@@ -125,15 +130,60 @@ def serve_worker(
         worker.close()
 
 
-def _parameters(sizes: Mapping[str, int], memory: WorkerMemory) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class _Received:
+    """Where a simulated worker receives: its arena, regions (arena and in-place
+    parameters), the spans to register, byte views by region, and the planned landing."""
+
+    arena: torch.Tensor
+    regions: dict[str, Region]
+    spans: list[Region]
+    buffers: dict[str, torch.Tensor]
+    landing: Landing
+    order: list[str]
+
+    @classmethod
+    def laid_out(
+        cls,
+        sizes: Mapping[str, int],
+        params: Mapping[str, torch.Tensor],
+        slabs: list[Region] | None,
+        memory: WorkerMemory,
+        order: list[str],
+        reuse: torch.Tensor | None = None,
+    ) -> _Received:
+        in_place = dict(params) if memory.in_place else {}
+        received = {n: size for n, size in sizes.items() if n not in in_place}
+        arena, regions = allocate_arena(received, reuse, memory.device, order=order)
+        buffers = arena_views(arena, regions)
+        landing = Landing.of((params[n], buffers[n]) for n in params if n not in in_place)
+        regions |= {name: region_of(name, tensor) for name, tensor in in_place.items()}
+        held = [region_of("arena", arena), *(regions[n] for n in in_place)]
+        return cls(arena, regions, covering_spans(held, slabs), buffers | in_place, landing, order)
+
+
+def _parameters(
+    sizes: Mapping[str, int], memory: WorkerMemory
+) -> tuple[dict[str, torch.Tensor], list[Region] | None]:
+    """The worker's parameters, each a tensor of its own, and the memory they were carved
+    from (``None``: read the CUDA allocator's segments). On the CPU they are carved from one
+    slab at ``CARVE_BYTES`` steps, as CUDA's caching allocator carves a GPU's from its
+    segments, and the slab is registered whole, as ``covering_spans`` registers a segment:
+    Mooncake's ``register_buffer`` takes time in proportion to the buffers already
+    registered (4,000 take 49 s here), so a buffer per parameter would spend minutes
+    registering a 20,000-tensor worker, which no GPU run pays."""
     if not memory.parameters:
-        return {}
+        return {}, None
     planner = {STAGING_REGION, FALLBACK_REGION, COMPAT_REGION}
-    return {
-        name: torch.zeros(nbytes, dtype=torch.uint8, device=memory.device)
-        for name, nbytes in sorted(sizes.items())
-        if name not in planner
-    }
+    names = sorted(n for n in sizes if n not in planner)
+    if memory.device.startswith("cuda"):
+        params = {n: torch.zeros(sizes[n], dtype=torch.uint8, device=memory.device) for n in names}
+        return params, None
+    steps = [-(-sizes[n] // CARVE_BYTES) * CARVE_BYTES for n in names]
+    slab = torch.zeros(max(sum(steps), 1), dtype=torch.uint8)
+    starts = itertools.accumulate(steps, initial=0)
+    params = {n: slab[at : at + sizes[n]] for n, at in zip(names, starts, strict=False)}
+    return params, [region_of("slab", slab)]
 
 
 def _land(

@@ -163,13 +163,22 @@ class RangeVerifier:
 
     def verify(self, reads: Sequence[tuple[str, int, int, Region, int]]) -> VerifyStats:
         """``reads``: (key, src_offset, length, destination region, dst_offset) of one batch."""
+        return self.check(self.landed(reads))
+
+    def landed(self, reads: Sequence[tuple[str, int, int, Region, int]]) -> dict[str, list[Landed]]:
+        """The reads of one batch by object, as addresses: what :meth:`check` hashes (a
+        worker resolves its slice's once, at prepare). Refuses a key with no checksum."""
         by_key: dict[str, list[Landed]] = defaultdict(list)
         for key, src, length, region, dst in reads:
             by_key[key].append(Landed(src, length, region.address(dst, length), region.device))
+        missing = next((key for key in by_key if key not in self.checksums), None)
+        if missing is not None:
+            raise InvariantViolation(f"no published checksum for {missing}; refusing its bytes")
+        return dict(by_key)
+
+    def check(self, landed: Mapping[str, Sequence[Landed]]) -> VerifyStats:
+        """Check what one batch landed, by object (:meth:`landed`); raises CorruptObject."""
         stats = VerifyStats()
-        for key, pieces in by_key.items():
-            checksum = self.checksums.get(key)
-            if checksum is None:
-                raise InvariantViolation(f"no published checksum for {key}; refusing its bytes")
-            stats.add(verify_object(key, checksum, pieces))
+        for key, pieces in landed.items():
+            stats.add(verify_object(key, self.checksums[key], pieces))
         return stats

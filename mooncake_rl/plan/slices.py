@@ -133,11 +133,16 @@ class UpdatePlan:
 
     def push_regions(self, url: str, stage: int) -> dict[str, set[str]]:
         """The workers ``url``'s workers push to in ``stage`` (from 0), each with the regions
-        those pushes land in, read off the table."""
+        those pushes land in, read off the table. A worker's pushes to itself are local
+        copies that need no peer (a rank-major pack's pieces: one region each)."""
         table = self.routing.table
         ids = [table.worker_ids[w] for w in self.engines[url] if w in table.worker_ids]
         pushes = table.pushes
-        mine = pushes[np.isin(pushes["worker"], ids) & (pushes["stage"] == stage + 1)]
+        mine = pushes[
+            np.isin(pushes["worker"], ids)
+            & (pushes["stage"] == stage + 1)
+            & (pushes["peer"] != pushes["worker"])
+        ]
         found: dict[str, set[str]] = {}
         pairs = np.unique(np.stack([mine["peer"], mine["dst_region"]]), axis=1)
         for peer, region in pairs.T.tolist():
