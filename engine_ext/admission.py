@@ -244,7 +244,7 @@ class PeerBook:
         return self._adverts[worker_id]
 
     def trusted(
-        self, batches: Sequence[Batch], given: Mapping[str, Any], worker_id: str
+        self, batches: Sequence[Batch], given: Mapping[str, Any], own_id: str
     ) -> dict[str, Peer]:
         """The peers these batches push to, as they advertised themselves in the Store.
 
@@ -252,10 +252,10 @@ class PeerBook:
         body names each peer the stage pushes to, with at least the regions it pushes into
         (the coordinator sends only those), each as advertised. Every push must lie inside
         the region it targets. A mismatch against a cached advertisement is re-read once:
-        the peer may have re-prepared in this session. Pushes to ``worker_id`` (this worker)
+        the peer may have re-prepared in this session. Pushes to ``own_id`` (this worker)
         are local copies, checked against its own regions when it prepared.
         """
-        targets = pushed_regions(batches, worker_id)
+        targets = pushed_regions(batches, own_id)
         adverts: dict[str, dict[str, Any]] = {}
         for worker_id, regions in sorted(targets.items()):
             body = given.get(worker_id)
@@ -280,7 +280,7 @@ class PeerBook:
         peers = peers_from(list(adverts.values()), targets)
         for batch in batches:
             for op in batch.pushes:
-                if op.peer == worker_id:
+                if op.peer == own_id:
                     continue
                 region = peers[op.peer].regions.get(op.dst_region)
                 if region is None or op.dst_offset + op.length > region.size:
