@@ -173,7 +173,8 @@ def test_a_rank_major_pack_is_read_by_each_rank_alone_with_nothing_pushed(
 ) -> None:
     """The same 200 small tensors, published after the engines' cut was learnt
     (``generations.pack_order``): each rank's rows of the whole pack are one run, so each
-    rank reads its own run once, checks every byte of it, and pushes nothing to the other."""
+    rank reads its own run once, checks every byte of it, pushes nothing to the other, and
+    copies the run's pieces out in one move."""
     generator = torch.Generator().manual_seed(5)
     model = [(f"s{i}", torch.randn(8, 16, generator=generator)) for i in range(200)]
     name = "rank-major-planned"
@@ -199,6 +200,8 @@ def test_a_rank_major_pack_is_read_by_each_rank_alone_with_nothing_pushed(
     assert [w["read"] for w in figures] == [nbytes // 2, nbytes // 2]
     assert sum(w["verified"] for w in figures) == nbytes
     assert sum(w["pushed"] for w in figures) == 0
+    # Its 200 pieces leave the run in one move: the arena lies in the order they are copied.
+    assert [(w["copied"], w["copy_moves"]) for w in figures] == [(nbytes // 2, 1)] * 2
 
 
 def test_a_reply_that_comes_after_its_call_gave_up_is_not_taken_for_the_next(

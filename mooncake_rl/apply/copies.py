@@ -35,6 +35,11 @@ class PlannedCopies:
     by_device: tuple[tuple[str, np.ndarray, np.ndarray, np.ndarray], ...] = ()
 
     @property
+    def moves(self) -> int:
+        """Native copies a run makes: one per run of copies adjacent on both sides."""
+        return sum(len(src) for _, src, _, _ in self.by_device)
+
+    @property
     def nbytes(self) -> int:
         return sum(int(length.sum()) for _, _, _, length in self.by_device)
 

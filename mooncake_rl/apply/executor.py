@@ -93,6 +93,8 @@ class StageResult:
     """Time spent hashing (on the verify thread, overlapped with reads and pushes)."""
     copied_bytes: int = 0
     """Bytes copied between the worker's own regions (local copies, not pushed)."""
+    copy_moves: int = 0
+    """Native moves those copies took (copies adjacent on both sides merge into one)."""
 
 
 class _Watermark:
@@ -258,6 +260,7 @@ class WorkerExecutor:
 
     def _push(self, compiled: CompiledBatch, peers: Mapping[str, Peer], result: StageResult) -> int:
         result.copied_bytes += compiled.copies.run()
+        result.copy_moves += compiled.copies.moves
         by_peer: dict[str, list[Write]] = defaultdict(list)
         for op in compiled.remote:
             peer = peers[op.peer]

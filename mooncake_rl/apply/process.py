@@ -306,7 +306,8 @@ def run_planned_update(
     """Prepare every worker with its slice, then run each stage on all of them (a barrier).
 
     Returns per-worker counter deltas (``read``, ``pushed``, ``pushed_per_peer``: bytes
-    each peer received from this worker; ``copied``: local copies out of sieved spans) and
+    each peer received from this worker; ``copied``: local copies out of sieved spans, in
+    ``copy_moves`` native moves) and
     peak staging, plus the apply wall time.
     With the generation's ``checksums`` every worker checks its landed reads (and the
     totals gain ``verified``, ``unverified`` and ``verify_seconds``).
@@ -335,6 +336,7 @@ def run_planned_update(
             "unverified": 0,
             "verify_seconds": 0.0,
             "copied": 0,
+            "copy_moves": 0,
         }
         for w in workers
     }
@@ -349,6 +351,7 @@ def run_planned_update(
             totals[worker]["unverified"] += value["result"].unverified_bytes
             totals[worker]["verify_seconds"] += value["result"].verify_seconds
             totals[worker]["copied"] += value["result"].copied_bytes
+            totals[worker]["copy_moves"] += value["result"].copy_moves
             totals[worker]["peak_staging"] = max(
                 totals[worker]["peak_staging"], value["result"].peak_staging_bytes
             )
