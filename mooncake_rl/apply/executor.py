@@ -171,12 +171,22 @@ class WorkerExecutor:
         self.verifier = RangeVerifier(checksums) if checksums is not None else None
         self._compiled: dict[int, CompiledBatch] = {}
 
+    def keep(self, batches: Sequence[Batch]) -> None:
+        """Validate and compile the slice's ``batches`` once (at prepare), for every stage
+        that runs them; touches no byte."""
+        for batch in batches:
+            self._compiled[id(batch)] = self.compile(batch)
+
     def validate(
         self, batches: Sequence[Batch], peers: Mapping[str, Peer] | None = None
     ) -> list[CompiledBatch]:
-        """Every range lies inside a known region, locally (compiling each batch once) and,
-        with ``peers``, at the peer; touches no byte."""
-        compiled = [self.compile(batch) for batch in batches]
+        """Every range lies inside a known region, locally (as compiled by :meth:`keep`, or
+        now) and, with ``peers``, at the peer; touches no byte."""
+        kept = (self._compiled.get(id(batch)) for batch in batches)
+        compiled = [
+            found if found is not None and found.batch is batch else self.compile(batch)
+            for found, batch in zip(kept, batches, strict=True)
+        ]
         if peers is not None:
             for found in compiled:
                 for push in found.remote:
@@ -189,10 +199,7 @@ class WorkerExecutor:
         return compiled
 
     def compile(self, batch: Batch) -> CompiledBatch:
-        """``batch`` resolved against this worker's memory (cached while the batch lives)."""
-        found = self._compiled.get(id(batch))
-        if found is not None and found.batch is batch:
-            return found
+        """``batch`` resolved against this worker's memory; raises if it leaves it."""
         if batch.staging_bytes > self.watermark_bytes:
             raise InvariantViolation(
                 f"a batch of {batch.staging_bytes} bytes exceeds the staging watermark "
@@ -205,7 +212,7 @@ class WorkerExecutor:
             self._region(local, push.src_region, "local").address(push.src_offset, push.length)
             if push.peer == self.worker_id:
                 self._region(local, push.dst_region, "local").address(push.dst_offset, push.length)
-        found = CompiledBatch(
+        return CompiledBatch(
             batch,
             self._reads(batch),
             None
@@ -225,8 +232,6 @@ class WorkerExecutor:
             ),
             tuple(op for op in batch.pushes if op.peer != self.worker_id),
         )
-        self._compiled[id(batch)] = found
-        return found
 
     @staticmethod
     def _region(regions: Mapping[str, Region], name: str, owner: str) -> Region:

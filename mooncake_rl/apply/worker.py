@@ -217,7 +217,7 @@ class ApplyWorker:
             self.worker_id,
         )
         for batches in stages:
-            executor.validate(batches)  # and compiled, once, for every stage that runs them
+            executor.keep(batches)  # validated and compiled once, for every stage
         for region in regions.values():
             if not any(
                 s.base <= region.base and region.base + region.size <= s.base + s.size
