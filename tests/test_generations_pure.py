@@ -13,7 +13,7 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import TensorSpec, TrainerTopology, assign_publishers, build_manifest
 from mooncake_rl.generations.gc import plan_gc
 from mooncake_rl.generations.layout import layout_digest
-from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationIndex, _sealed
+from mooncake_rl.generations.registry import ActiveRecord, FenceError, GenerationIndex, seal
 
 sizes_strategy = st.lists(st.integers(1, 10_000), min_size=1, max_size=80)
 topology_strategy = st.lists(st.sampled_from(["n0", "n1", "n2"]), min_size=1, max_size=8).map(
@@ -119,13 +119,13 @@ def test_active_record_carries_the_layout_digest() -> None:
     )
     record = record_for(one, 1)
     assert ActiveRecord.decode(record.encode()) == record
-    old = _sealed({"model": "m", "generation": 1, "manifest_key": one.manifest_key,
+    old = seal({"model": "m", "generation": 1, "manifest_key": one.manifest_key,
                    "manifest_digest": one.manifest_digest})  # fmt: skip
     with pytest.raises(FenceError, match="active record has unexpected fields"):
         ActiveRecord.decode(old)
     with pytest.raises(FenceError, match="layout digest"):
         replace(record, layout_digest="abc")
-    forged = _sealed({**asdict(record), "layout_digest": "Z" * 64})
+    forged = seal({**asdict(record), "layout_digest": "Z" * 64})
     with pytest.raises(FenceError, match="layout digest"):
         ActiveRecord.decode(forged)
 

@@ -13,6 +13,13 @@ import torch
 from safetensors import safe_open
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError, ObjectNotFound
+from mooncake_rl.generations.chain import (
+    CorruptDelta,
+    chain_of,
+    delta_problems,
+    load_delta_table,
+    object_reader,
+)
 from mooncake_rl.generations.gc import collect_garbage
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, object_extents
 from mooncake_rl.generations.publisher import publish_local
@@ -158,7 +165,20 @@ def verify_generation(
         digest = info.digest if info else None
         checksums_digest = info.checksums_digest if info else None
     manifest = registry.load_manifest(generation, digest)
-    problems = payload_problems(store, manifest)
+    table = load_delta_table(store, model, generation)
+    chain = chain_of(store, model, generation)
+    if chain.deltas:  # a delta not yet realized: its chain's deltas and its base's payloads
+        problems = [
+            *payload_problems(store, registry.load_manifest(chain.full)),
+            *(
+                p
+                for g, t in chain.deltas
+                for p in delta_problems(store, registry.load_manifest(g), t)
+            ),
+        ]
+    else:
+        problems = payload_problems(store, manifest)
+    read = object_reader(store, model, generation)
     checked = 0
     if checksums_digest is None:
         problems.append(f"generation {generation} is not in the index: no checksum table to check")
@@ -168,12 +188,11 @@ def verify_generation(
         except MooncakeRLError as error:
             table, problems = {}, [*problems, f"checksum table unreadable: {error}"]
         objects = object_extents(manifest)
+        sizes = store.complete_sizes(list(objects)) if not chain.deltas else [None] * len(objects)
         unreadable = {
             key
-            for (key, stored), size in zip(
-                objects.items(), store.complete_sizes(list(objects)), strict=True
-            )
-            if size != stored.nbytes
+            for (key, stored), size in zip(objects.items(), sizes, strict=True)
+            if size != stored.nbytes and not chain.deltas
         }
         for key, stored in objects.items() if table else ():
             if key in unreadable:
@@ -182,10 +201,12 @@ def verify_generation(
                 problems.append(f"no checksum for {key}")
                 continue
             try:
-                table[key].check(key, store.get_bytes(key))
+                table[key].check(key, read(key))
                 checked += stored.nbytes
             except CorruptObject:
                 problems.append(f"corrupted {key}: its bytes differ from the published checksum")
+            except CorruptDelta as error:
+                problems.append(f"corrupted delta: {error}")
             except MooncakeRLError as error:
                 problems.append(f"unreadable {key}: {error}")
     return {
@@ -197,5 +218,6 @@ def verify_generation(
         "bytes": sum(f.nbytes for f in manifest.fragments),
         "checked_bytes": checked,
         "digest": manifest.manifest_digest,
+        "chain": list(chain.generations) if table is not None else None,
         "problems": problems,
     }

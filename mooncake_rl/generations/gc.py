@@ -21,6 +21,8 @@ from mooncake_rl.errors import (
 from mooncake_rl.generations.keys import (
     checksums_key,
     claim_key,
+    delta_prefix,
+    deltas_key,
     fence_key,
     group_id,
     legacy_routing_tables_pattern,
@@ -41,13 +43,23 @@ from mooncake_rl.store import StoreClient
 
 
 def plan_gc(
-    generations: Iterable[int], active: int | None, leased: Iterable[int], keep: int
+    generations: Iterable[int],
+    active: int | None,
+    leased: Iterable[int],
+    keep: int,
+    bases: Mapping[int, int | None] | None = None,
 ) -> list[int]:
-    """Generations to delete: all but the newest ``keep``, the active and the leased ones."""
+    """Generations to delete: all but the newest ``keep``, the active and the leased ones,
+    and the chain each of those reads its bytes through (``bases``: a delta generation's
+    base, :mod:`.chain`), back to its keyframe."""
     if keep < 1:
         raise InvariantViolation("keep must be at least 1")
     ordered = sorted(set(generations), reverse=True)
     protected = set(ordered[:keep]) | set(leased) | ({active} if active is not None else set())
+    for generation in list(protected):
+        while (base := (bases or {}).get(generation)) is not None and base not in protected:
+            protected.add(base)
+            generation = base
     return sorted(g for g in ordered if g not in protected)
 
 
@@ -93,6 +105,7 @@ def collect_garbage(
         active.generation if active else None,
         leased,
         keep,
+        {i.generation: i.base for i in index.generations},
     )
     infos = {i.generation: i for i in index.generations}
     doomed = [g for g in candidates if removable(infos[g], moment, grace)]
@@ -130,9 +143,10 @@ def _remove_generation(
     failed = store.remove(keys)
     if failed:
         return len(keys) - len(failed), failed, set()
+    deltas = store.remove_prefix(delta_prefix(group))
     records = [manifest_key(group), checksums_key(group), segments_key(group), claim_key(group)]
-    failed = store.remove(records, force=True)
-    return len(keys) + len(records) - len(failed), failed, sources
+    failed = store.remove([*records, deltas_key(group)], force=True)
+    return len(keys) + deltas + len(records) - len(failed), failed, sources
 
 
 def _table_sources(

@@ -57,6 +57,16 @@ def checksums_key(group: str) -> str:
     return f"{group}/checksums"
 
 
+def delta_prefix(group: str) -> str:
+    """A delta generation's delta objects, one per payload object (:mod:`.chain`)."""
+    return f"{group}/delta/"
+
+
+def deltas_key(group: str) -> str:
+    """A delta generation's delta table (:mod:`.chain`): its base, keyframe and entries."""
+    return f"{group}/deltas"
+
+
 def segments_key(group: str) -> str:
     """The announce's record of which Store segment holds each payload (locality hints)."""
     return f"{group}/segments"

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 
+import numpy as np
 import torch
 
 from mooncake_rl.errors import (
@@ -38,9 +39,21 @@ from mooncake_rl.generations.catalog import (
     rollout_dtype,
     specs_digest,
 )
+from mooncake_rl.generations.chain import (
+    Chain,
+    DeltaPolicy,
+    DeltaTable,
+    ObjectDelta,
+    chain_of,
+    delta_key,
+    delta_object,
+    object_bytes,
+)
 from mooncake_rl.generations.checksums import ChecksumTable, ObjectChecksum
 from mooncake_rl.generations.keys import (
     checksums_key,
+    delta_prefix,
+    deltas_key,
     group_id,
     manifest_key,
     payload_key,
@@ -90,6 +103,8 @@ class PublishReport:
     checksums: tuple[tuple[str, ObjectChecksum], ...] = ()
     placements: tuple[tuple[str, str, int, tuple[int, int] | None], ...] = ()
     """Packed tensors: (tensor name, pack object name, offset, rows or ``None``: whole)."""
+    deltas: tuple[tuple[str, ObjectDelta], ...] = ()
+    """A delta generation: each payload key this rank wrote a delta object for, its row."""
 
     @property
     def ok(self) -> bool:
@@ -110,7 +125,39 @@ class PublishReport:
             (key, ObjectChecksum(c["nbytes"], c["whole"], tuple(c["blocks"]), tuple(c["cuts"])))
             for key, c in raw["checksums"]
         )
+        raw["deltas"] = tuple(
+            (key, ObjectDelta(d["nbytes"], tuple(d["ends"]), tuple(d["hashes"]), tuple(d["cuts"])))
+            for key, d in raw.get("deltas", ())
+        )
         return cls(**raw)
+
+
+@dataclass
+class LastPublished:
+    """One rank's host copy of the objects it published for ``generation``: the base its
+    next delta is computed from (a rank without it reads the base back from the Store).
+    Costs this rank's share of the model in host memory; each base object is dropped once
+    its delta is computed, so a publish holds about one share, not two."""
+
+    generation: int = 0
+    objects: dict[str, np.ndarray] = field(default_factory=dict)
+    _next: dict[str, np.ndarray] = field(default_factory=dict, init=False)
+    _next_generation: int = field(default=0, init=False)
+
+    def base(self, generation: int, name: str) -> np.ndarray | None:
+        """The object ``name`` as published in ``generation``, if this copy holds it."""
+        return self.objects.pop(name, None) if self.generation == generation else None
+
+    def keep(self, generation: int, name: str, data: np.ndarray) -> None:
+        if self._next_generation != generation:
+            self._next, self._next_generation = {}, generation
+        self._next[name] = data.copy()
+
+    def settle(self, generation: int) -> None:
+        """This rank wrote every object of ``generation``: it is the next base."""
+        if self._next_generation == generation:
+            self.generation, self.objects = generation, self._next
+            self._next, self._next_generation = {}, 0
 
 
 @dataclass
@@ -130,6 +177,13 @@ class GenerationPublisher:
     """Rank 0: the attempt id its claim of ``generation`` names (what finalize checks)."""
     pack_bytes: int = DEFAULT_PACK_BYTES
     """Size of the packs small tensors share (:mod:`.packing`)."""
+    delta_base: tuple[int, int] | None = None
+    """(base, keyframe): publish a delta against announced ``base`` (:mod:`.chain`); every
+    rank of one generation gets the same (:func:`delta_base`)."""
+    kept: LastPublished | None = None
+    """This rank's copy of what it last published; refreshed as it writes."""
+    _deltas: dict[str, ObjectDelta] = field(default_factory=dict, init=False)
+    _base_chain: Chain | None = field(default=None, init=False)
     _specs: list[TensorSpec] = field(default_factory=list, init=False)
     _put_names: list[str] = field(default_factory=list, init=False)
     _checksums: dict[str, ObjectChecksum] = field(default_factory=dict, init=False)
@@ -183,8 +237,10 @@ class GenerationPublisher:
                             continue
                         key = payload_key(self.group, spec.name)
                         self._checksums[key] = ObjectChecksum.of(staged)
-                        self._put(spec.name, staged)
-                        self._stored(spec.name, spec.nbytes)
+                        written = self._delta(spec.name, staged, spec.itemsize)
+                        if written is None:
+                            self._put(spec.name, staged)
+                        self._stored(spec.name, written or spec.nbytes)
                 except (MooncakeError, InvariantViolation) as error:
                     # a failed put, rank 0 already swept the group, or weights fp8 cannot hold
                     failures.append((packs.failed_tensor or name, str(error)))
@@ -212,7 +268,10 @@ class GenerationPublisher:
                 for name, placed in self._placements.items()
                 for p in sorted(placed, key=lambda p: p.rows or (0, 0))
             ),
+            deltas=tuple(sorted(self._deltas.items())),
         )
+        if self.kept is not None and not failures:
+            self.kept.settle(self.generation)
         self.store.put_bytes(report_key(self.group, self.rank), report.encode())
         if self.aborted():
             # Rank 0 gave up on this rank before these puts finished: nobody else removes them.
@@ -224,12 +283,59 @@ class GenerationPublisher:
         return [self.store.local_segment] if self.store.local_segment else []
 
     def _stored(self, name: str, nbytes: int) -> None:
-        """Object ``name`` is in the Store: count it (and where it landed, when asked)."""
+        """Object ``name`` (or its delta, ``nbytes`` of it) is in the Store: count it (and
+        where it landed, when asked)."""
         self._put_names.append(name)
         self._put_bytes += nbytes
         if self.check_locality:
-            where = self.store.replica_segments(payload_key(self.group, name))
+            where = self.store.replica_segments(self._written_key(name))
             self._nonlocal_bytes += 0 if where == (self.store.local_segment,) else nbytes
+
+    def _written_key(self, name: str) -> str:
+        key = payload_key(self.group, name)
+        return key if self.delta_base is None else delta_key(key)
+
+    def _delta(
+        self, name: str, data: torch.Tensor, itemsize: int, cuts: tuple[int, ...] = ()
+    ) -> int | None:
+        """Keep object ``name``'s bytes for the next delta; in a delta generation, put its
+        delta object instead of it and return the bytes put (None: put the object)."""
+        array = data.view(torch.uint8).numpy()
+        if self.kept is not None:
+            self.kept.keep(self.generation, name, array)
+        if self.delta_base is None:
+            return None
+        key = payload_key(self.group, name)
+        blob, row = delta_object(self._base_object(name), array, itemsize, cuts)
+        self.store.put_tensor(
+            delta_key(key),
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+            replica_num=self.replica_num,
+            preferred_segments=self._preferred_segments(),
+            hard_pin=True,
+        )
+        self._deltas[key] = row
+        return len(blob)
+
+    def _base_object(self, name: str) -> np.ndarray | None:
+        """The base's bytes of object ``name``: this rank's copy, else read back from the
+        Store through the base's chain; None when the base has no such object."""
+        assert self.delta_base is not None
+        base = self.delta_base[0]
+        if self.kept is not None and (kept := self.kept.base(base, name)) is not None:
+            return kept
+        if self._base_chain is None:
+            self._base_chain = chain_of(self.store, self.model, base)
+        try:
+            data = object_bytes(
+                self.store,
+                self.model,
+                self._base_chain,
+                payload_key(group_id(self.model, base), name),
+            )
+        except ObjectNotFound:
+            return None
+        return np.frombuffer(data, np.uint8)
 
     def aborted(self) -> bool:
         """Rank 0 tombstoned this attempt's claim (or the claim is gone)."""
@@ -238,7 +344,7 @@ class GenerationPublisher:
 
     def remove_own(self) -> None:
         """Remove every object this rank wrote for the attempt (its puts and its report)."""
-        mine = [payload_key(self.group, n) for n in self._put_names]
+        mine = [self._written_key(n) for n in self._put_names]
         self.store.remove([*mine, report_key(self.group, self.rank)], force=True)
 
     @staticmethod
@@ -329,14 +435,16 @@ class _Packs:
         checksum = ObjectChecksum.of(data, run_starts(pieces))
         publisher._checksums[payload_key(publisher.group, name)] = checksum
         try:
-            publisher.store.put_from(
-                payload_key(publisher.group, name),
-                data.data_ptr(),
-                size,
-                replica_num=publisher.replica_num,
-                preferred_segments=publisher._preferred_segments(),
-                hard_pin=True,
-            )
+            written = publisher._delta(name, data, rollout_dtype(dtype).itemsize, checksum.cuts)
+            if written is None:
+                publisher.store.put_from(
+                    payload_key(publisher.group, name),
+                    data.data_ptr(),
+                    size,
+                    replica_num=publisher.replica_num,
+                    preferred_segments=publisher._preferred_segments(),
+                    hard_pin=True,
+                )
         except MooncakeError as error:
             self.failed_tensor = self.contents[name][0][0].name
             count = len(self.contents[name])
@@ -349,7 +457,7 @@ class _Packs:
             bytes_ = data[piece.target : piece.target + piece.nbytes]
             publisher._checksums[key] = ObjectChecksum.of(bytes_)
             publisher._placements.setdefault(piece.tensor, []).append(placement)
-        publisher._stored(name, size)
+        publisher._stored(name, written or size)
         del self.contents[name]
 
     def close(self) -> None:
@@ -388,8 +496,9 @@ def abort_generation(store: StoreClient, model: str, generation: int, attempt: s
         raise FenceError(f"generation {generation} of {model} was announced: it is not removed")
     group = group_id(model, generation)
     store.remove_prefix(payload_prefix(group), force=True)
+    store.remove_prefix(delta_prefix(group), force=True)
     store.remove_prefix(report_prefix(group), force=True)
-    store.remove([manifest_key(group), checksums_key(group)], force=True)
+    store.remove([manifest_key(group), checksums_key(group), deltas_key(group)], force=True)
 
 
 def finalize_generation(
@@ -409,6 +518,7 @@ def finalize_generation(
     reports = _wait_reports(store, publisher.group, world, timeout_s)
     problems: list[str] = []
     checksums = ChecksumTable()
+    deltas: dict[str, ObjectDelta] = {}
     placements: dict[str, list[Placement]] = {}
     for rank, other in enumerate(reports):
         if other is None:
@@ -418,6 +528,7 @@ def finalize_generation(
         else:
             problems.extend(f"rank {rank}: tensor {n!r}: {e}" for n, e in other.failures)
             checksums = checksums.merged(dict(other.checksums))
+            deltas.update(other.deltas)
             for name, obj, offset, rows in other.placements:
                 placements.setdefault(name, []).append(Placement(obj, offset, rows))
     if not problems:
@@ -426,7 +537,10 @@ def finalize_generation(
             created = (now or datetime.now(UTC)).isoformat()
             manifest = build_manifest(model, generation, publisher.specs, created, placements)
             registry = GenerationRegistry(store, model)
-            record = registry.announce(manifest, checksums, publisher.attempt)
+            table = None
+            if publisher.delta_base is not None:
+                table = DeltaTable(*publisher.delta_base, deltas)
+            record = registry.announce(manifest, checksums, publisher.attempt, table)
         except InvariantViolation as error:
             problems.append(str(error))
         else:
@@ -451,6 +565,21 @@ def apply_retention(store: StoreClient, model: str, keep: int) -> None:
         logger.warning("retention for %s left %d object(s)", model, len(report.failures))
 
 
+def delta_base(
+    store: StoreClient, model: str, policy: DeltaPolicy | None
+) -> tuple[int, int] | None:
+    """(base, keyframe) for the next generation under ``policy``, or None (a keyframe): the
+    newest announced generation is the only base an announce accepts."""
+    if policy is None:
+        return None
+    registry = GenerationRegistry(store, model)
+    active = registry.active()
+    if active is None:
+        return None
+    newest = next((i for i in registry.generations() if i.generation == active.newest), None)
+    return policy.base_for(newest)
+
+
 def start_attempt(store: StoreClient, model: str) -> tuple[int, str]:
     """A fresh attempt id and the generation number it claimed; refused before anything is
     written while a durable Store's etcd is out of space (no announce could follow)."""
@@ -469,11 +598,17 @@ def publish_local(
     replica_num: int = 1,
     keep: int | None = DEFAULT_KEEP,
     pack_bytes: int = DEFAULT_PACK_BYTES,
+    delta: DeltaPolicy | None = None,
+    kept: LastPublished | None = None,
 ) -> ActiveRecord:
-    """World size 1: claim, publish and announce the next generation from one process."""
+    """World size 1: claim, publish and announce the next generation from one process;
+    with ``delta``, as a delta against the newest announced generation when the policy
+    says so (``kept``: this process's copy of what it last published, reused across
+    calls; without it the base is read back from the Store)."""
     if keep is not None and (type(keep) is not int or keep < 1):
         raise InvariantViolation(f"keep must be an integer >= 1, got {keep!r}; nothing published")
     check_pack_bytes(pack_bytes)
+    base = delta_base(store, model, delta)
     generation, attempt = start_attempt(store, model)
     publisher = GenerationPublisher(
         store,
@@ -485,5 +620,7 @@ def publish_local(
         replica_num=replica_num,
         attempt=attempt,
         pack_bytes=pack_bytes,
+        delta_base=base,
+        kept=kept,
     )
     return finalize_generation(publisher, publisher.publish(named_tensors), keep=keep)

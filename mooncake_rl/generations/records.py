@@ -1,7 +1,7 @@
 """The publication contract's records: frozen dataclasses, sealed as checksummed JSON.
 
-    record --encode / _sealed--> {"body": ..., "sha256": ...} bytes --put--> the Store
-    Store bytes --_unsealed (checksum)--> body --_decoded--> the record, or FenceError
+    record --encode / seal--> {"body": ..., "sha256": ...} bytes --put--> the Store
+    Store bytes --unseal (checksum)--> body --decode_record--> the record, or FenceError
 
 Why sealed: a torn write, or a key some other tool wrote, must read as an error, never as a
 record. The records are ``Incarnation`` (one master lifetime), ``ActiveRecord`` (fence
@@ -49,13 +49,13 @@ class NoActiveGeneration(ConfigurationError):
     """Nothing was announced for the model in this Store incarnation."""
 
 
-def _sealed(body: dict[str, object]) -> bytes:
+def seal(body: dict[str, object]) -> bytes:
     """JSON with a checksum of its own content, so a torn or foreign record is detected."""
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return json.dumps({"body": body, "sha256": hashlib.sha256(text.encode()).hexdigest()}).encode()
 
 
-def _unsealed(data: bytes, what: str) -> dict[str, object]:
+def unseal(data: bytes, what: str) -> dict[str, object]:
     try:
         outer = json.loads(data)
         body = outer["body"]
@@ -71,7 +71,7 @@ def _unsealed(data: bytes, what: str) -> dict[str, object]:
 T = TypeVar("T")
 
 
-def _decoded(cls: Callable[..., T], body: dict[str, object], what: str) -> T:
+def decode_record(cls: Callable[..., T], body: dict[str, object], what: str) -> T:
     try:
         return cls(**body)
     except TypeError as error:
@@ -91,10 +91,10 @@ class Incarnation:
     @classmethod
     def read(cls, store: StoreClient) -> Incarnation | None:
         try:
-            body = _unsealed(store.get_bytes(INCARNATION_KEY), "Store incarnation record")
+            body = unseal(store.get_bytes(INCARNATION_KEY), "Store incarnation record")
         except ObjectNotFound:
             return None
-        return _decoded(cls, body, "Store incarnation record")
+        return decode_record(cls, body, "Store incarnation record")
 
     @classmethod
     def ensure(cls, store: StoreClient) -> Incarnation:
@@ -104,7 +104,7 @@ class Incarnation:
             return found
         fresh = cls(uuid.uuid4().hex[:16], datetime.now(UTC).isoformat())
         with contextlib.suppress(ObjectAlreadyExists):
-            store.create_exclusive(INCARNATION_KEY, _sealed(asdict(fresh)))
+            store.create_exclusive(INCARNATION_KEY, seal(asdict(fresh)))
         created = cls.read(store)
         if created is None:
             raise StoreStateLost("the Store incarnation record vanished while being created")
@@ -122,6 +122,37 @@ def lost_state_hint(model: str, what: str) -> str:
 
 
 # -- records -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a generation's bytes come from: full (``base`` None), or a delta against
+    ``base`` in a chain that starts at full ``keyframe``, ``chain_length`` deltas long
+    (this one included) and ``chain_bytes`` heavy (:mod:`.chain`)."""
+
+    generation: int
+    base: int | None = None
+    keyframe: int | None = None
+    chain_length: int = 0
+    chain_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        full = self.base is None
+        if full != (self.keyframe is None) or full != (self.chain_length == 0):
+            raise FenceError(
+                f"generation {self.generation}: a delta names base, keyframe and "
+                "chain together, a full generation none of them"
+            )
+        if not full and not (
+            1 <= self.keyframe <= self.base < self.generation  # type: ignore[operator]
+            and self.chain_length >= 1
+            and self.chain_bytes >= 0
+        ):
+            raise FenceError(f"generation {self.generation}: malformed delta lineage {self}")
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base is not None
 
 
 @dataclass(frozen=True)
@@ -152,8 +183,13 @@ class ActiveRecord:
     bytes: int
     created_at: str
     segments_digest: str | None = None
+    base: int | None = None
+    keyframe: int | None = None
+    chain_length: int = 0
+    chain_bytes: int = 0
 
     def __post_init__(self) -> None:
+        self.lineage  # noqa: B018 (validates)
         if self.segments_digest is not None and not is_digest(self.segments_digest):
             raise FenceError(f"active record segments digest {self.segments_digest!r} is malformed")
         if not is_digest(self.manifest_digest):
@@ -164,11 +200,11 @@ class ActiveRecord:
             raise FenceError(f"active record fence {self.fence} / newest {self.newest} invalid")
 
     def encode(self) -> bytes:
-        return _sealed(asdict(self))
+        return seal(asdict(self))
 
     @classmethod
     def decode(cls, data: bytes) -> ActiveRecord:
-        return _decoded(cls, _unsealed(data, "active-generation record"), "active record")
+        return decode_record(cls, unseal(data, "active-generation record"), "active record")
 
     @classmethod
     def replacing(
@@ -179,8 +215,10 @@ class ActiveRecord:
         incarnation: str,
         newest: int,
         segments_digest: str | None = None,
+        lineage: Lineage | None = None,
     ) -> ActiveRecord:
         """The record that follows ``current`` (fence + 1) and makes ``manifest`` active."""
+        chain = lineage or Lineage(manifest.weight_generation)
         return cls(
             manifest.resource_id,
             manifest.weight_generation,
@@ -197,6 +235,16 @@ class ActiveRecord:
             sum(f.nbytes for f in manifest.fragments),
             manifest.created_at,
             segments_digest,
+            chain.base,
+            chain.keyframe,
+            chain.chain_length,
+            chain.chain_bytes,
+        )
+
+    @property
+    def lineage(self) -> Lineage:
+        return Lineage(
+            self.generation, self.base, self.keyframe, self.chain_length, self.chain_bytes
         )
 
     def info(self) -> GenerationInfo:
@@ -207,6 +255,10 @@ class ActiveRecord:
             self.manifest_digest,
             self.created_at,
             self.checksums_digest,
+            base=self.base,
+            keyframe=self.keyframe,
+            chain_length=self.chain_length,
+            chain_bytes=self.chain_bytes,
         )
 
 
@@ -222,6 +274,16 @@ class GenerationInfo:
     created_at: str
     checksums_digest: str
     retired_at: float | None = None
+    base: int | None = None
+    keyframe: int | None = None
+    chain_length: int = 0
+    chain_bytes: int = 0
+
+    @property
+    def lineage(self) -> Lineage:
+        return Lineage(
+            self.generation, self.base, self.keyframe, self.chain_length, self.chain_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -256,11 +318,11 @@ class GenerationIndex:
     def encode(self) -> bytes:
         body = asdict(self)
         body["generations"] = [asdict(info) for info in self.generations]
-        return _sealed(body)
+        return seal(body)
 
     @classmethod
     def decode(cls, data: bytes) -> GenerationIndex:
-        body = _unsealed(data, "generation index")
+        body = unseal(data, "generation index")
         try:
             rows = tuple(GenerationInfo(**row) for row in body.pop("generations"))  # type: ignore[union-attr]
             return cls(generations=rows, **body)  # type: ignore[arg-type]

@@ -42,12 +42,19 @@ from mooncake_rl.errors import (
     ObjectAlreadyExists,
     ObjectNotFound,
 )
+from mooncake_rl.generations.chain import (
+    DeltaTable,
+    delta_problems,
+    load_delta_table,
+    realize_generation,
+)
 from mooncake_rl.generations.checksums import ChecksumTable, CorruptObject
 from mooncake_rl.generations.keys import (
     active_key,
     check_model_name,
     checksums_key,
     claim_key,
+    deltas_key,
     fence_key,
     group_id,
     index_key,
@@ -64,12 +71,13 @@ from mooncake_rl.generations.records import (
     GenerationIndex,
     GenerationInfo,
     Incarnation,
+    Lineage,
     NoActiveGeneration,
     StoreStateLost,
-    _decoded,
-    _sealed,
-    _unsealed,
+    decode_record,
     lost_state_hint,
+    seal,
+    unseal,
 )
 from mooncake_rl.store import StoreClient
 
@@ -218,7 +226,7 @@ class GenerationRegistry:
         active = self.active()
         known = [g.generation for g in self.generations()]
         start = max([*known, active.newest if active else 0], default=0) + 1
-        claim = _sealed(asdict(Claim(attempt, incarnation.id, datetime.now(UTC).isoformat())))
+        claim = seal(asdict(Claim(attempt, incarnation.id, datetime.now(UTC).isoformat())))
         for generation in range(start, start + CLAIM_PROBES):
             try:
                 self.store.create_exclusive(claim_key(group_id(self.model, generation)), claim)
@@ -232,12 +240,12 @@ class GenerationRegistry:
 
     def claim(self, generation: int) -> Claim | None:
         try:
-            body = _unsealed(
+            body = unseal(
                 self.store.get_bytes(claim_key(group_id(self.model, generation))), "claim record"
             )
         except ObjectNotFound:
             return None
-        return _decoded(Claim, body, "claim record")
+        return decode_record(Claim, body, "claim record")
 
     def check_owner(self, generation: int, attempt: str) -> Claim:
         """Refuse to act on a group this attempt does not own (or that the master forgot)."""
@@ -258,17 +266,23 @@ class GenerationRegistry:
         claim = self.check_owner(generation, attempt)
         self.store.upsert_bytes(
             claim_key(group_id(self.model, generation)),
-            _sealed(asdict(replace(claim, aborted_at=time.time()))),
+            seal(asdict(replace(claim, aborted_at=time.time()))),
         )
 
     def announce(
-        self, manifest: WeightManifest, checksums: ChecksumTable, attempt: str
+        self,
+        manifest: WeightManifest,
+        checksums: ChecksumTable,
+        attempt: str,
+        delta: DeltaTable | None = None,
     ) -> ActiveRecord:
         """Make a fully written generation active: a compare-and-set that only moves forward.
 
         Refused, with nothing of the winner changed, when a newer generation was announced
         first, when a payload is missing or of the wrong size, or when the checksum table
-        does not cover every payload exactly.
+        does not cover every payload exactly. A delta generation (``delta``) holds delta
+        objects instead of payloads, and is refused unless its base is the newest
+        generation announced before it (:mod:`.chain`).
         """
         generation = manifest.weight_generation
         if manifest.resource_id != self.model or manifest.group_id != group_id(
@@ -277,7 +291,12 @@ class GenerationRegistry:
             raise FenceError("manifest does not belong to this model's key space")
         claim = self.check_owner(generation, attempt)
         sizes = checksum_sizes(manifest, {k: c.nbytes for k, c in checksums.objects.items()})
-        problems, segments = payload_state(self.store, manifest)
+        if delta is None:
+            lineage = Lineage(generation)
+            problems, segments = payload_state(self.store, manifest)
+        else:
+            lineage = self._delta_lineage(generation, delta)
+            problems, segments = delta_problems(self.store, manifest, delta), SegmentMap.of({})
         if set(sizes) != set(checksums.objects) or any(
             checksums.objects[k].nbytes != n for k, n in sizes.items()
         ):
@@ -288,6 +307,8 @@ class GenerationRegistry:
             )
         encoded = checksums.encode()
         self.store.put_bytes(checksums_key(manifest.group_id), encoded)
+        if delta is not None:
+            self.store.upsert_bytes(deltas_key(manifest.group_id), delta.encode())
         self.store.upsert_bytes(segments_key(manifest.group_id), segments.encode())
         self.store.put_bytes(manifest.manifest_key, manifest.to_json().encode())
 
@@ -298,12 +319,42 @@ class GenerationRegistry:
                     f"{current.newest} (active: {current.generation}, fence {current.fence}); "
                     "nothing of it was changed"
                 )
+            if lineage.is_delta and (current is None or current.newest != lineage.base):
+                raise FenceError(
+                    f"generation {generation} of {self.model} is a delta against generation "
+                    f"{lineage.base}, but the generation announced before it is "
+                    f"{current.newest if current else 'none'}: publish it against that one, "
+                    "or as a keyframe"
+                )
             digest = ChecksumTable.digest_of(encoded)
             return ActiveRecord.replacing(
-                current, manifest, digest, claim.incarnation, generation, segments.digest
+                current, manifest, digest, claim.incarnation, generation, segments.digest, lineage
             )
 
         return self._advance(record)
+
+    def _delta_lineage(self, generation: int, delta: DeltaTable) -> Lineage:
+        """The chain a delta generation extends: its base must still be announced, and the
+        table must name the base's keyframe."""
+        base = next((i for i in self.generations() if i.generation == delta.base), None)
+        if base is None:
+            raise FenceError(
+                f"generation {generation} of {self.model} is a delta against generation "
+                f"{delta.base}, which was never announced or was collected: publish a keyframe"
+            )
+        keyframe = base.keyframe if base.keyframe is not None else base.generation
+        if delta.keyframe != keyframe:
+            raise FenceError(
+                f"generation {generation}'s delta table names keyframe {delta.keyframe}, but "
+                f"its base {base.generation} descends from keyframe {keyframe}"
+            )
+        return Lineage(
+            generation,
+            delta.base,
+            keyframe,
+            base.chain_length + 1,
+            base.chain_bytes + delta.delta_bytes,
+        )
 
     def activate(self, generation: int) -> ActiveRecord:
         """Move the active record to an announced, fully readable generation (a new fence)."""
@@ -314,6 +365,9 @@ class GenerationRegistry:
                 "`mooncake-rl status` lists the ones that can be activated"
             )
         manifest = self.load_manifest(generation, info.digest)
+        if load_delta_table(self.store, self.model, generation) is not None:
+            checksums = self.load_checksums(generation, info.checksums_digest)
+            realize_generation(self.store, self.model, generation, checksums)
         problems, segments = payload_state(self.store, manifest)
         if problems:
             raise InvariantViolation(
@@ -336,6 +390,7 @@ class GenerationRegistry:
                 incarnation.id,
                 current.newest,
                 segments.digest,
+                info.lineage,
             )
 
         return self._advance(record)

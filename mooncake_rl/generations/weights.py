@@ -18,6 +18,7 @@ import torch
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
+from mooncake_rl.generations.chain import object_reader
 from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, require_active
 from mooncake_rl.store import StoreClient
@@ -41,8 +42,9 @@ def active_weights(
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         assembling: dict[str, tuple[torch.Tensor, int]] = {}  # rows of a rank-major pack
+        read = object_reader(store, model, record.generation)  # a delta: through its chain
         for key, stored in objects.items():
-            data = bytearray(store.get_bytes(key))
+            data = read(key)
             checksums[key].check(key, data)
             for fragment in stored.fragments:
                 spec = specs[fragment.tensor_id]

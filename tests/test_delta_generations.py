@@ -1,0 +1,229 @@
+"""Delta generations against a real master: publish a keyframe and deltas, read them back
+through the chain, verify, realize, collect, and refuse what does not chain."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations import GenerationRegistry
+from mooncake_rl.generations.assignment import TrainerTopology
+from mooncake_rl.generations.chain import (
+    CorruptDelta,
+    DeltaPolicy,
+    chain_of,
+    delta_key,
+    load_delta_table,
+    realize_generation,
+)
+from mooncake_rl.generations.commands import verify_generation
+from mooncake_rl.generations.gc import collect_garbage
+from mooncake_rl.generations.keys import group_id, payload_prefix
+from mooncake_rl.generations.packing import object_extents
+from mooncake_rl.generations.publisher import (
+    GenerationPublisher,
+    LastPublished,
+    finalize_generation,
+    publish_local,
+    start_attempt,
+)
+from mooncake_rl.generations.weights import active_weights
+from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
+from tests.conftest import READ_LEASE_S
+
+
+def policy_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Large tensors stored alone and small ones that share packs, fp32 master weights."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"embed.weight": (512, 256), "mlp.weight": (384, 256), "norm.weight": (256,)}
+    shapes |= {f"layers.{i}.bias": (64 + i,) for i in range(6)}
+    return {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
+
+
+def step(weights: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, torch.Tensor]:
+    """One step of about ``lr`` per element: a few percent of bf16 elements change."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: w + lr * torch.randn(w.shape, generator=g) for n, w in weights.items()}
+
+
+def served(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {n: w.to(torch.bfloat16).view(torch.int16).numpy().tobytes() for n, w in weights.items()}
+
+
+def loaded(store: StoreClient, model: str) -> tuple[int, dict[str, bytes]]:
+    record, tensors = active_weights(store, model)
+    return record.generation, {
+        n: t.contiguous().view(torch.int16).numpy().tobytes() for n, t in tensors
+    }
+
+
+SMALL_PACKS = 1 << 16  # the norm and biases share packs; embed and mlp are stored alone
+
+
+def test_a_keyframe_and_two_deltas_read_back_exactly_and_cost_what_changed(
+    settings: Settings,
+) -> None:
+    model, policy, kept = "delta-chain", DeltaPolicy(every=3), LastPublished()
+    steps = [policy_weights()]
+    for i in range(3):
+        steps.append(step(steps[-1], 1e-6, i))
+    with StoreClient(settings) as store:
+        records = []
+        for weights in steps:
+            records.append(
+                publish_local(
+                    store,
+                    model,
+                    weights.items(),
+                    delta=policy,
+                    kept=kept,
+                    pack_bytes=SMALL_PACKS,
+                    keep=None,
+                )
+            )
+            assert loaded(store, model) == (records[-1].generation, served(weights))
+        first, second, third, fourth = records
+        assert first.lineage.is_delta is False
+        assert (second.base, second.keyframe, second.chain_length) == (
+            first.generation,
+            first.generation,
+            1,
+        )
+        assert (third.base, third.keyframe, third.chain_length) == (
+            second.generation,
+            first.generation,
+            2,
+        )
+        assert fourth.base is None  # every=3: a keyframe after two deltas
+
+        registry = GenerationRegistry(store, model)
+        manifest = registry.load_manifest(third.generation)
+        payloads = list(object_extents(manifest))
+        assert len(payloads) >= 3 and all(size is None for size in store.complete_sizes(payloads))
+        table = load_delta_table(store, model, third.generation)
+        assert table is not None and set(table.objects) == set(payloads)
+        assert third.chain_bytes == second.chain_bytes + table.delta_bytes
+        assert table.delta_bytes < third.bytes / 10  # lr 1e-6 moves about 2 % of bf16 elements
+        assert chain_of(store, model, third.generation).generations == (1, 2, 3)
+
+        report = verify_generation(store, model, third.generation)
+        assert report["ok"], report["problems"]
+        assert report["chain"] == [1, 2, 3] and report["checked_bytes"] == third.bytes
+
+        checksums = registry.load_checksums(third.generation, third.checksums_digest)
+        put = realize_generation(store, model, third.generation, checksums)
+        assert put == sum(o.nbytes for o in object_extents(manifest).values())
+        assert realize_generation(store, model, third.generation, checksums) == 0
+        assert chain_of(store, model, third.generation).generations == (3,)
+        for key in payloads:
+            checksums.objects[key].check(key, store.get_bytes(key))
+
+
+def test_without_a_kept_copy_the_base_is_read_back_and_the_delta_is_the_same(
+    settings: Settings,
+) -> None:
+    policy = DeltaPolicy()
+    first, second = policy_weights(1), step(policy_weights(1), 1e-4, 9)
+    deltas = []
+    with StoreClient(settings) as store:
+        for model, kept in (("delta-kept", LastPublished()), ("delta-read-back", None)):
+            publish_local(
+                store, model, first.items(), delta=policy, kept=kept, pack_bytes=SMALL_PACKS
+            )
+            record = publish_local(
+                store, model, second.items(), delta=policy, kept=kept, pack_bytes=SMALL_PACKS
+            )
+            table = load_delta_table(store, model, record.generation)
+            assert table is not None
+            prefix = payload_prefix(group_id(model, record.generation))
+            deltas.append({k.removeprefix(prefix): r for k, r in table.objects.items()})
+            assert loaded(store, model) == (record.generation, served(second))
+        assert deltas[0] == deltas[1]
+
+
+def test_a_delta_against_a_base_that_is_not_the_newest_is_refused_naming_both(
+    settings: Settings,
+) -> None:
+    model = "delta-stale-base"
+    with StoreClient(settings) as store:
+        for seed in range(2):
+            publish_local(store, model, policy_weights(seed).items(), pack_bytes=SMALL_PACKS)
+        generation, attempt = start_attempt(store, model)
+        publisher = GenerationPublisher(
+            store,
+            model,
+            generation,
+            0,
+            TrainerTopology.single("node0"),
+            attempt=attempt,
+            pack_bytes=SMALL_PACKS,
+            delta_base=(1, 1),
+        )
+        report = publisher.publish(policy_weights(2).items())
+        with pytest.raises(InvariantViolation, match=r"delta against generation 1.*before it is 2"):
+            finalize_generation(publisher, report)
+        assert GenerationRegistry(store, model).active().generation == 2  # type: ignore[union-attr]
+        written = [delta_key(key) for key, _ in report.deltas]
+        assert written and store.complete_sizes(written) == [None] * len(written)
+
+
+def test_a_corrupted_delta_is_found_by_verify_and_refused_by_readers(settings: Settings) -> None:
+    model, policy = "delta-corrupt", DeltaPolicy()
+    with StoreClient(settings) as store:
+        publish_local(store, model, policy_weights(3).items(), delta=policy, pack_bytes=SMALL_PACKS)
+        record = publish_local(
+            store,
+            model,
+            step(policy_weights(3), 1e-4, 4).items(),
+            delta=policy,
+            pack_bytes=SMALL_PACKS,
+        )
+        table = load_delta_table(store, model, record.generation)
+        assert table is not None
+        key = max(table.objects, key=lambda k: table.objects[k].delta_bytes)
+        data = bytearray(store.get_bytes(delta_key(key)))
+        data[-1] ^= 0x01
+        time.sleep(READ_LEASE_S)
+        assert not store.remove([delta_key(key)], force=True)
+        store.put_tensor(delta_key(key), torch.frombuffer(data, dtype=torch.uint8))
+        report = verify_generation(store, model)
+        assert not report["ok"]
+        assert report["problems"] == [
+            f"corrupted delta: delta of {key}: the entry for bytes "
+            f"{table.objects[key].spans()[-1][0]}.."
+            f"{table.objects[key].nbytes} does not match its published "
+            "hash; the Store holds corrupted bytes: publish a keyframe, "
+            "or `mooncake-rl activate` a generation `mooncake-rl verify` "
+            "passes"
+        ]
+        with pytest.raises(CorruptDelta, match=key):
+            loaded(store, model)
+
+
+def test_gc_keeps_the_chain_behind_the_active_generation(settings: Settings) -> None:
+    model, policy, kept = "delta-gc", DeltaPolicy(every=3), LastPublished()
+    weights = policy_weights(5)
+    with StoreClient(settings) as store:
+        for i in range(4):  # keyframe 1, deltas 2 and 3, keyframe 4
+            publish_local(
+                store,
+                model,
+                weights.items(),
+                delta=policy,
+                kept=kept,
+                keep=None,
+                pack_bytes=SMALL_PACKS,
+            )
+            weights = step(weights, 1e-6, 20 + i)
+            if i == 2:
+                assert collect_garbage(store, model, keep=1, grace_s=0).deleted == ()
+        time.sleep(READ_LEASE_S)
+        report = collect_garbage(store, model, keep=1, grace_s=0)
+        assert report.deleted == (1, 2, 3)
+        for generation in (2, 3):
+            assert load_delta_table(store, model, generation) is None
+        assert verify_generation(store, model)["ok"]
