@@ -31,9 +31,15 @@ from typing import Any
 import numpy as np
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations import fp8
+from mooncake_rl.generations import delta, fp8
 from mooncake_rl.generations.assignment import TrainerTopology, assign_publishers
-from mooncake_rl.generations.pack_order import PackOrder, rank_major_layout
+from mooncake_rl.generations.checksums import BLOCK_BYTES, block_spans
+from mooncake_rl.generations.pack_order import (
+    PackOrder,
+    piece_placements,
+    rank_major_packs,
+    run_starts,
+)
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, check_pack_bytes, pack_layout
 from mooncake_rl.plan import (
     CompatDemand,
@@ -46,6 +52,7 @@ from mooncake_rl.plan import (
 from mooncake_rl.plan.merge import merge_demands
 from mooncake_rl.plan.shapes import (
     DTYPES,
+    ITEMSIZE,
     LAYOUTS,
     MODELS,
     ModelShape,
@@ -181,6 +188,7 @@ class Scenario:
     broadcast_chunk_bytes: int = 4 << 20  # NCCL_BUFFSIZE default: the pipelined unit
     pack_bytes: int = DEFAULT_PACK_BYTES  # the publisher's pack size; 0: one object per tensor
     pack_order: bool = True  # packs rank by rank, as publishes after the first update are
+    delta_change_rate: float | None = None  # fraction of elements a step changes; None: no delta
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -202,6 +210,8 @@ class Scenario:
                 check_pack_bytes(self.pack_bytes)
             except InvariantViolation as error:
                 raise ValueError(f"pack_bytes: 0 (no packs) or {error}") from None
+        if self.delta_change_rate is not None and not 0 <= self.delta_change_rate <= 1:
+            raise ValueError(f"delta_change_rate must lie in [0, 1], got {self.delta_change_rate}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -400,11 +410,14 @@ def _bincount(index: np.ndarray, weights: np.ndarray, length: int) -> np.ndarray
 
 @dataclass(frozen=True, eq=False)
 class Published:
-    """A generation as the publishers store it: the manifest, each object's trainer node and
-    the bytes each trainer node published."""
+    """A generation as the publishers store it: the manifest, each object's trainer node,
+    dtype (a pack holds one) and checksum block cuts (a rank-major pack's rank runs), and the
+    bytes each trainer node published."""
 
     manifest: Any
     node_of_object: Mapping[str, int]
+    dtype_of_object: Mapping[str, str]
+    cuts_of_object: Mapping[str, tuple[int, ...]]
     node_bytes: np.ndarray
     tensors: int
     packed_tensors: int
@@ -420,7 +433,8 @@ def publish_layout(
     """What the publishers would store (pure): the real publisher assignment over every
     trainer rank (``generations.assignment``: a source tensor, with its fp8 block scales, to
     one rank), then each rank's packs (``packing.pack_layout``; ``pack_bytes`` 0: none),
-    laid out rank by rank with ``order`` (``pack_order.rank_major_layout``)."""
+    laid out rank by rank with ``order`` (``pack_order.rank_major_packs``), each pack's
+    blocks cut where a rank's run starts, as the publisher's checksums cut them."""
     per_node = cluster.trainer_gpus_per_node
     labels = tuple(f"trainer{r // per_node:04d}" for r in range(cluster.trainer_gpus))
     heads: list[str] = []  # the source tensor each stored tensor belongs to
@@ -440,18 +454,25 @@ def publish_layout(
         if pack_bytes
         else {}
     )
+    cuts: dict[str, tuple[int, ...]] = {}
     if order is not None:
         specs = ((t.name, t.shape, t.nbytes) for t in model.tensors)
-        placements = rank_major_layout(placements, specs, order)
+        packs = rank_major_packs(placements, specs, order)
+        placements = piece_placements(packs)
+        cuts = {pack: tuple(run_starts(pieces)) for pack, pieces in packs.items()}
     node_of_object: dict[str, int] = {}
+    dtype_of_object: dict[str, str] = {}
     node_bytes = np.zeros(cluster.trainer_nodes, I64)
     for spec, rank in zip(model.tensors, rank_of, strict=True):
         placed = placements.get(spec.name)
-        node_of_object[placed[0].object_name if placed else spec.name] = rank // per_node
+        key = placed[0].object_name if placed else spec.name
+        node_of_object[key], dtype_of_object[key] = rank // per_node, spec.dtype
         node_bytes[rank // per_node] += spec.nbytes
     return Published(
         weight_manifest(model, 1, placements),
         node_of_object,
+        dtype_of_object,
+        cuts,
         node_bytes,
         len(model.tensors),
         len(placements),
@@ -591,6 +612,134 @@ def broadcast_traffic(
         extra_receive_bytes_per_gpu=chunk_bytes,
         reads_per_gpu=np.zeros(n, I64),
     )
+
+
+GAPS16_LIMIT = 1 << 16
+"""A gaps16 position holds a distance below this."""
+
+
+def gaps16_fits(numel: int, rate: float) -> bool:
+    """Whether every gap between the changed elements of a block of ``numel`` fits 16 bits
+    when each element changes with probability ``rate`` (independent, uniformly placed).
+
+    Exact where no gap can reach 2**16 (a block of at most 2**16 elements, or no change).
+    Else an approximation: a gap reaches 2**16 where 2**16 - 1 unchanged elements follow a
+    change (or start the block), each of the about 1 + rate x numel starts with probability
+    (1 - rate)**(2**16 - 1); with that expected count of long gaps L, no gap is long with
+    probability about exp(-L) (Poisson), and gaps16 is taken when that is at least 1/2.
+    Either side of the line, gaps16 and gaps32 differ by 2 bytes a change at about 1 change
+    in 65,536 elements: under 0.01 % of the block.
+    """
+    if numel <= GAPS16_LIMIT or rate == 0:
+        return True
+    long_gaps = (1 + rate * numel) * (1 - rate) ** (GAPS16_LIMIT - 1)
+    return math.exp(-long_gaps) >= 0.5
+
+
+def expected_entry(numel: int, itemsize: int, rate: float) -> tuple[delta.Encoding, float]:
+    """The encoding ``delta.diff`` picks for a block of ``numel`` elements of ``itemsize``
+    bytes with ``rate`` x ``numel`` changed (expected, not drawn), and the entry's bytes,
+    header included: the same sizes (``delta.positions_bytes``) and tie rule (the smallest;
+    ``whole`` only when strictly smaller), gaps16 where :func:`gaps16_fits`."""
+    changed = rate * numel
+    sizes = {
+        e: delta.positions_bytes(e, numel, changed)
+        + (numel if e == "whole" else changed) * itemsize
+        for e in delta.ENCODINGS
+        if e != "gaps16" or gaps16_fits(numel, rate)
+    }
+    encoding = min(sizes, key=lambda e: (sizes[e], e == "whole"))
+    return encoding, delta.HEADER.size + sizes[encoding]
+
+
+@dataclass(frozen=True, eq=False)
+class DeltaBlocks:
+    """Every checksum block of a generation's objects (``checksums.block_spans``) and its
+    delta entry's expected bytes. Objects lie back to back in one address space (object
+    ``o`` from ``base[o]``), so a byte of any object finds its block by one search."""
+
+    base: np.ndarray  # per object: where its bytes start
+    start: np.ndarray  # per block, ascending: its first byte
+    end: np.ndarray  # per block: past its last byte
+    obj: np.ndarray  # per block: its object
+    encoding: np.ndarray  # per block: its entry's encoding (index into delta.ENCODINGS)
+    entry_bytes: np.ndarray  # per block: its entry's expected bytes (float)
+
+
+def delta_blocks(
+    sizes: np.ndarray, itemsizes: np.ndarray, cuts: Sequence[Sequence[int]], rate: float
+) -> DeltaBlocks:
+    """The blocks of objects of ``sizes`` bytes, elements of ``itemsizes`` bytes (an object
+    holds one dtype) and checksum ``cuts``, at change rate ``rate`` (pure). A block's entry
+    depends only on its element count and size, so each distinct pair is priced once."""
+    spans = np.array(
+        [(o, a, b) for o, n in enumerate(sizes) for a, b in block_spans(int(n), cuts[o])], I64
+    ).reshape(-1, 3)
+    obj = spans[:, 0]
+    base = np.r_[0, np.cumsum(sizes, dtype=I64)[:-1]].astype(I64)
+    kinds, which = np.unique(
+        np.stack([(spans[:, 2] - spans[:, 1]) // itemsizes[obj], itemsizes[obj]], 1),
+        axis=0,
+        return_inverse=True,
+    )
+    priced = [expected_entry(int(numel), int(size), rate) for numel, size in kinds]
+    code = np.array([delta.ENCODINGS.index(e) for e, _ in priced], np.int8)
+    entry = np.array([nbytes for _, nbytes in priced], np.float64)
+    which = which.reshape(-1)
+    return DeltaBlocks(
+        base, base[obj] + spans[:, 1], base[obj] + spans[:, 2], obj, code[which], entry[which]
+    )
+
+
+def touched_blocks(records: np.ndarray, blocks: DeltaBlocks) -> tuple[np.ndarray, np.ndarray]:
+    """(worker, block) of every block some of a worker's records' bytes overlap, each pair
+    once, in worker then block order (pure). A strided record counts only the blocks one of
+    its rows overlaps: a rank run's cut can make a block shorter than its rows' gaps."""
+    obj, worker = records["object"].astype(I64), records["worker"].astype(I64)
+    length, count = records["length"].astype(I64), records["count"].astype(I64)
+    stride = records["src_stride"].astype(I64)
+    first_byte = blocks.base[obj] + records["src_offset"]
+    last_byte = first_byte + (count - 1) * stride + length - 1
+    first = np.searchsorted(blocks.start, first_byte, "right") - 1
+    spanned = np.searchsorted(blocks.start, last_byte, "right") - first
+    record = np.repeat(np.arange(len(records)), spanned)
+    block = (
+        first[record] + np.arange(len(record)) - np.repeat(np.cumsum(spanned) - spanned, spanned)
+    )
+    # The last row starting before the block's end reaches into the block, or none does.
+    row = np.minimum(
+        (blocks.end[block] - 1 - first_byte[record]) // stride[record], count[record] - 1
+    )
+    hit = first_byte[record] + row * stride[record] + length[record] > blocks.start[block]
+    pairs = np.unique(worker[record[hit]] * len(blocks.start) + block[hit])
+    return pairs // len(blocks.start), pairs % len(blocks.start)
+
+
+def delta_traffic(
+    table: RoutingTable, blocks: DeltaBlocks, trainer_of_object: np.ndarray, trainer_nodes: int
+) -> tuple[Traffic, Ops, np.ndarray]:
+    """An N-1 -> N delta update in direct mode (pure): each GPU reads from the Store, in one
+    call, the entries of every block its demand records overlap (every byte it holds; no
+    pushes: each decodes its own), adjacent blocks of one object as one range, each block
+    once; a trainer node serves the entries of the objects it holds. Returns the traffic,
+    the operations and each GPU's block count."""
+    n = len(table.workers)
+    worker, block = touched_blocks(table.demands, blocks)
+    entry, obj = blocks.entry_bytes[block], blocks.obj[block]
+    new_key = np.r_[True, (worker[1:] != worker[:-1]) | (obj[1:] != obj[:-1])]
+    new_range = new_key | np.r_[False, block[1:] != block[:-1] + 1]
+    traffic = _reads_only(
+        _bincount(worker, entry, n),
+        _bincount(trainer_of_object[obj], entry, trainer_nodes),
+        np.asarray(table.worker_node, I64),
+        0,
+    )
+    zeros = np.zeros(n, I64)
+    ops = Ops(
+        np.bincount(worker[new_key], minlength=n), np.bincount(worker[new_range], minlength=n),
+        zeros, zeros,
+    )  # fmt: skip
+    return traffic, ops, np.bincount(worker, minlength=n)
 
 
 @dataclass(frozen=True)
@@ -814,6 +963,77 @@ def summarize(
     }
 
 
+def _spread(values: np.ndarray, digits: int | None = None) -> dict[str, float]:
+    """Least, median and most over the rollout GPUs (``digits`` None: whole numbers)."""
+    return {
+        name: round(float(f(values)), digits)
+        for name, f in (("min", np.min), ("median", np.median), ("max", np.max))
+    }
+
+
+def delta_section(
+    table: RoutingTable,
+    layout: Published,
+    trainer_of_object: np.ndarray,
+    c: Cluster,
+    rate: float,
+    full: tuple[Traffic, Ops],
+) -> dict[str, Any]:
+    """The delta update of the direct ``table`` at change ``rate`` against the full update
+    of the same table (``full``: its traffic and operations): entry bytes per block, bytes
+    and read operations per GPU, seconds with per-operation costs charged. Full bytes per
+    GPU: the bytes it holds, which a full update lands."""
+    dtypes = [layout.dtype_of_object[name] for name in table.objects]
+    blocks = delta_blocks(
+        np.asarray(table.object_sizes, I64),
+        np.array([ITEMSIZE[d] for d in dtypes], I64),
+        [layout.cuts_of_object.get(name, ()) for name in table.objects],
+        rate,
+    )
+    traffic, ops, gpu_blocks = delta_traffic(table, blocks, trainer_of_object, c.trainer_nodes)
+    full_bytes = np.asarray(table.totals.demanded_bytes, I64)
+
+    def seconds(cluster: Cluster) -> dict[str, float]:
+        charged = estimate(traffic, cluster, ops=ops).update_seconds
+        whole = estimate(full[0], cluster, ops=full[1]).update_seconds
+        return {
+            "update_seconds": round(charged, 4),
+            "full_update_seconds": round(whole, 4),
+            "seconds_ratio": round(charged / whole, 4),
+        }
+
+    chosen = estimate(traffic, c, ops=ops)
+    full_blocks = {}
+    for dtype in sorted(set(dtypes)):
+        encoding, nbytes = expected_entry(BLOCK_BYTES // ITEMSIZE[dtype], ITEMSIZE[dtype], rate)
+        full_blocks[dtype] = {"encoding": encoding, "entry_bytes": round(nbytes, 1)}
+    return {
+        "change_rate": rate,
+        "full_block_entries": full_blocks,
+        "blocks": len(blocks.start),
+        "blocks_by_encoding": {
+            e: int((blocks.encoding == i).sum()) for i, e in enumerate(delta.ENCODINGS)
+        },
+        "stored_bytes": round(float(blocks.entry_bytes.sum())),
+        "stored_vs_model": round(float(blocks.entry_bytes.sum() / blocks.end[-1]), 4),
+        "blocks_per_gpu": _spread(gpu_blocks),
+        "delta_bytes_per_gpu": _spread(traffic.reads_per_gpu),
+        "full_bytes_per_gpu": _spread(full_bytes),
+        "bytes_ratio_per_gpu": _spread(traffic.reads_per_gpu / full_bytes, 4),
+        "read_keys_per_gpu": _spread(ops.read_keys),
+        "read_ranges_per_gpu": _spread(ops.read_ranges),
+        "read_op_seconds_per_gpu": _spread(ops.read_seconds(c), 4),
+        "max_trainer_node_nic_out_bytes": int(traffic.trainer_node_out.max()),
+        "full_max_trainer_node_nic_out_bytes": int(full[0].trainer_node_out.max()),
+        "bottleneck": chosen.bottleneck,
+        **seconds(c),
+        "op_seconds_added": round(chosen.update_seconds - estimate(traffic, c).update_seconds, 4),
+        "update_seconds_by_op_costs": {
+            preset: seconds(c.with_op_costs(preset)) for preset in OP_COSTS
+        },
+    }
+
+
 GOAL_SECONDS = 1.3  # Perplexity's published Kimi-K2 update (docs/performance.md)
 GOAL_BOUND_RATIO = 1.10
 
@@ -956,6 +1176,20 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
         "approach, and for broadcast gathering the full model into the root; engine "
         "load_weights / repacking; control plane (drain, prepare, barrier and commit round "
         "trips); congestion and switch oversubscription",
+        **(
+            {
+                "delta": f"generation N-1 -> N with {scenario.delta_change_rate} of the "
+                "elements changed, at uniformly random positions: one delta object per "
+                "payload object, one entry per checksum block (4 MiB, cut at rank runs) of "
+                "its expected size (delta.diff's encoding by expected sizes; gaps16 when "
+                "bench.simulate.gaps16_fits); each GPU reads in one call the entries of every "
+                "block its demand records overlap (all it holds, no pushes), adjacent blocks "
+                "of an object as one range, from the trainer nodes holding the objects; "
+                "decoding and applying excluded"
+            }
+            if scenario.delta_change_rate is not None
+            else {}
+        ),
     }
 
 
@@ -986,6 +1220,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
     setup_seconds = time.perf_counter() - started
     params = PlanParams(batch_bytes=scenario.batch_bytes, balance_slack=scenario.balance_slack)
     approaches: dict[str, dict[str, Any]] = {}
+    delta_figures: dict[str, Any] = {}
     weights_per_gpu = 0
     for mode in sorted(scenario.modes, key=MODES.index):  # direct first
         say(f"plan {mode} mode (real planner)")
@@ -1007,8 +1242,9 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
         ops = table_ops(table)
         if mode == "direct":
             weights_per_gpu = int(table.totals.demanded_bytes.max())
+            full = ours_traffic(table, trainer_of_object, c.trainer_nodes)
             approaches["direct"] = summarize(
-                ours_traffic(table, trainer_of_object, c.trainer_nodes),
+                full,
                 c,
                 weights_per_gpu,
                 published,
@@ -1035,6 +1271,16 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
                 naive_full_ops(table),
             )
             gpu_node = np.asarray(table.worker_node, I64)
+            if scenario.delta_change_rate is not None:
+                say("price delta entries per checksum block, count their reads")
+                delta_figures = delta_section(
+                    table,
+                    layout,
+                    trainer_of_object,
+                    c,
+                    scenario.delta_change_rate,
+                    (full, ops),
+                )
         else:
             approaches[mode] = summarize(
                 ours_traffic(table, trainer_of_object, c.trainer_nodes),
@@ -1107,6 +1353,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
             }
             for name, figures in approaches.items()
         },
+        **({"delta": delta_figures} if delta_figures else {}),
     }
 
 
@@ -1169,6 +1416,12 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--" + name.replace("_", "-"), type=float, help="overrides the --op-costs preset"
         )
+    p.add_argument(
+        "--delta-change-rate",
+        type=float,
+        help="also estimate a delta update (direct mode) at this fraction of elements changed "
+        "per step, e.g. 0.01 (the JSON's delta section)",
+    )
     p.add_argument("--out", help="also write a PNG plot here")
     return p
 
@@ -1201,6 +1454,7 @@ def scenario_from(args: argparse.Namespace) -> Scenario:
         balance_slack=args.balance_slack,
         pack_bytes=args.pack_bytes,
         pack_order=not args.no_pack_order,
+        delta_change_rate=args.delta_change_rate,
     )
 
 

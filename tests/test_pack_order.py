@@ -23,8 +23,10 @@ from mooncake_rl.generations.pack_order import (
     PackOrder,
     RowBlocks,
     load_pack_order,
+    piece_placements,
     rank_major,
-    rank_major_layout,
+    rank_major_packs,
+    run_starts,
     save_pack_order,
 )
 from mooncake_rl.generations.packing import object_extents, pack_layout
@@ -179,10 +181,11 @@ def test_a_rank_major_generation_loads_delivers_and_verifies_whole_tensors(store
         ("norm", 1120),
     ]
     record = GenerationRegistry(store, model).active()
-    # The simulator's layout (pack_layout, then rank_major_layout) is the publisher's.
+    # The simulator's layout (pack_layout, then rank_major_packs) is the publisher's.
     rows = [(s.name, s.nbytes, s.dtype, 0) for s in specs]
     shapes = [(s.name, s.shape, s.nbytes) for s in specs]
-    simulated = rank_major_layout(pack_layout(rows, 1 << 20), shapes, order)
+    packs = rank_major_packs(pack_layout(rows, 1 << 20), shapes, order)
+    simulated = piece_placements(packs)
     stored = {(f.tensor_id, f.object_offset, f.fragment_id) for f in pack.fragments}
     assert stored == {
         (name, p.offset, p.fragment_id(name)) for name, ps in simulated.items() for p in ps
@@ -193,6 +196,7 @@ def test_a_rank_major_generation_loads_delivers_and_verifies_whole_tensors(store
         .objects
     )
     assert checksums[pack.key].cuts == (560, 1120)  # where rank 1's run and the rest start
+    assert [run_starts(pieces) for pieces in packs.values()] == [[560, 1120]]  # the simulator's
     expected = {name: t.numpy().tobytes() for name, t in tensors}
     _, loaded = active_weights(store, model)
     assert {name: t.numpy().tobytes() for name, t in loaded} == expected

@@ -2,7 +2,7 @@
 
     engines' boxes (the coordinator's survey) --PackOrder.of_engines--> row blocks per tensor
     coordinator: save_pack_order (a Store write only when the order changed)
-    simulator: rank_major_layout over the pack layout publishers would make
+    simulator: rank_major_packs over the pack layout publishers would make
     publisher: load_pack_order at publish; a full pack, tensors back to back
         --rank_major(pack contents, order)--> pieces (tensor rows, from, to)
     publisher: copies each piece into the outgoing pack; the manifest stores a fragment per piece
@@ -196,14 +196,15 @@ def rank_major(
     return pieces
 
 
-def rank_major_layout(
+def rank_major_packs(
     placements: Mapping[str, Sequence[Placement]],
     specs: Iterable[tuple[str, tuple[int, ...], int]],
     order: PackOrder,
-) -> dict[str, tuple[Placement, ...]]:
-    """``placements`` of tensors packed one after another (``packing.pack_layout``) laid
-    out rank by rank, pack by pack, as publishers with ``order`` put them; ``specs``: (name,
-    shape, bytes) of every tensor. Pure: for planning and simulation."""
+) -> dict[str, list[Piece]]:
+    """The pieces each pack of ``placements`` (tensors packed one after another,
+    ``packing.pack_layout``) is laid out by, rank by rank, as publishers with ``order`` lay
+    it out; ``specs``: (name, shape, bytes) of every tensor. Pure: for planning and
+    simulation (:func:`piece_placements`; a pack's :func:`run_starts` are its checksum cuts)."""
     by_pack: dict[str, list[tuple[str, tuple[int, ...], int, int]]] = {}
     for name, shape, nbytes in specs:
         placed = placements.get(name)
@@ -211,9 +212,17 @@ def rank_major_layout(
             by_pack.setdefault(placed[0].object_name, []).append(
                 (name, shape, placed[0].offset, nbytes)
             )
+    return {
+        pack: rank_major(sorted(contents, key=lambda c: c[2]), order)
+        for pack, contents in by_pack.items()
+    }
+
+
+def piece_placements(packs: Mapping[str, Sequence[Piece]]) -> dict[str, tuple[Placement, ...]]:
+    """Where each tensor (or each of its row blocks) sits in ``packs``' pieces."""
     out: dict[str, list[Placement]] = {}
-    for pack, contents in by_pack.items():
-        for piece in rank_major(sorted(contents, key=lambda c: c[2]), order):
+    for pack, pieces in packs.items():
+        for piece in pieces:
             out.setdefault(piece.tensor, []).append(Placement(pack, piece.target, piece.rows))
     return {name: tuple(sorted(p, key=lambda p: p.rows or (0, 0))) for name, p in out.items()}
 
