@@ -27,11 +27,11 @@ from engine_ext.admission import (
     parsed,
     prepare_request,
 )
+from engine_ext.delta import DeltaWorker
 from engine_ext.served import ServedRecord
 from engine_ext.staging import choose_staging, free_device_bytes
 from engine_ext.transport import RECEIVED_REGION, prepare_reception
 from engine_ext.update_state import UpdateState
-from engine_ext.worker_base import WorkerBase
 from engine_ext.written import fill_canary, session_canary
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
 from mooncake_rl.apply.worker import (
@@ -47,7 +47,7 @@ from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGI
 from mooncake_rl.protocol import PLACEMENT_DIGEST, PrepareRequest
 
 
-class PreparingWorker(WorkerBase):
+class PreparingWorker(DeltaWorker):
     """The worker's ``prepare`` and, once every rank prepared, ``promote``."""
 
     def _prepare(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +59,8 @@ class PreparingWorker(WorkerBase):
         state = self._state(engine_id)
         if isinstance(request, Mapping) and request.get("receive") is not None:
             return self._prepare_reception(engine_id, state, parsed(PrepareRequest, request))
+        if isinstance(request, Mapping) and request.get("delta") is not None:
+            return self._prepare_delta(engine_id, state, request)
         call, raw = prepare_request(request, state.apply.worker_id)
         try:
             worker_slice = decode_slice(raw["slice"])

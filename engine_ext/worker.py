@@ -135,7 +135,11 @@ class UpdateWorker(PreparingWorker, ApplyingWorker, LandingWorker):
             "staging_watermark_bytes": state.apply.settings.staging_watermark_bytes,
             **self._described().served(*self.tp()),
         }
-        return described if boxes else without_boxes(described)
+        if not boxes:
+            return without_boxes(described)
+        # Whether a delta can be taken in place here: every region is a live receiver.
+        regions = {r.name for r in self.regions()[0]}
+        return {**described, "in_place_all": regions <= set(self.in_place_parameters())}
 
     def gpu_id(self) -> str | None:
         """The physical GPU this rank runs on: its CUDA UUID, else the declared id

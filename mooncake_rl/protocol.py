@@ -238,6 +238,13 @@ class ReceiveWire(Wire):
         return self
 
 
+class DeltaWire(Wire):
+    """A delta generation taken in place (``mooncake_rl.apply.delta``): only by an engine
+    serving exactly ``base``, whose every box is a live, checksummed unit."""
+
+    base: Generation
+
+
 class BucketWire(Wire):
     """A CPU-serialized bucket in shared memory (``/dev/shm/<shm>``, safetensors)."""
 
@@ -303,6 +310,9 @@ class PrepareRequest(SessionRequest):
         description="direct mode: receive into live parameters that need no post-load "
         "processing (no staging copy; an update that then fails costs a rebuild)",
     )
+    delta: DeltaWire | None = Field(
+        None, description="a delta generation's changes, written into live parameters"
+    )
 
     @model_validator(mode="after")
     def _one_transport(self) -> PrepareRequest:
@@ -310,6 +320,18 @@ class PrepareRequest(SessionRequest):
             raise ValueError(
                 "a broadcast or CPU-serialized delivery carries no routing slices and lands "
                 "full tensors (mode compat)"
+            )
+        if self.delta is not None and (
+            self.workers
+            or self.receive is not None
+            or self.mode != "direct"
+            or not self.in_place
+            or self.stages != 1
+            or self.delta.base >= self.generation
+        ):
+            raise ValueError(
+                "a delta carries no routing slices and is one stage, direct and in place, "
+                "against an older generation"
             )
         return self
 

@@ -237,18 +237,25 @@ def checkpoint_names(directory: Path) -> list[str]:
         return sorted(handle.keys())
 
 
-def perturbed_copy(source: Path, destination: Path, seed: int, scale: float = 0.1) -> Path:
-    """Same config and tokenizer, every weight moved by seeded noise: 'the next policy'.
+def perturbed_copy(
+    source: Path, destination: Path, seed: int, scale: float = 0.1, fraction: float = 1.0
+) -> Path:
+    """Same config and tokenizer, weights moved by seeded noise: 'the next policy'; with
+    ``fraction`` < 1, only that share of each tensor's elements moves (an RL step's delta).
 
     Only stored tensors are moved, so a tied checkpoint (no lm_head.weight) stays tied.
     """
     shutil.copytree(source, destination, dirs_exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     state = load_file(str(source / "model.safetensors"))
-    moved = {
-        k: (v + scale * torch.randn(v.shape, generator=generator, dtype=v.dtype)).contiguous()
-        for k, v in state.items()
-    }
+
+    def moved_by(v: torch.Tensor) -> torch.Tensor:
+        noise = scale * torch.randn(v.shape, generator=generator, dtype=v.dtype)
+        if fraction < 1.0:
+            noise *= torch.rand(v.shape, generator=generator) < fraction
+        return noise
+
+    moved = {k: (v + moved_by(v)).contiguous() for k, v in state.items()}
     save_file(moved, str(destination / "model.safetensors"), metadata={"format": "pt"})
     return destination
 

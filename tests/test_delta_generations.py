@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 
+from mooncake_rl.apply.delta import DeltaUnavailable, check, delta_reads, fetch, scatter
+from mooncake_rl.coordinator.delta import BoxRow
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.assignment import TrainerTopology
@@ -227,3 +229,45 @@ def test_gc_keeps_the_chain_behind_the_active_generation(settings: Settings) -> 
         for generation in (2, 3):
             assert load_delta_table(store, model, generation) is None
         assert verify_generation(store, model)["ok"]
+
+
+def test_a_worker_at_the_base_takes_only_its_entries_and_lands_the_new_bytes_exactly(
+    settings: Settings,
+) -> None:
+    """Every tensor a region of its own (as a TP=1 engine holds them), filled with the
+    base; the delta's entries scattered in; each region then checks against N."""
+    model, policy = "delta-in-place", DeltaPolicy()
+    base_weights = policy_weights(7)
+    new_weights = step(base_weights, 1e-6, 8)
+    with StoreClient(settings) as store:
+        publish_local(store, model, base_weights.items(), delta=policy, pack_bytes=SMALL_PACKS)
+        _, base_bytes = loaded(store, model)
+        record = publish_local(
+            store, model, new_weights.items(), delta=policy, pack_bytes=SMALL_PACKS
+        )
+        registry = GenerationRegistry(store, model)
+        manifest = registry.load_manifest(record.generation)
+        checksums = registry.load_checksums(record.generation, record.checksums_digest).objects
+        table = load_delta_table(store, model, record.generation)
+        assert table is not None
+        boxes = [
+            BoxRow(t.tensor_id, (0,) * len(t.global_shape), tuple(t.global_shape), t.tensor_id, 0)
+            for t in manifest.tensors
+        ]
+        regions = {
+            name: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            for name, data in base_bytes.items()
+        }
+        with pytest.raises(DeltaUnavailable, match="processed after loading"):
+            delta_reads(manifest, checksums, table, boxes, set(regions) - {"norm.weight"})
+        reads = delta_reads(manifest, checksums, table, boxes, set(regions))
+        changes = fetch(store, table, reads)
+        assert changes.entry_bytes == table.delta_bytes  # every box here is a whole tensor
+        assert 0 < changes.changed_bytes < record.bytes / 20
+        assert scatter(changes, regions) == changes.changed_bytes
+        assert check(reads, regions, checksums) == record.bytes
+        assert {n: r.numpy().tobytes() for n, r in regions.items()} == served(new_weights)
+        # A row shard of a tensor stored alone is no checksummed unit: the full path.
+        shard = BoxRow("embed.weight", (0, 0), (256, 256), "embed.weight", 0)
+        with pytest.raises(DeltaUnavailable, match="no checksum covers alone"):
+            delta_reads(manifest, checksums, table, [shard], set(regions))

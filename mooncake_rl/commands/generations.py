@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mooncake_rl.commands.store_client import add_client_flags, open_store
+from mooncake_rl.generations.chain import DEFAULT_DELTA_FRACTION
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES
 from mooncake_rl.progress import progress
 from mooncake_rl.units import parse_size
@@ -45,6 +46,20 @@ def add_generation_commands(commands: argparse._SubParsersAction[argparse.Argume
         default=DEFAULT_PACK_BYTES,
         metavar="SIZE",
         help="size of the Store objects small tensors share (e.g. 128MiB; at most 1GiB)",
+    )
+    publish.add_argument(
+        "--delta-every",
+        type=int,
+        metavar="K",
+        help="publish a delta against the newest generation (only what changed), with a full "
+        "keyframe at least every K generations (docs/delta.md); default: always full",
+    )
+    publish.add_argument(
+        "--delta-max-fraction",
+        type=float,
+        default=DEFAULT_DELTA_FRACTION,
+        metavar="F",
+        help="with --delta-every: a keyframe once the chain's deltas weigh over F of a full one",
     )
     add_client_flags(publish)
     publish.set_defaults(func=cmd_publish)
@@ -91,6 +106,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
             args.keep,
             args.pack_bytes,
             steps.advance,
+            args.delta_every,
+            args.delta_max_fraction,
         )
     print(record.generation)
     return 0

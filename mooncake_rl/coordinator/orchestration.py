@@ -183,9 +183,14 @@ class Coordinator(EngineClient):
             )
             try:
                 survey = survey_targets(self, model, group, record, needed_now, options)
+                if survey.delta:  # paused from prepare on: out of rotation for the whole sync
+                    needed_delta = max(1, len(survey.delta) - (len(group) - needed_now))
+                    delta = functools.partial(self._sync_delta, survey, record, needed_delta)
+                    bracket(survey.delta, functools.partial(delta, options))
                 if options.pauses_at_prepare:  # out of rotation for the whole sync
                     sync = functools.partial(self._sync, survey, record, needed_now, options)
-                    result = bracket(group, functools.partial(sync, _unbracketed))
+                    rest = [u for u in group if u not in survey.delta]
+                    result = bracket(rest, functools.partial(sync, _unbracketed))
                 else:  # out of rotation for the landing alone
                     result = self._sync(survey, record, needed_now, options, bracket)
             except (UpdateFailed, ReadmitFailed) as error:
@@ -239,6 +244,49 @@ class Coordinator(EngineClient):
         stuck = {url: why for url, why in outcome.items() if why.startswith("failed")}
         if stuck:
             raise ReadmitFailed(result, stuck)
+        return result
+
+    def _sync_delta(
+        self, survey: Survey, record: ActiveRecord, needed: int, options: Options
+    ) -> UpdateResult:
+        """A delta generation on the engines that take it in place (``survey.delta``):
+        drain, prepare (each fetches its entries while it serves, then pauses), one apply
+        stage (the scatter and its check), commit."""
+        result, phase = survey.result, survey.phase
+        phase.restart()
+        session = SessionLease(self, self.session_ttl_s)
+        result.session = session.id
+        body = {
+            "session": session.id,
+            **target_of(record),
+            "manifest_digest": record.manifest_digest,
+            "mode": "direct",
+            "in_place": True,
+            "stages": 1,
+            "workers": {},
+            "delta": {"base": record.base},
+        }
+        try:
+            members = session.drain(
+                survey.delta, options.drain_mode, needed, result, target_of(record)
+            )
+            phase("drain")
+            members, _, prepared = session.prepare(
+                members, lambda urls: None, lambda url, plan: body, needed, result, phase
+            )
+            for reply in prepared.values():
+                result.in_place_bytes += reply.get("in_place_bytes", 0)
+            session.apply_delta(members, record, result)
+            phase("apply")
+            session.commit(members, record, needed, result)
+            phase("commit")
+            result.delta = [*result.delta, *(u for u in members if u in result.committed)]
+        except BaseException:
+            session.release(sorted(session.held))
+            raise
+        finally:
+            session.stop()
+            result.rebuild = sorted({*result.rebuild, *session.rebuilding})
         return result
 
     def _sync(

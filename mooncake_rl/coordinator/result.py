@@ -80,6 +80,11 @@ class UpdateResult:
     # Engines whose boxes this update read (``GET /mooncake/placement`` in full): none when
     # the coordinator held the plan for what every worker reported without them.
     described: list[str] = field(default_factory=list)
+    # A delta generation (``generations.chain``): the engines that took it in place, the
+    # delta bytes they read, and the bytes rebuilt from the chain for the full path.
+    delta: list[str] = field(default_factory=list)
+    delta_bytes: int = 0
+    realized_bytes: int = 0
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -94,7 +99,7 @@ class UpdateResult:
             setattr(self, name, getattr(self, name) + getattr(wave, name))
         for name in _MERGED:
             getattr(self, name).update(getattr(wave, name))
-        for name in ("skipped", "committed", "rebuild", "described"):
+        for name in ("skipped", "committed", "rebuild", "described", "delta"):
             getattr(self, name).extend(getattr(wave, name))
         self.session = wave.session or self.session
         self.error = wave.error or self.error
@@ -110,6 +115,8 @@ _SUMMED = (
     "cross_node_pushed_bytes",
     "in_place_bytes",
     "staged_bytes",
+    "delta_bytes",
+    "realized_bytes",
 )
 _MERGED = (
     "received_bytes",

@@ -232,6 +232,22 @@ class SessionLease:
                 raise UpdateFailed(result)
             self._coordinator._progress(f"stage {stage}")
 
+    def apply_delta(self, members: list[str], record: ActiveRecord, result: UpdateResult) -> None:
+        """A delta's one stage: every engine writes its changes into live parameters."""
+        body = {"session": self.id, "generation": record.generation, "stage": 0, "peers": {}}
+        applied, failed = self._coordinator._all(
+            members, "POST", "apply", {u: body for u in members}
+        )
+        for reply in applied.values():
+            for worker in reply["workers"]:
+                result.store_read_bytes += worker["store_read_bytes"]
+                result.delta_bytes += worker["store_read_bytes"]
+        if failed:  # live parameters were written: released engines rebuild (result.rebuild)
+            self.release(sorted(self.held))
+            left_out(result, failed)
+            result.error = "delta apply failed: " + "; ".join(str(e) for e in failed.values())
+            raise UpdateFailed(result)
+
     def commit(
         self,
         members: list[str],
@@ -244,13 +260,15 @@ class SessionLease:
             members, "POST", "commit", {u: body for u in members}, retry=True
         )
         self.held.difference_update(members)
-        result.committed = [u for u in members if u in committed]
+        result.committed = [*result.committed, *(u for u in members if u in committed)]
         for url, reply in committed.items():
             result.landing[url] = reply.get("landing", {})
             for rank, worker in enumerate(reply.get("workers", [])):
                 result.verified[f"{url}/tp{rank}"] = worker.get("verify", {})
         left_out(result, failed)
-        result.rebuild = sorted(u for u, e in failed.items() if e.code == "commit_failed")
+        result.rebuild = sorted(
+            {*result.rebuild, *(u for u, e in failed.items() if e.code == "commit_failed")}
+        )
         if len(result.committed) + len(result.skipped) < needed:
             result.error = "commit failed: " + "; ".join(str(e) for e in failed.values())
             raise UpdateFailed(result)

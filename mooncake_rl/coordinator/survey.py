@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mooncake_rl.coordinator.delta import delta_targets
 from mooncake_rl.coordinator.result import (
     UpdateFailed,
     UpdateResult,
@@ -22,6 +23,7 @@ from mooncake_rl.coordinator.result import (
     require_enough,
 )
 from mooncake_rl.errors import MooncakeError
+from mooncake_rl.generations.chain import load_delta_table, realize_generation
 from mooncake_rl.generations.checksums import ChecksumTable
 from mooncake_rl.generations.pack_order import PackOrder, save_pack_order
 from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, payload_problems
@@ -98,6 +100,8 @@ class Survey:
     planned: UpdatePlan | None = None
     # Each target's prepare-body ``workers`` under ``planned``, encoded before the drain.
     encoded: dict[str, bytes] = field(default_factory=dict)
+    # A delta generation: the engines taking it in place (not in ``targets``, unplanned).
+    delta: list[str] = field(default_factory=list)
 
     def plan(self, urls: Sequence[str]) -> UpdatePlan:
         """The plan for ``urls``: the one made before the drain when every target drained,
@@ -217,6 +221,11 @@ def survey_targets(
     require_enough(result, targets, needed, "placement")
     # Before any drain: a topology the transport cannot serve changes nothing.
     classification = classify(chosen, targets, engine_gpus(placements, targets), train_pool)
+    table = load_delta_table(coordinator.store, model, record.generation)
+    in_place_delta = delta_targets(
+        coordinator, record, manifest, checksums, table, placements, targets, options
+    )
+    targets = [u for u in targets if u not in in_place_delta]
     mixed = chosen is TransportMode.AUTO and coordinator.store.settings.assert_mixed_transport
     if mixed:
         require_mixed(classification)
@@ -248,8 +257,14 @@ def survey_targets(
         learn_pack_order(coordinator.store, model, {})
     phase("placement")
     survey = Survey(result, phase, checksums, placements, targets, classification, mixed)
+    survey.delta = in_place_delta
     if not targets:
         return survey
+    if table is not None:  # the rest read generation N whole: rebuilt once from its chain
+        result.realized_bytes = realize_generation(
+            coordinator.store, model, record.generation, checksums
+        )
+        phase("realize")
     unreadable = payload_problems(coordinator.store, manifest)
     if unreadable:
         result.error = (

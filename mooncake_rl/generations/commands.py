@@ -14,7 +14,9 @@ from safetensors import safe_open
 
 from mooncake_rl.errors import ConfigurationError, MooncakeRLError, ObjectNotFound
 from mooncake_rl.generations.chain import (
+    DEFAULT_DELTA_FRACTION,
     CorruptDelta,
+    DeltaPolicy,
     chain_of,
     delta_problems,
     load_delta_table,
@@ -67,13 +69,25 @@ def publish_checkpoint(
     keep: int = 2,
     pack_bytes: int = DEFAULT_PACK_BYTES,
     published: Callable[[int], None] | None = None,
+    delta_every: int | None = None,
+    delta_max_fraction: float = DEFAULT_DELTA_FRACTION,
 ) -> ActiveRecord:
-    """``published(nbytes)`` after each checkpoint tensor is handed to the publisher."""
+    """``published(nbytes)`` after each checkpoint tensor is handed to the publisher;
+    ``delta_every``: publish a delta against the newest generation, with a keyframe at least
+    every that many (:class:`~.chain.DeltaPolicy`); its base is read back from the Store."""
     tensors = checkpoint_tensors(model_dir)
     if published is not None:
         tensors = _counted(tensors, published)
+    delta = None if delta_every is None else DeltaPolicy(delta_every, delta_max_fraction)
     return publish_local(
-        store, model, tensors, dtype=dtype, replica_num=replicas, keep=keep, pack_bytes=pack_bytes
+        store,
+        model,
+        tensors,
+        dtype=dtype,
+        replica_num=replicas,
+        keep=keep,
+        pack_bytes=pack_bytes,
+        delta=delta,
     )
 
 

@@ -393,12 +393,43 @@ def test_engines_hold_leases_on_what_they_serve(world: World) -> None:
         time.sleep(0.5)
 
 
+def test_delta_generations_update_every_engine_to_their_exact_weights(world: World) -> None:
+    """A keyframe, then deltas moving 1 % of the elements (``publish --delta-every``). On
+    vLLM-CPU linear weights are repacked after loading, so no engine can take a delta in
+    place: each update reads generation N whole, rebuilt once from the chain, in direct and
+    in compat mode, and serves what transformers computes from that checkpoint."""
+    steps = [world.dirs[2]]
+    for seed in (5, 6, 7):
+        step = world.root / f"delta{seed}"
+        steps.append(perturbed_copy(steps[-1], step, seed, scale=0.05, fraction=0.01))
+    keyframe = publish_checkpoint(world.store, MODEL, steps[0], "float32").generation
+    for step, mode in ((1, "direct"), (2, "compat")):
+        record = publish_checkpoint(world.store, MODEL, steps[step], "float32", delta_every=8)
+        assert (record.base, record.keyframe, record.chain_length) == (
+            keyframe + step - 1,
+            keyframe,
+            step,
+        )
+        assert record.chain_bytes < record.bytes / 10 * step  # 1 % of elements moved
+        with world.coordinator() as coordinator:
+            result = coordinator.update(MODEL, mode=mode, batch_bytes=64 << 10)
+        assert result.delta == [] and result.realized_bytes > 0
+        reference = hf_greedy(steps[step])
+        for engine in world.engines.values():
+            assert engine.complete(PROMPT) == reference
+    # The restart below reads a delta no update rebuilt: through its chain.
+    last = publish_checkpoint(world.store, MODEL, steps[3], "float32", delta_every=8)
+    assert last.base == keyframe + 2
+    world.refs.append(hf_greedy(steps[3]))
+
+
 def test_restarted_engine_serves_the_active_generation(world: World) -> None:
+    active = GenerationRegistry(world.store, MODEL).active()
+    assert active is not None and active.base is not None  # a delta, read through its chain
     world.engines.pop("a").stop()
     restarted = world.start("a", 1, token=TOKEN, eager=True)
-    assert restarted.mooncake("GET", "status").json()["generation"] == 4
-    # Generation 4 is the bfloat16 copy of checkpoint 4: loaded and cast by vLLM itself.
-    assert len(restarted.complete(PROMPT)) == 8
+    assert restarted.mooncake("GET", "status").json()["generation"] == active.generation
+    assert restarted.complete(PROMPT) == world.refs[-1]
 
 
 def test_a_dead_coordinator_frees_its_engines_and_a_lost_commit_response_is_retried(

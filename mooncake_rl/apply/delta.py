@@ -1,0 +1,215 @@
+"""In-place delta landing: a worker serving exactly a delta generation's base takes only
+the entries of the blocks its boxes cover, and writes their changed elements into the live
+regions that already hold the base.
+
+    manifest, checksum table and delta table of N + the worker's boxes
+        --delta_reads (pure)--> one DeltaRead per box: its bytes of a payload object, where
+        they sit in a live region, and the checksum covering exactly them
+    delta objects --fetch (ranged reads of the blocks' entries, each hash-checked, decoded)-->
+        DeltaChanges: per region, the byte positions and new bytes
+    DeltaChanges --scatter--> the live regions (one indexed write per region, on its device)
+    --check--> each box's bytes against N's checksum: the region now holds N, exactly
+
+Why a box must be a checksummed unit (a tensor stored alone, or one packed fragment): the
+check after the scatter proves the result equal to N's published bytes, not just to the base
+plus what the delta says. A box that is not one (a row shard of a tensor stored alone) makes
+the worker take the full path: :class:`DeltaUnavailable` says why.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from mooncake.reshard.weight import WeightManifest
+
+from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.chain import CorruptDelta, DeltaTable, delta_key, entry_hash
+from mooncake_rl.generations.checksums import ObjectChecksum
+from mooncake_rl.generations.delta import changed_positions, decode
+from mooncake_rl.generations.packing import tensor_checksum_key
+from mooncake_rl.store import RangeRead, StoreClient
+
+
+class DeltaUnavailable(InvariantViolation):
+    """This worker cannot take the delta in place; it takes the full path instead."""
+
+
+class Box(Protocol):
+    """What a worker holds of one checkpoint tensor (``engine_ext.shards.ShardSpec``)."""
+
+    tensor: str
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    region: str
+    region_offset: int
+
+
+@dataclass(frozen=True)
+class DeltaRead:
+    """Bytes ``offset``..``offset + length`` of payload ``key`` are region ``region``'s
+    bytes from ``dst_offset`` on, and ``checksum_key`` checks exactly them."""
+
+    key: str
+    offset: int
+    length: int
+    region: str
+    dst_offset: int
+    checksum_key: str
+
+
+def delta_reads(
+    manifest: WeightManifest,
+    checksums: Mapping[str, ObjectChecksum],
+    table: DeltaTable,
+    boxes: Sequence[Box],
+    in_place: frozenset[str] | set[str],
+) -> list[DeltaRead]:
+    """A read per box, or :class:`DeltaUnavailable` naming the first box that cannot take
+    the delta in place (its region is not a live receiver, or it is not a checksummed unit)."""
+    fragments = defaultdict(list)
+    for fragment in manifest.fragments:
+        fragments[fragment.tensor_id].append(fragment)
+    reads = []
+    for box in boxes:
+        if box.region not in in_place:
+            raise DeltaUnavailable(
+                f"parameter {box.region} is processed after loading (not served as loaded)"
+            )
+        match = next(
+            (
+                f
+                for f in fragments.get(box.tensor, ())
+                if tuple(f.global_offset) == tuple(box.global_offset)
+                and tuple(f.local_shape) == tuple(box.local_shape)
+            ),
+            None,
+        )
+        if match is None:
+            raise DeltaUnavailable(
+                f"{box.tensor} at {tuple(box.global_offset)} is a shard no checksum covers alone"
+            )
+        check_key = tensor_checksum_key(manifest.group_id, match)
+        if match.object_key not in table.objects or check_key not in checksums:
+            raise DeltaUnavailable(f"{box.tensor}: no delta or checksum for {match.object_key}")
+        reads.append(
+            DeltaRead(
+                match.object_key,
+                match.object_offset,
+                match.nbytes,
+                box.region,
+                box.region_offset,
+                check_key,
+            )
+        )
+    return reads
+
+
+@dataclass(frozen=True)
+class DeltaChanges:
+    """What the scatter writes: per region, byte positions and their new bytes."""
+
+    positions: Mapping[str, np.ndarray]
+    values: Mapping[str, np.ndarray]
+    entry_bytes: int
+    """Delta bytes read from the Store for them."""
+
+    @property
+    def changed_bytes(self) -> int:
+        return sum(len(v) for v in self.values.values())
+
+
+def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> DeltaChanges:
+    """Read the entries of every block the reads cover (adjacent blocks of an object in one
+    range), check and decode them, and keep the changes that fall inside each read."""
+    wanted: dict[str, set[int]] = defaultdict(set)
+    for read in reads:
+        spans = table.objects[read.key].spans()
+        end = read.offset + read.length
+        wanted[read.key].update(i for i, (s, e) in enumerate(spans) if s < end and e > read.offset)
+    ranges: list[tuple[str, list[int], int, int]] = []  # key, blocks, entry start, entry end
+    for key, blocks in sorted(wanted.items()):
+        entries = table.objects[key].entries()
+        for _, run in itertools.groupby(enumerate(sorted(blocks)), lambda p: p[1] - p[0]):
+            indices = [b for _, b in run]
+            ranges.append((key, indices, entries[indices[0]][0], entries[indices[-1]][1]))
+    total = sum(hi - lo for *_, lo, hi in ranges)
+    buffer = torch.empty(max(total, 1), dtype=torch.uint8)
+    plan, at = [], 0
+    for key, _, lo, hi in ranges:
+        plan.append(RangeRead(delta_key(key), lo, at, hi - lo))
+        at += hi - lo
+    if plan:
+        store.register(buffer.data_ptr(), buffer.numel())
+        try:
+            store.read_ranges(buffer.data_ptr(), plan)
+        finally:
+            store.unregister(buffer.data_ptr())
+    data = buffer.numpy()
+    # Per object: the changed elements' byte offsets and their bytes, in object order.
+    changed: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = defaultdict(list)
+    for (key, blocks, lo, _), read in zip(ranges, plan, strict=True):
+        row = table.objects[key]
+        spans, entries = row.spans(), row.entries()
+        for block in blocks:
+            start, end = entries[block]
+            entry = data[read.dst_offset + start - lo : read.dst_offset + end - lo]
+            where = f"{key} bytes {spans[block][0]}..{spans[block][1]}"
+            if entry_hash(entry) != row.hashes[block]:
+                raise CorruptDelta(
+                    f"delta of {where} does not match its published hash: the Store holds "
+                    "corrupted bytes; publish a keyframe"
+                )
+            try:
+                delta = decode(entry, where)
+                positions = changed_positions(delta, where)
+            except InvariantViolation as error:
+                raise CorruptDelta(str(error)) from error
+            values = np.frombuffer(delta.values, np.uint8).reshape(-1, delta.itemsize)
+            if delta.encoding == "whole":
+                values = values[positions]
+            starts = spans[block][0] + positions * delta.itemsize
+            changed[key].append((starts, values, delta.itemsize))
+    positions: dict[str, list[np.ndarray]] = defaultdict(list)
+    values: dict[str, list[np.ndarray]] = defaultdict(list)
+    for read in reads:
+        for starts, bytes_, itemsize in changed[read.key]:
+            inside = (starts >= read.offset) & (starts < read.offset + read.length)
+            first = starts[inside] - read.offset + read.dst_offset
+            positions[read.region].append(
+                (first[:, None] + np.arange(itemsize)).reshape(-1).astype(np.int64)
+            )
+            values[read.region].append(bytes_[inside].reshape(-1))
+    return DeltaChanges(
+        {r: np.concatenate(p) for r, p in positions.items()},
+        {r: np.concatenate(v) for r, v in values.items()},
+        total,
+    )
+
+
+def scatter(changes: DeltaChanges, regions: Mapping[str, torch.Tensor]) -> int:
+    """Write the changes into the regions (flat uint8 views of live parameters), one
+    indexed write per region on its own device; the bytes written."""
+    for name, positions in changes.positions.items():
+        region = regions[name]
+        index = torch.from_numpy(positions).to(region.device)
+        region[index] = torch.from_numpy(changes.values[name]).to(region.device)
+    return changes.changed_bytes
+
+
+def check(
+    reads: Sequence[DeltaRead],
+    regions: Mapping[str, torch.Tensor],
+    checksums: Mapping[str, ObjectChecksum],
+) -> int:
+    """Every box's bytes against N's checksum of exactly them (``CorruptObject`` naming the
+    first that differs); the bytes checked."""
+    for read in reads:
+        landed = regions[read.region][read.dst_offset : read.dst_offset + read.length]
+        checksums[read.checksum_key].check(read.checksum_key, landed.cpu())
+    return sum(read.length for read in reads)
