@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from mooncake.reshard.weight import WeightManifest
+from mooncake.reshard.weight import StoredFragment, WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.chain import CorruptDelta, DeltaTable, delta_key, entry_hash
@@ -70,8 +70,10 @@ def delta_reads(
     boxes: Sequence[Box],
     in_place: frozenset[str] | set[str],
 ) -> list[DeltaRead]:
-    """A read per box, or :class:`DeltaUnavailable` naming the first box that cannot take
-    the delta in place (its region is not a live receiver, or it is not a checksummed unit)."""
+    """The reads that rewrite every box, or :class:`DeltaUnavailable` naming the first box
+    that cannot take the delta in place: its region is not a live receiver, or no stored
+    fragments tile it (a box is one fragment, or the rows of several: a whole tensor packed
+    rank by rank for another engine's cut)."""
     fragments = defaultdict(list)
     for fragment in manifest.fragments:
         fragments[fragment.tensor_id].append(fragment)
@@ -81,33 +83,52 @@ def delta_reads(
             raise DeltaUnavailable(
                 f"parameter {box.region} is processed after loading (not served as loaded)"
             )
-        match = next(
-            (
-                f
-                for f in fragments.get(box.tensor, ())
-                if tuple(f.global_offset) == tuple(box.global_offset)
-                and tuple(f.local_shape) == tuple(box.local_shape)
-            ),
-            None,
-        )
-        if match is None:
-            raise DeltaUnavailable(
-                f"{box.tensor} at {tuple(box.global_offset)} is a shard no checksum covers alone"
+        for fragment, dst_offset in _tiling(box, fragments.get(box.tensor, ())):
+            check_key = tensor_checksum_key(manifest.group_id, fragment)
+            if fragment.object_key not in table.objects or check_key not in checksums:
+                raise DeltaUnavailable(
+                    f"{box.tensor}: no delta or checksum for {fragment.object_key}"
+                )
+            reads.append(
+                DeltaRead(
+                    fragment.object_key,
+                    fragment.object_offset,
+                    fragment.nbytes,
+                    box.region,
+                    dst_offset,
+                    check_key,
+                )
             )
-        check_key = tensor_checksum_key(manifest.group_id, match)
-        if match.object_key not in table.objects or check_key not in checksums:
-            raise DeltaUnavailable(f"{box.tensor}: no delta or checksum for {match.object_key}")
-        reads.append(
-            DeltaRead(
-                match.object_key,
-                match.object_offset,
-                match.nbytes,
-                box.region,
-                box.region_offset,
-                check_key,
-            )
-        )
     return reads
+
+
+def _tiling(box: Box, fragments: Sequence[StoredFragment]) -> list[tuple[StoredFragment, int]]:
+    """The fragments whose rows tile ``box`` (same extent in every other dimension), each
+    with where its bytes start in the box's region."""
+    first, rows = (box.global_offset[0], box.local_shape[0]) if box.local_shape else (0, 1)
+    inner = (tuple(box.global_offset[1:]), tuple(box.local_shape[1:]))
+    tiles = sorted(
+        (
+            f
+            for f in fragments
+            if (tuple(f.global_offset[1:]), tuple(f.local_shape[1:])) == inner
+            and (not f.local_shape or first <= f.global_offset[0] < first + rows)
+        ),
+        key=lambda f: f.global_offset[0] if f.local_shape else 0,
+    )
+    at, placed = first, []
+    for fragment in tiles:
+        start = fragment.global_offset[0] if fragment.local_shape else 0
+        extent = fragment.local_shape[0] if fragment.local_shape else 1
+        if start != at:
+            break
+        placed.append((fragment, box.region_offset + (start - first) * (fragment.nbytes // extent)))
+        at += extent
+    if at != first + rows or not placed:
+        raise DeltaUnavailable(
+            f"{box.tensor} at {tuple(box.global_offset)} is a shard no checksum covers alone"
+        )
+    return placed
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,7 @@ class Coordinator(EngineClient):
                     needed_delta = max(1, len(survey.delta) - (len(group) - needed_now))
                     delta = functools.partial(self._sync_delta, survey, record, needed_delta)
                     bracket(survey.delta, functools.partial(delta, options))
+                    needed_now = max(1, needed_now - len(survey.result.delta))
                 if options.pauses_at_prepare:  # out of rotation for the whole sync
                     sync = functools.partial(self._sync, survey, record, needed_now, options)
                     rest = [u for u in group if u not in survey.delta]

@@ -252,7 +252,7 @@ def survey_targets(
         if mode == "direct" and described:
             learn_pack_order(coordinator.store, model, described)
         targets = [u for u in targets if u not in failed]
-        require_enough(result, targets, needed, "placement")
+        require_enough(result, [*targets, *in_place_delta], needed, "placement")
     if chosen is not TransportMode.STORE or mode != "direct":
         learn_pack_order(coordinator.store, model, {})
     phase("placement")

@@ -39,6 +39,7 @@ from engine_ext.receiver import DrainRequest, Receiver, ServedRecord, weight_ver
 from engine_ext.routes import build_router
 from engine_ext.sglang.backend import pause_modes
 from mooncake_rl.coordinator import ADVERTISED, Coordinator, UpdateFailed
+from mooncake_rl.generations.chain import DeltaPolicy
 from mooncake_rl.generations.commands import checkpoint_tensors
 from mooncake_rl.generations.keys import advert_key, group_id
 from mooncake_rl.generations.publisher import publish_local
@@ -881,3 +882,30 @@ def test_keep_is_refused_before_any_drain_by_an_engine_that_cannot_retract(
     assert (after["state"], after["generation"]) == ("serving", before["generation"])
     assert backend.events == events and posts(world.engine, since) == {}
     assert world.compare(1) == [[], []]
+
+
+def test_a_delta_lands_in_place_at_its_base_and_whole_elsewhere(world: World) -> None:
+    """A keyframe both engines take, then a delta moving 1 % of the elements. The TP=1
+    engine serves checkpoint layout, and the rank-major fragments packed for the TP=2 cut
+    tile each of its whole-tensor boxes: it reads only the delta's entries and scatters
+    them into live parameters. The TP=2 engine's row-parallel shards are columns, which no
+    checksum covers alone: it reads the generation whole, rebuilt once from the chain.
+    Both then hold exactly what SGLang loads from disk."""
+    urls = [world.url, world.single.url]
+    for _ in range(2):  # the second keyframe is packed for the cut both engines reported
+        keyframe = world.publish(0)
+        with Coordinator(world.store, urls) as coordinator:
+            coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
+    step = perturbed_copy(world.dirs[0], world.root / "delta", 11, scale=0.05, fraction=0.01)
+    tensors = checkpoint_tensors(step)
+    record = publish_local(world.store, MODEL, tensors, dtype="float32", delta=DeltaPolicy())
+    assert (record.base, record.keyframe) == (keyframe, keyframe)
+    with Coordinator(world.store, urls) as coordinator:
+        result = coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
+    assert result.delta == [world.single.url]
+    assert sorted(result.committed) == sorted(urls)
+    assert 0 < result.delta_bytes < record.bytes / 10
+    assert result.realized_bytes > 0  # the TP=2 engine's full path
+    assert world.engine.compare(step) == [[], []]
+    assert world.single.compare(step) == [[]]
+    assert world.single.status()["generation"] == record.generation
