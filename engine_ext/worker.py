@@ -134,12 +134,10 @@ class UpdateWorker(PreparingWorker, ApplyingWorker, LandingWorker):
             # The coordinator refuses plans whose batches this cannot hold twice.
             "staging_watermark_bytes": state.apply.settings.staging_watermark_bytes,
             **self._described().served(*self.tp()),
+            # Whether a delta can be taken in place here: every region a live receiver.
+            "in_place_all": {r.name for r in self.regions()[0]} <= set(self.in_place_parameters()),
         }
-        if not boxes:
-            return without_boxes(described)
-        # Whether a delta can be taken in place here: every region is a live receiver.
-        regions = {r.name for r in self.regions()[0]}
-        return {**described, "in_place_all": regions <= set(self.in_place_parameters())}
+        return described if boxes else without_boxes(described)
 
     def gpu_id(self) -> str | None:
         """The physical GPU this rank runs on: its CUDA UUID, else the declared id
