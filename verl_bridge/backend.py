@@ -45,7 +45,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from mooncake_rl.coordinator import Coordinator, UpdateResult
 from mooncake_rl.errors import InvariantViolation, MooncakeRLError
-from mooncake_rl.generations.publisher import PublishFailed
+from mooncake_rl.generations.publisher import LastPublished, PublishFailed
 from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.metrics import UpdateMetrics
 from mooncake_rl.router import open_router
@@ -110,6 +110,8 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
         self._record_key: str | None = None
         self._outcome: SyncOutcome | None = None
         self._receive_error: MooncakeRLError | None = None
+        # This trainer rank's copy of what it last published: its next delta's base.
+        self._last_published = LastPublished() if self.config.delta_every else None
         self.last_update: UpdateResult | None = None
         self.metrics = UpdateMetrics(self.config.metrics_export())
 
@@ -209,6 +211,8 @@ class MooncakeStoreCheckpointEngine(CheckpointEngineWithCache):
             replica_num=self.config.replica_num,
             keep=self.config.keep,
             pack_bytes=self.config.pack_bytes,
+            delta=self.config.delta_policy(),
+            kept=self._last_published,
         )
         source = ensure_async_iterator(weights)
         try:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations.catalog import publish_format
+from mooncake_rl.generations.chain import DEFAULT_DELTA_FRACTION, DeltaPolicy
 from mooncake_rl.generations.keys import check_model_name
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES, check_pack_bytes
 from mooncake_rl.metrics import MetricsExport
@@ -72,6 +73,12 @@ class BridgeConfig:
     pack_bytes: int = DEFAULT_PACK_BYTES
     """Size of the Store objects small tensors are packed into (``mooncake-rl publish
     --pack-bytes``; docs/generations.md, "Packed objects")."""
+    delta_every: int | None = None
+    """Publish each generation as a delta against the previous one (only what changed),
+    with a full keyframe at least every this many (``mooncake-rl publish --delta-every``;
+    docs/delta.md); ``None``: every generation full."""
+    delta_max_fraction: float = DEFAULT_DELTA_FRACTION
+    """A keyframe once the chain's deltas would weigh over this fraction of a full one."""
     keep: int | None = 2
     """Generations retention keeps after each announce (plus the active and leased ones);
     ``None``: no retention at announce (run ``mooncake-rl gc`` instead)."""
@@ -107,6 +114,12 @@ class BridgeConfig:
     """A node-exporter textfile (``*.prom``) rollout rank 0 rewrites after every update with
     the ``mooncake_rl_update_*`` metrics (docs/metrics.md)."""
 
+    def delta_policy(self) -> DeltaPolicy | None:
+        """The publishers' delta policy (checked), or None: every generation full."""
+        if self.delta_every is None:
+            return None
+        return DeltaPolicy(self.delta_every, self.delta_max_fraction)
+
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> BridgeConfig:
         known = {f.name for f in fields(cls)}
@@ -131,6 +144,7 @@ class BridgeConfig:
             check_model_name(config.model)
             publish_format(config.dtype)
             check_pack_bytes(config.pack_bytes)
+            config.delta_policy()
         except InvariantViolation as error:
             raise ConfigurationError(str(error)) from error
         if config.mode not in MODES:

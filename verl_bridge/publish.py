@@ -22,14 +22,17 @@ import torch.distributed as dist
 
 from mooncake_rl.errors import MooncakeError, MooncakeRLError
 from mooncake_rl.generations.assignment import TrainerTopology
+from mooncake_rl.generations.chain import DeltaPolicy
 from mooncake_rl.generations.keys import model_prefix, payload_key
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES
 from mooncake_rl.generations.publisher import (
     DEFAULT_KEEP,
     GenerationPublisher,
+    LastPublished,
     PublishFailed,
     PublishReport,
     abort_generation,
+    delta_base,
     finalize_generation,
     start_attempt,
 )
@@ -178,9 +181,12 @@ class TrainerSync:
         replica_num: int = 1,
         keep: int | None = DEFAULT_KEEP,
         pack_bytes: int = DEFAULT_PACK_BYTES,
+        delta: DeltaPolicy | None = None,
+        kept: LastPublished | None = None,
     ) -> None:
         self.store, self.model, self.dtype, self.sync_id = store, model, dtype, sync_id
         self.pack_bytes = pack_bytes
+        self.delta, self.kept = delta, kept
         self.collective = collective
         self.global_steps = global_steps
         self.timeout_s = timeout_s
@@ -198,20 +204,21 @@ class TrainerSync:
 
     def begin(self) -> int:
         """Agree on node labels and the generation number; raises on every rank alike."""
-        proposal: tuple[int | None, str | None] = (None, None)
+        proposal: tuple[int | None, str | None, tuple[int, int] | None] = (None, None, None)
         try:
             ranks = self.collective.gather((self.store.settings.node, gpu_uuid()))
             nodes = [node for node, _ in ranks]
             self.train_gpus = tuple(gpu for _, gpu in ranks if gpu is not None)
             if self.rank == 0:
                 try:
+                    base = delta_base(self.store, self.model, self.delta)
                     generation, self._attempt = start_attempt(self.store, self.model)
-                    proposal = (generation, None)
+                    proposal = (generation, None, base)
                 except MooncakeRLError as error:
-                    proposal = (None, f"rank 0 could not pick a generation: {error}")
-            generation, problem = self.collective.broadcast(proposal)
+                    proposal = (None, f"rank 0 could not pick a generation: {error}", None)
+            generation, problem, base = self.collective.broadcast(proposal)
         except CollectiveFailed as error:
-            generation, problem = None, str(error)
+            generation, problem, base = None, str(error), None
         if generation is None:
             message = f"no generation started: {problem}"
             self._record(SyncOutcome(self.sync_id, False, None, message, self.global_steps))
@@ -226,6 +233,8 @@ class TrainerSync:
             replica_num=self.replica_num,
             attempt=self._attempt,
             pack_bytes=self.pack_bytes,
+            delta_base=None if base is None else (base[0], base[1]),
+            kept=self.kept,
         )
         return generation
 

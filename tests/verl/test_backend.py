@@ -25,6 +25,7 @@ from mooncake_rl.errors import ConfigurationError, InvariantViolation
 from mooncake_rl.generations import load_manifest
 from mooncake_rl.generations.keys import group_id, manifest_key
 from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.services import EmbeddedMaster
 from tests.conftest import READ_LEASE_S, fragment_bytes, repo_root
 from tests.verl.docs_config import compose_docs
@@ -95,6 +96,8 @@ def test_docs_config_builds_the_engine_like_verl(tmp_path: Path) -> None:
         ({"model": "m", "router": "router:30000"}, "must start with http"),
         ({"model": "m", "router": "http://r:1", "router_kind": "nginx"}, "not one of vllm"),
         ({"model": "m", "max_unavailable": 0}, "max_unavailable must be an integer >= 1"),
+        ({"model": "m", "delta_every": 0}, r"delta_every must be an integer >= 1"),
+        ({"model": "m", "delta_every": 4, "delta_max_fraction": 2}, "delta_max_fraction"),
     ],
 )
 def test_bad_engine_kwargs_fail_at_construction(kwargs: dict, message: str) -> None:
@@ -156,6 +159,48 @@ def test_retention_keys_decide_what_the_syncs_leave_in_the_store(
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def test_delta_every_publishes_each_sync_as_a_delta_of_the_last(
+    master: EmbeddedMaster, holders
+) -> None:
+    """``delta_every``: the trainer keeps what it published and sends only what changed;
+    a keyframe first, then deltas of it, each reading back exactly."""
+    import_external_libs("verl_bridge.backend")
+    engine = CheckpointEngineRegistry.new(
+        "mooncake_store",
+        bucket_size=1,
+        is_master=True,
+        model="delta-sync",
+        master=master.master_address,
+        metadata=master.metadata_url,
+        local_segment=holders("node-delta").segment,
+        dtype="float32",
+        engine_urls="http://e:1",
+        delta_every=4,
+    )
+    weights = torch.arange(4096, dtype=torch.float32)
+    try:
+        for step in (1, 2, 3):
+            weights = weights.clone()
+            weights[::100] += step  # 41 of 4096 elements change per step
+            engine.init_process_group(role="trainer", rank=0, world_size=1, sync_id=f"d{step}")
+            asyncio.run(engine.send_weights(iter([("w", weights)]), global_steps=step))
+            engine.finalize()
+        record = GenerationRegistry(engine.store, "delta-sync").active()
+        assert record is not None
+        assert (record.generation, record.base, record.keyframe, record.chain_length) == (
+            3,
+            2,
+            1,
+            2,
+        )
+        assert record.chain_bytes < record.bytes / 10
+        _, tensors = active_weights(engine.store, "delta-sync")
+        assert torch.equal(dict(tensors)["w"], weights)
+        assert engine._last_published.generation == 3  # the next base, kept in host memory
+    finally:
+        engine.close()
 
 
 def test_engine_urls_accept_a_list_or_a_comma_separated_string() -> None:
