@@ -16,11 +16,11 @@ engine reads only the entries of the blocks it lands, and each entry checks on i
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +59,9 @@ class ObjectDelta:
     ends: tuple[int, ...]
     hashes: tuple[str, ...]
     cuts: tuple[int, ...] = ()
+    fresh: bool = False
+    """The object is new in this generation (or resized): every entry holds its block
+    whole and no base object is read."""
 
     def __post_init__(self) -> None:
         blocks = len(self.spans())
@@ -69,6 +72,16 @@ class ObjectDelta:
             )
         if any(b <= a for a, b in itertools.pairwise((0, *self.ends))):
             raise InvariantViolation(f"delta entry ends {self.ends} are not increasing")
+
+    @classmethod
+    def from_json(cls, row: Mapping[str, Any]) -> ObjectDelta:
+        return cls(
+            int(row["nbytes"]),
+            tuple(row["ends"]),
+            tuple(row["hashes"]),
+            tuple(row["cuts"]),
+            bool(row["fresh"]),
+        )
 
     def spans(self) -> list[tuple[int, int]]:
         """(start, end) of each block of the full object."""
@@ -109,7 +122,7 @@ class DeltaTable:
         body = unseal(data, "delta table")
         try:
             rows = {
-                k: ObjectDelta(r["nbytes"], tuple(r["ends"]), tuple(r["hashes"]), tuple(r["cuts"]))
+                k: ObjectDelta.from_json(r)
                 for k, r in body.pop("objects").items()  # type: ignore[union-attr]
             }
         except (KeyError, TypeError) as error:
@@ -148,7 +161,8 @@ def delta_object(
             delta = diff(base[start:end].view(words), block)
         parts.append(encode(delta))
     ends = tuple(itertools.accumulate(len(p) for p in parts))
-    row = ObjectDelta(len(new), ends, tuple(entry_hash(p) for p in parts), tuple(cuts))
+    hashes = tuple(entry_hash(p) for p in parts)
+    row = ObjectDelta(len(new), ends, hashes, tuple(cuts), base is None)
     return b"".join(parts), row
 
 
@@ -252,19 +266,19 @@ def object_bytes(store: StoreClient, model: str, chain: Chain, key: str) -> byte
     object (absent when the object appeared later), then every delta in turn. The caller
     checks the result against that generation's checksum table."""
     name = key.removeprefix(payload_prefix(group_id(model, chain.generations[-1])))
-    data: bytearray | None = None
-    with contextlib.suppress(ObjectNotFound):
-        data = bytearray(store.get_bytes(payload_prefix(group_id(model, chain.full)) + name))
+    rows = []
     for generation, table in chain.deltas:
         own = payload_prefix(group_id(model, generation)) + name
-        row = table.objects.get(own)
-        if row is None:
+        if own not in table.objects:
             raise ObjectNotFound(0, "delta", f"generation {generation} has no object {name}")
-        if data is None or len(data) != row.nbytes:
-            data = bytearray(row.nbytes)  # new or resized here: every entry is whole
+        rows.append((own, table.objects[own]))
+    start = max((i for i, (_, row) in enumerate(rows) if row.fresh), default=None)
+    if start is None:  # the newest full ancestor's object is the base of every delta
+        data = bytearray(store.get_bytes(payload_prefix(group_id(model, chain.full)) + name))
+    else:  # new (or resized) there: nothing before it is read
+        rows, data = rows[start:], bytearray(rows[start][1].nbytes)
+    for own, row in rows:
         apply_object(np.frombuffer(data, np.uint8), store.get_bytes(delta_key(own)), row, own)
-    if data is None:
-        raise ObjectNotFound(0, "get", f"no generation of the chain holds {name}")
     return data
 
 

@@ -18,7 +18,6 @@ from mooncake_rl.generations.chain import (
     CorruptDelta,
     DeltaPolicy,
     chain_of,
-    delta_problems,
     load_delta_table,
     object_reader,
 )
@@ -29,7 +28,6 @@ from mooncake_rl.generations.registry import (
     ActiveRecord,
     GenerationRegistry,
     no_active_message,
-    payload_problems,
 )
 from mooncake_rl.store import StoreClient
 
@@ -115,7 +113,7 @@ def generation_status(
         }
         try:
             manifest = registry.load_manifest(info.generation, info.digest)
-            problems = payload_problems(store, manifest)
+            problems = registry.unreadable(info.generation, info.digest)
         except MooncakeRLError as error:
             manifest, problems = None, [f"manifest unreadable: {error}"]
         row["readable"] = not problems
@@ -181,17 +179,7 @@ def verify_generation(
     manifest = registry.load_manifest(generation, digest)
     table = load_delta_table(store, model, generation)
     chain = chain_of(store, model, generation)
-    if chain.deltas:  # a delta not yet realized: its chain's deltas and its base's payloads
-        problems = [
-            *payload_problems(store, registry.load_manifest(chain.full)),
-            *(
-                p
-                for g, t in chain.deltas
-                for p in delta_problems(store, registry.load_manifest(g), t)
-            ),
-        ]
-    else:
-        problems = payload_problems(store, manifest)
+    problems = registry.unreadable(generation, digest)
     read = object_reader(store, model, generation)
     checked = 0
     if checksums_digest is None:

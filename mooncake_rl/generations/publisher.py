@@ -126,8 +126,7 @@ class PublishReport:
             for key, c in raw["checksums"]
         )
         raw["deltas"] = tuple(
-            (key, ObjectDelta(d["nbytes"], tuple(d["ends"]), tuple(d["hashes"]), tuple(d["cuts"])))
-            for key, d in raw.get("deltas", ())
+            (key, ObjectDelta.from_json(row)) for key, row in raw.get("deltas", ())
         )
         return cls(**raw)
 
@@ -577,7 +576,17 @@ def delta_base(
     if active is None:
         return None
     newest = next((i for i in registry.generations() if i.generation == active.newest), None)
-    return policy.base_for(newest)
+    base = policy.base_for(newest)
+    if base is not None and (lost := registry.unreadable(base[0])):
+        # A delta of a chain nobody can read would be unreadable too: start a new chain.
+        logger.warning(
+            "generation %s of %s cannot be read whole (%s): publishing a keyframe",
+            base[0],
+            model,
+            lost[0],
+        )
+        return None
+    return base
 
 
 def start_attempt(store: StoreClient, model: str) -> tuple[int, str]:

@@ -44,6 +44,7 @@ from mooncake_rl.errors import (
 )
 from mooncake_rl.generations.chain import (
     DeltaTable,
+    chain_of,
     delta_problems,
     load_delta_table,
     realize_generation,
@@ -215,6 +216,20 @@ class GenerationRegistry:
 
     def generations(self) -> list[GenerationInfo]:
         return list(self.index().generations)
+
+    def unreadable(self, generation: int, digest: str | None = None) -> list[str]:
+        """What keeps ``generation``'s bytes from being read whole: a missing or resized
+        payload, or, for a delta not yet realized, anything missing along its chain."""
+        chain = chain_of(self.store, self.model, generation)
+        if not chain.deltas:
+            return payload_problems(self.store, self.load_manifest(generation, digest))
+        try:
+            problems = payload_problems(self.store, self.load_manifest(chain.full))
+        except ObjectNotFound:
+            problems = [f"missing the manifest of generation {chain.full}, the chain's base"]
+        for delta, table in chain.deltas:
+            problems += delta_problems(self.store, self.load_manifest(delta), table)
+        return problems
 
     def incarnation(self) -> Incarnation | None:
         return Incarnation.read(self.store)
