@@ -11,7 +11,7 @@ import torch
 from mooncake_rl.apply.delta import DeltaUnavailable, check, delta_reads, fetch, scatter
 from mooncake_rl.coordinator.delta import BoxRow
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations import GenerationRegistry
+from mooncake_rl.generations import GenerationRegistry, fp8
 from mooncake_rl.generations.assignment import TrainerTopology
 from mooncake_rl.generations.chain import (
     CorruptDelta,
@@ -189,8 +189,7 @@ def test_a_corrupted_delta_is_found_by_verify_and_refused_by_readers(settings: S
         key = max(table.objects, key=lambda k: table.objects[k].delta_bytes)
         data = bytearray(store.get_bytes(delta_key(key)))
         data[-1] ^= 0x01
-        time.sleep(READ_LEASE_S)
-        assert not store.remove([delta_key(key)], force=True)
+        assert not store.remove([delta_key(key)], force=True)  # forced: despite read leases
         store.put_tensor(delta_key(key), torch.frombuffer(data, dtype=torch.uint8))
         report = verify_generation(store, model)
         assert not report["ok"]
@@ -271,3 +270,26 @@ def test_a_worker_at_the_base_takes_only_its_entries_and_lands_the_new_bytes_exa
         shard = BoxRow("embed.weight", (0, 0), (256, 256), "embed.weight", 0)
         with pytest.raises(DeltaUnavailable, match="no checksum covers alone"):
             delta_reads(manifest, checksums, table, [shard], set(regions))
+
+
+def test_fp8_generations_delta_their_fp8_codes_and_their_scales(settings: Settings) -> None:
+    """Block fp8: the weight's fp8 codes and its float32 block scales are both stored, and
+    both delta'd; what reads back is what quantizing the new weights gives."""
+    model, policy = "delta-fp8", DeltaPolicy()
+    name = "model.layers.0.mlp.up_proj.weight"
+    first = {name: torch.randn(256, 384, generator=torch.Generator().manual_seed(1)) * 0.02}
+    second = step(first, 1e-6, 2)
+    with StoreClient(settings) as store:
+        publish_local(store, model, first.items(), dtype="fp8_e4m3", delta=policy)
+        record = publish_local(store, model, second.items(), dtype="fp8_e4m3", delta=policy)
+        assert record.base is not None and record.chain_bytes < record.bytes / 4
+        _, tensors = active_weights(store, model)
+        stored = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors}
+    weight, scale = fp8.block_quantize(name, second[name])
+    assert stored == {
+        name: weight.contiguous().view(torch.uint8).numpy().tobytes(),
+        f"{name[: -len('weight')]}weight_scale_inv": scale.contiguous()
+        .view(torch.uint8)
+        .numpy()
+        .tobytes(),
+    }
