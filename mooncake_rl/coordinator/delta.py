@@ -84,21 +84,23 @@ def delta_targets(
     placements: Mapping[str, Mapping[str, Any]],
     targets: Sequence[str],
     options: Options,
-) -> list[str]:
-    """The targets that take ``record``'s delta in place (none for a full generation)."""
-    if (
-        table is None
-        or options.mode != "direct"
-        or not options.in_place
-        or options.transport is not TransportMode.STORE
-    ):
-        return []
-    at_base = [
-        url
-        for url in targets
-        if placements[url].get("generation") == table.base
-        and placements[url].get("incarnation") == record.incarnation
-    ]
+) -> tuple[list[str], dict[str, str]]:
+    """The targets that take ``record``'s delta in place, and why each other target takes
+    the generation whole (nothing for a full generation)."""
+    if table is None:
+        return [], {}
+    if options.mode != "direct" or not options.in_place:
+        return [], dict.fromkeys(targets, "a delta is taken in place in direct mode alone")
+    if options.transport is not TransportMode.STORE:
+        return [], dict.fromkeys(targets, f"the {options.transport.value} transport")
+    why_not: dict[str, str] = {}
+    at_base = []
+    for url in targets:
+        served = placements[url].get("generation")
+        if served != table.base or placements[url].get("incarnation") != record.incarnation:
+            why_not[url] = f"serves generation {served}, not the base {table.base}"
+        else:
+            at_base.append(url)
     described, _ = coordinator._all(at_base, "GET", "placement")
     chosen = []
     for url in at_base:
@@ -108,5 +110,7 @@ def delta_targets(
         if why is None:
             chosen.append(url)
         else:
-            logger.info("%s takes generation %s in full: %s", url, record.generation, why)
-    return chosen
+            why_not[url] = why
+    for url, why in why_not.items():
+        logger.info("%s takes generation %s whole: %s", url, record.generation, why)
+    return chosen, why_not

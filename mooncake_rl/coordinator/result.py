@@ -83,6 +83,9 @@ class UpdateResult:
     # A delta generation (``generations.chain``): the engines that took it in place, the
     # delta bytes they read, and the bytes rebuilt from the chain for the full path.
     delta: list[str] = field(default_factory=list)
+    delta_refused: dict[str, str] = field(default_factory=dict)
+    """Targets that took a delta generation whole, and why (at another generation, a
+    parameter processed after loading, a shard no checksum covers alone, compat mode)."""
     delta_bytes: int = 0
     realized_bytes: int = 0
     error: str | None = None
@@ -129,6 +132,7 @@ _MERGED = (
     "rotation",
     "landing",
     "staging",
+    "delta_refused",
 )
 
 

@@ -222,7 +222,7 @@ def survey_targets(
     # Before any drain: a topology the transport cannot serve changes nothing.
     classification = classify(chosen, targets, engine_gpus(placements, targets), train_pool)
     table = load_delta_table(coordinator.store, model, record.generation)
-    in_place_delta = delta_targets(
+    in_place_delta, result.delta_refused = delta_targets(
         coordinator, record, manifest, checksums, table, placements, targets, options
     )
     targets = [u for u in targets if u not in in_place_delta]

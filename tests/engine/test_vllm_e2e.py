@@ -414,6 +414,9 @@ def test_delta_generations_update_every_engine_to_their_exact_weights(world: Wor
         with world.coordinator() as coordinator:
             result = coordinator.update(MODEL, mode=mode, batch_bytes=64 << 10)
         assert result.delta == [] and result.realized_bytes > 0
+        why = "processes some parameters after loading" if mode == "direct" else "direct mode"
+        assert len(result.delta_refused) == 2
+        assert all(why in reason for reason in result.delta_refused.values())
         reference = hf_greedy(steps[step])
         for engine in world.engines.values():
             assert engine.complete(PROMPT) == reference

@@ -903,6 +903,8 @@ def test_a_delta_lands_in_place_at_its_base_and_whole_elsewhere(world: World) ->
     with Coordinator(world.store, urls) as coordinator:
         result = coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
     assert result.delta == [world.single.url]
+    assert list(result.delta_refused) == [world.url]
+    assert "no checksum covers alone" in result.delta_refused[world.url]
     assert sorted(result.committed) == sorted(urls)
     assert 0 < result.delta_bytes < record.bytes / 10
     assert result.realized_bytes > 0  # the TP=2 engine's full path
