@@ -12,6 +12,7 @@ Phi-3's fused projections, DeepSeek's MLA) without downloading anything.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -275,3 +276,47 @@ def hf_greedy(model_dir: Path, prompt: list[int] = PROMPT, max_new_tokens: int =
             pad_token_id=3,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def make_tiny_lora(
+    model_dir: Path,
+    destination: Path,
+    seed: int,
+    rank: int = 4,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+) -> Path:
+    """A PEFT LoRA adapter for the tiny model in ``model_dir``: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` with seeded lora_A / lora_B on ``targets`` of every layer
+    (lora_B non-zero, so the adapter changes what the model generates)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = hidden // config["num_attention_heads"]
+    out = {
+        "q_proj": hidden,
+        "o_proj": hidden,
+        "k_proj": config["num_key_value_heads"] * head_dim,
+        "v_proj": config["num_key_value_heads"] * head_dim,
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for target in targets:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = 0.5 * torch.randn(
+                out[target], rank, generator=generator
+            )
+    destination.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(destination / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(targets),
+    }
+    (destination / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    return destination

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mooncake_rl.commands.store_client import add_client_flags, open_store
+from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations.chain import DEFAULT_DELTA_FRACTION
 from mooncake_rl.generations.packing import DEFAULT_PACK_BYTES
 from mooncake_rl.progress import progress
@@ -22,7 +23,7 @@ def add_generation_commands(commands: argparse._SubParsersAction[argparse.Argume
     publish = commands.add_parser(
         "publish", help="publish a safetensors checkpoint as the next generation"
     )
-    publish.add_argument("model_dir")
+    publish.add_argument("model_dir", nargs="?", help="a safetensors checkpoint directory")
     publish.add_argument("--name", required=True, help="model name in the Store")
     publish.add_argument(
         "--dtype",
@@ -61,6 +62,19 @@ def add_generation_commands(commands: argparse._SubParsersAction[argparse.Argume
         metavar="F",
         help="with --delta-every: a keyframe once the chain's deltas weigh over F of a full one",
     )
+    publish.add_argument(
+        "--lora",
+        metavar="ADAPTER_DIR",
+        help="publish a PEFT LoRA adapter (adapter_config.json + safetensors) instead of a "
+        "checkpoint, as a generation of --name bound to --base (docs/lora.md)",
+    )
+    publish.add_argument("--base", metavar="MODEL", help="with --lora: the base model's name")
+    publish.add_argument(
+        "--base-generation",
+        type=int,
+        metavar="G",
+        help="with --lora: the base generation it applies to (default: the base's active one)",
+    )
     add_client_flags(publish)
     publish.set_defaults(func=cmd_publish)
 
@@ -94,6 +108,10 @@ def add_generation_commands(commands: argparse._SubParsersAction[argparse.Argume
 def cmd_publish(args: argparse.Namespace) -> int:
     from mooncake_rl.generations.commands import checkpoint_bytes, publish_checkpoint
 
+    if (args.model_dir is None) == (args.lora is None):
+        raise ConfigurationError("publish takes a checkpoint directory or --lora ADAPTER_DIR")
+    if args.lora is not None:
+        return _publish_adapter(args)
     model_dir = Path(args.model_dir)
     total = checkpoint_bytes(model_dir)
     with progress("publish", total, unit="bytes") as steps, open_store(args) as store:
@@ -109,6 +127,23 @@ def cmd_publish(args: argparse.Namespace) -> int:
             args.delta_every,
             args.delta_max_fraction,
         )
+    print(record.generation)
+    return 0
+
+
+def _publish_adapter(args: argparse.Namespace) -> int:
+    from mooncake_rl.generations.lora import AdapterBase, publish_adapter, read_adapter
+    from mooncake_rl.generations.registry import require_active
+
+    if args.base is None:
+        raise ConfigurationError("--lora needs --base MODEL: the base model the adapter applies to")
+    adapter = read_adapter(Path(args.lora))  # refused before the Store is touched
+    with open_store(args) as store:
+        generation = args.base_generation
+        if generation is None:
+            generation = require_active(store, args.base, "cannot bind the adapter").generation
+        base = AdapterBase(args.base, generation)
+        record = publish_adapter(store, args.name, adapter, base, dtype=args.dtype, keep=args.keep)
     print(record.generation)
     return 0
 

@@ -19,6 +19,7 @@ from mooncake_rl.errors import (
     ObjectNotFound,
 )
 from mooncake_rl.generations.keys import (
+    adapter_key,
     checksums_key,
     claim_key,
     delta_prefix,
@@ -145,7 +146,7 @@ def _remove_generation(
         return len(keys) - len(failed), failed, set()
     deltas = store.remove_prefix(delta_prefix(group))
     records = [manifest_key(group), checksums_key(group), segments_key(group), claim_key(group)]
-    failed = store.remove([*records, deltas_key(group)], force=True)
+    failed = store.remove([*records, deltas_key(group), adapter_key(group)], force=True)
     return len(keys) + deltas + len(records) - len(failed), failed, sources
 
 

@@ -57,6 +57,11 @@ def checksums_key(group: str) -> str:
     return f"{group}/checksums"
 
 
+def adapter_key(group: str) -> str:
+    """A LoRA generation's adapter record (:mod:`.lora`): its base and PEFT config."""
+    return f"{group}/adapter"
+
+
 def delta_prefix(group: str) -> str:
     """A delta generation's delta objects, one per payload object (:mod:`.chain`)."""
     return f"{group}/delta/"

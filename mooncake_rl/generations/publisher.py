@@ -51,6 +51,7 @@ from mooncake_rl.generations.chain import (
 )
 from mooncake_rl.generations.checksums import ChecksumTable, ObjectChecksum
 from mooncake_rl.generations.keys import (
+    adapter_key,
     checksums_key,
     delta_prefix,
     deltas_key,
@@ -497,7 +498,8 @@ def abort_generation(store: StoreClient, model: str, generation: int, attempt: s
     store.remove_prefix(payload_prefix(group), force=True)
     store.remove_prefix(delta_prefix(group), force=True)
     store.remove_prefix(report_prefix(group), force=True)
-    store.remove([manifest_key(group), checksums_key(group), deltas_key(group)], force=True)
+    records = [manifest_key(group), checksums_key(group), deltas_key(group), adapter_key(group)]
+    store.remove(records, force=True)
 
 
 def finalize_generation(
