@@ -55,6 +55,7 @@ METHODS = (
     "commit",
     "abort",
     "rebuild",
+    "adapter",
 )
 
 

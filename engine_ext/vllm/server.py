@@ -20,6 +20,8 @@ from mooncake_rl.services import ManagedProcess, free_port
 from mooncake_rl.settings import Settings
 
 KV_CACHE_BYTES = 64 << 20  # per worker: 65,536 tokens of the tiny test models
+GPU_MEMORY_UTILIZATION = 0.2
+"""On CPU the share of host memory a worker may reserve; the KV cache is sized above."""
 
 
 def engine_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -80,7 +82,7 @@ class VllmServer:
             "--dtype",
             "float32",
             "--gpu-memory-utilization",
-            "0.2",
+            str(GPU_MEMORY_UTILIZATION),
             # A few sequences of 256 tokens need a few MiB of KV cache; left to the memory
             # fraction, each worker allocates and touches some 4 GiB (10-20 s of its start).
             "--kv-cache-memory-bytes",

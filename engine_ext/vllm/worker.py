@@ -31,6 +31,7 @@ from engine_ext.worker_base import (
     live_receivers,
     same_bytes,
 )
+from mooncake_rl.errors import ConfigurationError
 
 
 class VllmUpdateWorker(UpdateWorker):
@@ -244,6 +245,41 @@ class VllmUpdateWorker(UpdateWorker):
                 "weights; never served, rebuild from the Store"
             )
         self._reset_runner_caches()
+
+    def _adapter(self, engine_id: str, model: str, generation: int) -> dict[str, Any]:
+        """Read generation ``generation`` of LoRA adapter ``model`` from the Store (refused
+        unless it binds the base this engine serves, and fits ``--max-lora-rank`` and the
+        modules vLLM can adapt) and make it resident and pinned in vLLM's LoRA manager."""
+        from engine_ext.admission import RequestRefused
+        from engine_ext.loading import served_by
+        from engine_ext.vllm.lora import (
+            adapter_id,
+            adapter_model,
+            make_resident,
+            read_adapter_generation,
+            resident,
+        )
+
+        manager = getattr(self.worker.model_runner, "lora_manager", None)
+        if manager is None:
+            raise RequestRefused(
+                409, "lora_disabled", "this engine runs without LoRA: start it with --enable-lora"
+            )
+        served, name = served_by(self.model())
+        try:
+            record, tensors = read_adapter_generation(
+                self.store(engine_id), model, generation, (name or "", served.generation)
+            )
+            lora = adapter_model(manager, record, tensors, adapter_id(generation))
+        except ConfigurationError as refused:
+            raise RequestRefused(409, "adapter_refused", str(refused)) from refused
+        make_resident(manager, lora)
+        return {
+            "adapter": model,
+            "generation": generation,
+            "adapter_bytes": sum(t.nbytes for t in tensors.values()),
+            "resident": sorted(resident(manager)),
+        }
 
     def _reset_runner_caches(self) -> None:
         runner = self.worker.model_runner

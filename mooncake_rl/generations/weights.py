@@ -20,7 +20,12 @@ from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.catalog import rollout_dtype
 from mooncake_rl.generations.chain import object_reader
 from mooncake_rl.generations.packing import object_extents
-from mooncake_rl.generations.registry import ActiveRecord, GenerationRegistry, require_active
+from mooncake_rl.generations.registry import (
+    ActiveRecord,
+    GenerationInfo,
+    GenerationRegistry,
+    require_active,
+)
 from mooncake_rl.store import StoreClient
 
 
@@ -28,21 +33,29 @@ def active_weights(
     store: StoreClient, model: str
 ) -> tuple[ActiveRecord, Iterator[tuple[str, torch.Tensor]]]:
     """The active record and its generation's tensors, read and checked one object at a time."""
-    registry = GenerationRegistry(store, model)
     record = require_active(store, model, "cannot load weights from the Store")
-    manifest = registry.load_manifest(record.generation, record.manifest_digest)
-    checksums = registry.load_checksums(record.generation, record.checksums_digest).objects
+    return record, generation_weights(store, model, record.info())
+
+
+def generation_weights(
+    store: StoreClient, model: str, info: GenerationInfo
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the announced generation ``info`` names (active or not), read and
+    checked one object at a time."""
+    registry = GenerationRegistry(store, model)
+    manifest = registry.load_manifest(info.generation, info.digest)
+    checksums = registry.load_checksums(info.generation, info.checksums_digest).objects
     specs = {t.tensor_id: t for t in manifest.tensors}
     objects = object_extents(manifest, {k: c.nbytes for k, c in checksums.items()})
     unlisted = [key for key in objects if key not in checksums]
     if unlisted:
         raise InvariantViolation(
-            f"generation {record.generation} of {model}: no published checksum for {unlisted[0]}"
+            f"generation {info.generation} of {model}: no published checksum for {unlisted[0]}"
         )
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         assembling: dict[str, tuple[torch.Tensor, int]] = {}  # rows of a rank-major pack
-        read = object_reader(store, model, record.generation)  # a delta: through its chain
+        read = object_reader(store, model, info.generation)  # a delta: through its chain
         for key, stored in objects.items():
             data = read(key)
             checksums[key].check(key, data)
@@ -71,4 +84,4 @@ def active_weights(
                     assembling.pop(spec.tensor_id, None)
                     yield spec.tensor_id, full
 
-    return record, tensors()
+    return tensors()
