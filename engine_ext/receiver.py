@@ -52,6 +52,7 @@ from typing import Any, Protocol, TypeVar
 from engine_ext.served import ServedRecord, weight_version
 from engine_ext.sessions import HELD, ReceiverError, ReceiverState, Session, SessionKeeper
 from mooncake_rl.protocol import (
+    AdapterRequest,
     ApplyRequest,
     CommitRequest,
     DrainRequest,
@@ -446,6 +447,18 @@ class Receiver(SessionKeeper):
             attempt += 1
             with contextlib.suppress(ReceiverError):
                 await self.rebuild()
+
+    async def load_adapter(self, request: AdapterRequest) -> dict[str, Any]:
+        """A generation of the engine's LoRA adapter made resident (``engine_ext.lora``):
+        the base and the serving state are untouched, so it runs beside any session."""
+        if self.adapters is None:
+            raise ReceiverError(
+                409,
+                "lora_disabled",
+                'this engine keeps no LoRA adapter: start it with --enable-lora and "lora": '
+                "<adapter name> in --model-loader-extra-config (docs/lora.md)",
+            )
+        return {**self.status(), **await self.adapters.load(request.generation)}
 
     @_counted
     async def rebuild(self) -> dict[str, Any]:

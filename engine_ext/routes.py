@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from engine_ext.receiver import Receiver
 from engine_ext.sessions import ReceiverError
 from mooncake_rl.protocol import (
+    AdapterRequest,
     ApplyRequest,
     BucketUpload,
     BucketWire,
@@ -187,6 +188,7 @@ def build_router(
     # same call as abort, which also resumes serving.
     route("POST", "/resume", SessionRequest, lambda r, b: r.abort(b))
     route("POST", "/rebuild", None, lambda r, _: r.rebuild())
+    route("POST", "/adapter", AdapterRequest, lambda r, b: r.load_adapter(b))
 
     async def bucket(request: Request) -> JSONResponse:
         """A CPU-serialized bucket as the raw body (the coordinator runs on another host):

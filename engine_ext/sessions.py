@@ -31,6 +31,7 @@ from mooncake_rl.figures import UpdateFigures
 from mooncake_rl.protocol import PROTOCOL_VERSION, DrainRequest
 
 if TYPE_CHECKING:
+    from engine_ext.lora import ResidentAdapters
     from engine_ext.receiver import EngineBackend
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class SessionKeeper(ABC):
         self._pending_record: ServedRecord | None = None
         # Live parameters are receive regions of the open session (see engine_ext.receiver).
         self.exposed_bytes = 0
+        # The LoRA adapter generations kept beside the base (engine_ext.lora), if any.
+        self.adapters: ResidentAdapters | None = None
         self.last_error: str | None = None
         # What updates did here (phase seconds, bytes, failures, ends, rebuilds): the
         # engine's mooncake_rl_* metrics, read at scrape time with status().

@@ -56,6 +56,7 @@ METHODS = (
     "abort",
     "rebuild",
     "adapter",
+    "evict_adapter",
 )
 
 

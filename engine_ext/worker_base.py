@@ -130,12 +130,18 @@ class WorkerBase(ABC):
             [n for n in reference if n not in live],
         )
 
-    def _adapter(self, engine_id: str, model: str, generation: int) -> dict[str, Any]:
-        """Make generation ``generation`` of LoRA adapter ``model`` resident beside the base
-        (engines with a LoRA manager override it)."""
+    def _adapter(self, engine_id: str, model: str, generation: int | None) -> dict[str, Any]:
+        """Make generation ``generation`` (None: the active one) of LoRA adapter ``model``
+        resident beside the base (engines with a LoRA manager override it)."""
+        raise self._no_lora()
+
+    def _evict_adapter(self, engine_id: str, generation: int) -> dict[str, Any]:
+        raise self._no_lora()
+
+    def _no_lora(self) -> Exception:
         from engine_ext.admission import RequestRefused
 
-        raise RequestRefused(
+        return RequestRefused(
             409,
             "lora_unsupported",
             f"{type(self).__name__} does not load LoRA adapters from the Store (only vLLM's "

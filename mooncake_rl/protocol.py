@@ -238,6 +238,13 @@ class ReceiveWire(Wire):
         return self
 
 
+class AdapterRequest(Wire):
+    """``POST /mooncake/adapter``: make a generation of the engine's LoRA adapter resident
+    (``engine_ext.lora``); none named: the Store's active one."""
+
+    generation: Generation | None = None
+
+
 class DeltaWire(Wire):
     """A delta generation taken in place (``mooncake_rl.apply.delta``): only by an engine
     serving exactly ``base``, whose every box is a live, checksummed unit."""

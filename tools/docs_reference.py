@@ -51,6 +51,8 @@ ROUTE_NOTES = {
     "POST /mooncake/abort": "end the session without commit: the old generation is served",
     "POST /mooncake/resume": "the same call as abort (the contract's name for it)",
     "POST /mooncake/rebuild": "reload the Store's active generation",
+    "POST /mooncake/adapter": "make a generation of the engine's LoRA adapter resident beside "
+    "the base (default: the Store's active one): `POLICY@G` names it, `POLICY` the newest",
     "POST /mooncake/bucket": "a CPU-serialized bucket (safetensors) as the raw body; session, "
     "generation and stage in the query (`BucketUpload`)",
     "GET /mooncake/ready": "200 only while the engine serves a complete generation, else "

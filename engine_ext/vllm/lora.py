@@ -98,3 +98,31 @@ def evict(manager: Any, lora_id: int) -> None:
 
 def resident(manager: Any) -> set[int]:
     return set(manager.list_adapters())
+
+
+class VllmAdapterNames:
+    """Adapter names in vLLM's own request table (``OpenAIServingModels.lora_requests``):
+    a request naming one runs with its resident adapter, and ``/v1/models`` lists it."""
+
+    def __init__(self, serving_models: Any, policy: str, base: str) -> None:
+        self.table: dict[str, Any] = serving_models.lora_requests
+        self.policy, self.base = policy, base
+        self._mine: dict[str, int] = {}
+
+    def register(self, name: str, generation: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.table[name] = LoRARequest(
+            lora_name=name,
+            lora_int_id=adapter_id(generation),
+            lora_path=adapter_path(self.policy, generation),
+            base_model_name=self.base,
+        )
+        self._mine[name] = generation
+
+    def drop(self, name: str) -> None:
+        self.table.pop(name, None)
+        self._mine.pop(name, None)
+
+    def resident(self) -> dict[str, int]:
+        return dict(sorted(self._mine.items()))

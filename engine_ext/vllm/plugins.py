@@ -28,6 +28,7 @@ from engine_ext.receiver import Receiver
 from engine_ext.routes import GenerationHeaders, build_router
 from engine_ext.security import guard_tokens
 from engine_ext.served import weight_version
+from engine_ext.sessions import ReceiverError
 from engine_ext.vllm.backend import VllmBackend
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.settings import Settings
@@ -116,9 +117,31 @@ class MooncakeEndpointPlugin:
         self._receiver = Receiver(backend, str(model), served, auto_rebuild=Settings().auto_rebuild)
         if served.generation > 0:  # loaded from the Store: tag its tokens from the first
             await backend.set_weight_version(weight_version(str(model), served))
+        if extra.get("lora"):
+            await self._keep_adapters(backend, state, str(extra["lora"]), extra, str(model))
         self._ready.set()
         if served.generation > 0:  # served from the Store: keep the lease the loader took
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))
+
+    async def _keep_adapters(
+        self, backend: VllmBackend, state: Any, policy: str, extra: dict[str, Any], base: str
+    ) -> None:
+        """``"lora": POLICY`` (and ``"lora_versions": K``, default 1) in the loader's extra
+        config: keep the newest K generations of adapter POLICY resident, starting from the
+        Store's active one."""
+        from engine_ext.lora import ResidentAdapters
+        from engine_ext.vllm.lora import VllmAdapterNames
+
+        assert self._receiver is not None
+        names = VllmAdapterNames(state.openai_serving_models, policy, base)
+        versions = int(extra.get("lora_versions", 1))
+        adapters = self._receiver.adapters = ResidentAdapters(backend, policy, versions, names)
+        try:
+            loaded = await adapters.load()
+        except ReceiverError as error:  # none published yet: the first update loads one
+            logger.warning("mooncake: no adapter of %s loaded at start: %s", policy, error.detail)
+        else:
+            logger.info("mooncake: adapter %s generation %s resident", policy, loaded["generation"])
 
 
 def log_through_vllm() -> None:

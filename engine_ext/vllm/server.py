@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ class VllmServer:
         routes: bool = True,
         extra_env: dict[str, str] | None = None,
         extra_args: Sequence[str] = (),
+        loader_config: Mapping[str, Any] | None = None,
     ) -> None:
         """``plain``: vLLM as shipped (no Mooncake plugin or extension) serving ``model_dir``
         from disk, the reference that updated engines are compared with. ``host``: the
@@ -66,7 +67,8 @@ class VllmServer:
         ``False`` leaves out ``--worker-extension-cls`` (a misconfigured launch, for tests).
         ``routes``: ``False`` leaves ``VLLM_PLUGINS`` unset, so vLLM loads every general plugin
         (ours: the load format and the ``mooncake_store`` weight-transfer backend) and no
-        endpoint plugin (no ``/mooncake/*`` routes, no extension needed)."""
+        endpoint plugin (no ``/mooncake/*`` routes, no extension needed). ``loader_config``:
+        more keys of ``--model-loader-extra-config`` beside the name (``lora``, docs/lora.md)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -98,7 +100,8 @@ class VllmServer:
         if extension and not plain:
             args += ["--worker-extension-cls", "mooncake_rl.Ext"]
         if name is not None and not plain:
-            args += ["--model-loader-extra-config", json.dumps({"name": name})]
+            config = {"name": name, **(loader_config or {})}
+            args += ["--model-loader-extra-config", json.dumps(config)]
         if load_from_store and not plain:
             args += ["--load-format", "mooncake"]
         extra = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tensor_parallel_size == 2 else {}
@@ -162,9 +165,16 @@ class VllmServer:
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def complete(self, prompt: list[int], max_tokens: int = 8, timeout: float = 120) -> list[int]:
-        """Greedy completion token ids through the OpenAI API."""
-        model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    def complete(
+        self,
+        prompt: list[int],
+        max_tokens: int = 8,
+        timeout: float = 120,
+        model: str | None = None,
+    ) -> list[int]:
+        """Greedy completion token ids through the OpenAI API (``model``: a name it serves,
+        such as a LoRA adapter's; default the first it lists)."""
+        model = model or httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
         response = httpx.post(
             f"{self.url}/v1/completions",
             json={

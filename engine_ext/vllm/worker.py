@@ -246,10 +246,11 @@ class VllmUpdateWorker(UpdateWorker):
             )
         self._reset_runner_caches()
 
-    def _adapter(self, engine_id: str, model: str, generation: int) -> dict[str, Any]:
-        """Read generation ``generation`` of LoRA adapter ``model`` from the Store (refused
-        unless it binds the base this engine serves, and fits ``--max-lora-rank`` and the
-        modules vLLM can adapt) and make it resident and pinned in vLLM's LoRA manager."""
+    def _adapter(self, engine_id: str, model: str, generation: int | None) -> dict[str, Any]:
+        """Read generation ``generation`` (None: the active one) of LoRA adapter ``model``
+        from the Store (refused unless it binds the base this engine serves, and fits
+        ``--max-lora-rank`` and the modules vLLM can adapt) and make it resident and pinned
+        in vLLM's LoRA manager."""
         from engine_ext.admission import RequestRefused
         from engine_ext.loading import served_by
         from engine_ext.vllm.lora import (
@@ -259,16 +260,16 @@ class VllmUpdateWorker(UpdateWorker):
             read_adapter_generation,
             resident,
         )
+        from mooncake_rl.generations.registry import require_active
 
-        manager = getattr(self.worker.model_runner, "lora_manager", None)
-        if manager is None:
-            raise RequestRefused(
-                409, "lora_disabled", "this engine runs without LoRA: start it with --enable-lora"
-            )
+        manager = self._lora_manager()
         served, name = served_by(self.model())
+        store = self.store(engine_id)
         try:
+            if generation is None:
+                generation = require_active(store, model, "no adapter to load").generation
             record, tensors = read_adapter_generation(
-                self.store(engine_id), model, generation, (name or "", served.generation)
+                store, model, generation, (name or "", served.generation)
             )
             lora = adapter_model(manager, record, tensors, adapter_id(generation))
         except ConfigurationError as refused:
@@ -280,6 +281,23 @@ class VllmUpdateWorker(UpdateWorker):
             "adapter_bytes": sum(t.nbytes for t in tensors.values()),
             "resident": sorted(resident(manager)),
         }
+
+    def _evict_adapter(self, engine_id: str, generation: int) -> dict[str, Any]:
+        from engine_ext.vllm.lora import adapter_id, evict, resident
+
+        manager = self._lora_manager()
+        evict(manager, adapter_id(generation))
+        return {"resident": sorted(resident(manager))}
+
+    def _lora_manager(self) -> Any:
+        from engine_ext.admission import RequestRefused
+
+        manager = getattr(self.worker.model_runner, "lora_manager", None)
+        if manager is None:
+            raise RequestRefused(
+                409, "lora_disabled", "this engine runs without LoRA: start it with --enable-lora"
+            )
+        return manager
 
     def _reset_runner_caches(self) -> None:
         runner = self.worker.model_runner
