@@ -199,13 +199,16 @@ def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> 
     positions: dict[str, list[np.ndarray]] = defaultdict(list)
     values: dict[str, list[np.ndarray]] = defaultdict(list)
     for read in reads:
+        end = read.offset + read.length
         for starts, bytes_, itemsize in changed[read.key]:
-            inside = (starts >= read.offset) & (starts < read.offset + read.length)
-            first = starts[inside] - read.offset + read.dst_offset
+            if not len(starts) or starts[0] >= end or starts[-1] < read.offset:
+                continue  # a block outside this read
+            lo, hi = np.searchsorted(starts, (read.offset, end))
+            first = starts[lo:hi] - read.offset + read.dst_offset
             positions[read.region].append(
                 (first[:, None] + np.arange(itemsize)).reshape(-1).astype(np.int64)
             )
-            values[read.region].append(bytes_[inside].reshape(-1))
+            values[read.region].append(bytes_[lo:hi].reshape(-1))
     return DeltaChanges(
         {r: np.concatenate(p) for r, p in positions.items()},
         {r: np.concatenate(v) for r, v in values.items()},
