@@ -10,6 +10,19 @@ alternating) and gives the check's share of update time. In compat mode ``pulls`
 update planned with a single pull and with a pull per node (``PlanParams.pull``),
 alternating, ``--repeats`` times each.
 
+With ``--delta-rate R`` (direct mode) it compares a delta generation's two updates instead:
+
+    synthetic model --publish_local--> keyframe; R of its elements changed --publish_local
+        (DeltaPolicy, the keyframe kept)--> N as a delta; N realized from its chain
+    workers (one TP=1 engine each: every box a whole tensor) holding the keyframe
+        --full: the planned update of N (Store reads, TE pushes, reads checked)
+        --delta: in each worker at once, fetch its entries, scatter, check against N
+        (``mooncake_rl.apply.delta``)--> every region compared with N's bytes
+
+alternating, ``--repeats`` times each: bytes moved, median seconds, their ratios against
+issue 52's goals (at most 1/10 of the bytes, 1/4 of the seconds), and the Store's
+``get_into`` GB/s of the same run.
+
 The pieces (publishing, planning, the naive baseline, measuring, raw TE) are shared with
 ``python -m bench`` (``bench.compare``), which runs every approach side by side.
 """
@@ -21,28 +34,43 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+import torch
 from mooncake.reshard.weight import WeightManifest
 
 from bench.common import get_into_gbps, parse_size, store_services, synthetic_model
+from bench.ops import host
+from mooncake_rl.apply.delta import DeltaRead, delta_reads
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
 from mooncake_rl.apply.process import WorkerCluster, run_planned_update
 from mooncake_rl.apply.wire import WorkerSlice
+from mooncake_rl.coordinator.delta import BoxRow
 from mooncake_rl.generations.catalog import specs_of
-from mooncake_rl.generations.checksums import ObjectChecksum
+from mooncake_rl.generations.chain import (
+    DeltaPolicy,
+    DeltaTable,
+    load_delta_table,
+    realize_generation,
+)
+from mooncake_rl.generations.checksums import ChecksumTable, ObjectChecksum
 from mooncake_rl.generations.packing import object_extents
-from mooncake_rl.generations.publisher import publish_local
+from mooncake_rl.generations.publisher import LastPublished, publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
-from mooncake_rl.plan.synthetic import simulated_engines
+from mooncake_rl.plan.synthetic import shard_bytes, simulated_engines
 from mooncake_rl.plan.table import bind, record_ranges
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 
 MODES = ("compat", "direct")
+Model = list[tuple[str, torch.Tensor]]
+Engines = dict[str, list[dict[str, Any]]]
+"""Engine URL -> its workers' placements (``simulated_engines``)."""
 
 
 def cluster_shape(workers: int, nodes: int, mode: str) -> list[tuple[str, int]]:
@@ -50,8 +78,14 @@ def cluster_shape(workers: int, nodes: int, mode: str) -> list[tuple[str, int]]:
     if workers % nodes:
         raise ValueError(f"{workers} workers do not split evenly over {nodes} nodes")
     if mode == "compat":
-        return [(f"node{w % nodes}", 1) for w in range(workers)]
+        return tp1_engines(workers, nodes)
     return [(f"node{n}", workers // nodes) for n in range(nodes)]
+
+
+def tp1_engines(workers: int, nodes: int) -> list[tuple[str, int]]:
+    """One TP=1 engine per worker, round robin over the node labels: every box is a whole
+    tensor."""
+    return [(f"node{w % nodes}", 1) for w in range(workers)]
 
 
 @dataclass(frozen=True)
@@ -59,23 +93,40 @@ class Published:
     manifest: WeightManifest
     model_bytes: int
     shapes: tuple[tuple[int, ...], ...]  # in the model's tensor order
-    checksums: Mapping[str, ObjectChecksum] | None = None
+    checksums: Mapping[str, ObjectChecksum]
+    generation: int
+    seconds: float
+    """How long the publish took (claim, puts, announce)."""
 
 
-def publish_synthetic(settings: Settings, name: str, total_bytes: int, tensors: int) -> Published:
-    """Publish ``synthetic_model(total_bytes, tensors)`` as bf16 from one process."""
-    model = synthetic_model(total_bytes, tensors)
-    with StoreClient(settings) as store:
-        record = publish_local(store, name, model, dtype="bfloat16")
-        registry = GenerationRegistry(store, name)
-        manifest = registry.load_manifest(record.generation)
-        table = registry.load_checksums(record.generation, record.checksums_digest)
+def publish_model(
+    store: StoreClient,
+    name: str,
+    model: Model,
+    delta: DeltaPolicy | None = None,
+    kept: LastPublished | None = None,
+) -> Published:
+    """Publish ``model`` as bf16 from one process (with ``delta``: as the policy says)."""
+    started = time.perf_counter()
+    record = publish_local(store, name, model, dtype="bfloat16", delta=delta, kept=kept)
+    seconds = time.perf_counter() - started
+    registry = GenerationRegistry(store, name)
+    manifest = registry.load_manifest(record.generation)
+    table = registry.load_checksums(record.generation, record.checksums_digest)
     return Published(
         manifest,
         sum(t.numel() * t.element_size() for _, t in model),
         tuple(tuple(t.shape) for _, t in model),
         table.objects,
+        record.generation,
+        seconds,
     )
+
+
+def publish_synthetic(settings: Settings, name: str, total_bytes: int, tensors: int) -> Published:
+    """Publish ``synthetic_model(total_bytes, tensors)`` as bf16 from one process."""
+    with StoreClient(settings) as store:
+        return publish_model(store, name, synthetic_model(total_bytes, tensors))
 
 
 def planned(
@@ -87,9 +138,28 @@ def planned(
     pull: str = "single",
 ) -> tuple[UpdatePlan, dict[str, str]]:
     """The update plan for simulated engines, and each worker's node label."""
-    engines = simulated_engines(specs_of(manifest), cluster_shape(workers, nodes, mode), mode)
-    plan = plan_update(manifest, engines, mode, batch_bytes, RoutingCache(), pull=pull)
-    return plan, {w["worker_id"]: w["node"] for ws in engines.values() for w in ws}
+    plan, engines = planned_for(
+        manifest, cluster_shape(workers, nodes, mode), mode, batch_bytes, pull
+    )
+    return plan, worker_nodes(engines)
+
+
+def planned_for(
+    manifest: WeightManifest,
+    cluster: list[tuple[str, int]],
+    mode: str,
+    batch_bytes: int,
+    pull: str = "single",
+) -> tuple[UpdatePlan, Engines]:
+    """The update plan for simulated engines of ``cluster`` (node label, TP), and the
+    engines' placements (worker descriptions: their regions and boxes)."""
+    engines = simulated_engines(specs_of(manifest), cluster, mode)
+    return plan_update(manifest, engines, mode, batch_bytes, RoutingCache(), pull=pull), engines
+
+
+def worker_nodes(engines: Engines) -> dict[str, str]:
+    """Each simulated worker's node label."""
+    return {w["worker_id"]: w["node"] for ws in engines.values() for w in ws}
 
 
 def worker_settings(
@@ -275,6 +345,289 @@ def raw_te_gbps(cluster: WorkerCluster, region_sizes: Mapping[str, Mapping[str, 
     return size / (time.perf_counter() - started) / 1e9
 
 
+DELTA_MODEL = "bench-apply-delta"
+DELTA_SEED = 1
+GOAL_DELTA_BYTES = 1 / 10
+GOAL_DELTA_SECONDS = 1 / 4
+
+
+def with_changes(model: Model, rate: float, seed: int = DELTA_SEED) -> Model:
+    """``model`` (2-byte elements: bf16) with each element changed with probability
+    ``rate``, at random places (seeded): its lowest bit flipped, so its bytes differ by the
+    least a step can change them."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for name, tensor in model:
+        bits = tensor.view(torch.int16).clone()
+        changed = torch.rand(bits.shape, generator=generator) < rate
+        bits[changed] ^= 1
+        out.append((name, bits.view(tensor.dtype)))
+    return out
+
+
+def changed_fraction(base: Model, new: Model) -> float:
+    """The fraction of elements whose bytes differ (2-byte elements)."""
+    changed = sum(
+        int((a.view(torch.int16) != b.view(torch.int16)).sum())
+        for (_, a), (_, b) in zip(base, new, strict=True)
+    )
+    return changed / sum(t.numel() for _, t in base)
+
+
+@dataclass(frozen=True)
+class DeltaWorker:
+    """A simulated worker serving the base, for the in-place delta path: the reads that
+    rewrite its boxes, and its regions' bytes at the base and at N."""
+
+    reads: tuple[DeltaRead, ...]
+    base: Mapping[str, bytes]
+    expected: Mapping[str, bytes]
+
+
+def delta_workers(
+    engines: Engines, published: Published, table: DeltaTable, base: Model, new: Model
+) -> dict[str, DeltaWorker]:
+    """Every worker of ``engines`` as a :class:`DeltaWorker` of the delta generation
+    ``published`` (its boxes and regions as the planned update lands them)."""
+    before, after = shard_bytes(engines, dict(base)), shard_bytes(engines, dict(new))
+    out = {}
+    for worker in (w for ws in engines.values() for w in ws):
+        boxes = [BoxRow.of(shard) for shard in worker["shards"]]
+        reads = delta_reads(
+            published.manifest, published.checksums, table, boxes, set(worker["regions"])
+        )
+        name = worker["worker_id"]
+        out[name] = DeltaWorker(tuple(reads), before[name], after[name])
+    return out
+
+
+def call_each(cluster: WorkerCluster, commands: Mapping[str, tuple]) -> dict[str, Any]:
+    """Every worker's command at once; their values, or the first failure raised."""
+    replies = cluster.call_all(commands)
+    failed = {w: value for w, (status, value) in replies.items() if status != "ok"}
+    if failed:
+        raise RuntimeError(f"{commands[next(iter(failed))][0]} failed: {failed}")
+    return {w: value for w, (_, value) in replies.items()}
+
+
+def from_base(
+    cluster: WorkerCluster,
+    workers: Mapping[str, DeltaWorker],
+    update: Callable[[], dict[str, Any]],
+) -> tuple[dict[str, Any], bool]:
+    """Fill every worker's regions with the base (not timed), run ``update``; its figures,
+    and whether every region then holds N exactly (each dumped and compared)."""
+    call_each(cluster, {w: ("fill", d.base) for w, d in workers.items()})
+    figures = update()
+    exact = all(
+        np.array_equal(
+            np.frombuffer(cluster.call(w, "dump", region), np.uint8),
+            np.frombuffer(expected, np.uint8),
+        )
+        for w, d in workers.items()
+        for region, expected in d.expected.items()
+    )
+    return figures, exact
+
+
+def delta_update(
+    cluster: WorkerCluster,
+    table: DeltaTable,
+    checksums: Mapping[str, ObjectChecksum],
+    workers: Mapping[str, DeltaWorker],
+) -> dict[str, Any]:
+    """Every worker's in-place delta update at once, in its own process, on regions that
+    hold the base: wall seconds, and per worker the fetch and scatter + check seconds and
+    bytes (:func:`mooncake_rl.apply.process.take_delta`)."""
+    commands = {
+        w: ("delta", table, d.reads, {r.checksum_key: checksums[r.checksum_key] for r in d.reads})
+        for w, d in workers.items()
+    }
+    started = time.perf_counter()
+    figures = call_each(cluster, commands)
+    return {"seconds": time.perf_counter() - started, "workers": figures}
+
+
+def delta_comparison(
+    cluster: WorkerCluster,
+    plan: UpdatePlan,
+    nodes: Mapping[str, str],
+    published: Published,
+    table: DeltaTable,
+    workers: Mapping[str, DeltaWorker],
+    repeats: int,
+) -> dict[str, Any]:
+    """The full planned update of N (reads checked) and the in-place delta update, each
+    from regions holding the base, alternating; medians, bytes moved, and whether every
+    region held N exactly after each run."""
+    delivered = sum(plan.routing.received_bytes().values())
+    checksums = published.checksums
+    full_runs, delta_runs, exact = [], [], {"full": True, "delta": True}
+    for _ in range(repeats):
+        full, exact_full = from_base(
+            cluster,
+            workers,
+            lambda: measure(cluster, plan, nodes, published.model_bytes, delivered, checksums),
+        )
+        delta, exact_delta = from_base(
+            cluster, workers, lambda: delta_update(cluster, table, checksums, workers)
+        )
+        full_runs.append(full)
+        delta_runs.append(delta)
+        exact["full"] &= exact_full
+        exact["delta"] &= exact_delta
+
+    def slowest(step: Callable[[Mapping[str, float]], float]) -> float:
+        """The median over runs of the slowest worker's seconds in ``step``."""
+        return round(
+            statistics.median(max(map(step, r["workers"].values())) for r in delta_runs), 4
+        )
+
+    def summed(key: str) -> int:
+        return sum(figures[key] for figures in delta_runs[-1]["workers"].values())
+
+    last_full = full_runs[-1]
+    full_moved = last_full["store_read_bytes"] + last_full["pushed_bytes"]
+    full_s = statistics.median(r["seconds"] for r in full_runs)
+    delta_s = statistics.median(r["seconds"] for r in delta_runs)
+    bytes_ratio = summed("entry_bytes") / full_moved
+    seconds_ratio = delta_s / full_s
+    return {
+        "full": {
+            "seconds": [r["seconds"] for r in full_runs],
+            "median_seconds": full_s,
+            "moved_bytes": full_moved,
+            **{k: last_full[k] for k in ("store_read_bytes", "pushed_bytes", "verified_bytes")},
+        },
+        "delta": {
+            "seconds": [round(r["seconds"], 4) for r in delta_runs],
+            "median_seconds": round(delta_s, 4),
+            "median_slowest_fetch_seconds": slowest(lambda f: f["fetch_seconds"]),
+            "median_slowest_scatter_check_seconds": slowest(
+                lambda f: f["scatter_seconds"] + f["check_seconds"]
+            ),
+            "median_slowest_scatter_seconds": slowest(lambda f: f["scatter_seconds"]),
+            "median_slowest_check_seconds": slowest(lambda f: f["check_seconds"]),
+            "moved_bytes": summed("entry_bytes"),
+            "stored_bytes": table.delta_bytes,
+            "changed_bytes": summed("changed_bytes"),
+            "checked_bytes": summed("checked_bytes"),
+            "reads": sum(len(d.reads) for d in workers.values()),
+        },
+        "exact": exact,
+        "goals": {
+            "bytes_ratio": round(bytes_ratio, 4),
+            "bytes_at_most_1/10": bytes_ratio <= GOAL_DELTA_BYTES,
+            "seconds_ratio": round(seconds_ratio, 4),
+            "seconds_at_most_1/4": seconds_ratio <= GOAL_DELTA_SECONDS,
+            "bit_exact": exact["full"] and exact["delta"],
+        },
+    }
+
+
+def worker_threads(workers: int) -> int:
+    """This host's cores shared among ``workers`` processes (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+@dataclass(frozen=True)
+class DeltaPublished:
+    """A keyframe, the delta generation N published after it, N's delta table, and how
+    long rebuilding N's payloads from the chain took."""
+
+    keyframe: Published
+    generation: Published
+    table: DeltaTable
+    realize_seconds: float
+
+
+def publish_delta(store: StoreClient, name: str, base: Model, new: Model) -> DeltaPublished:
+    """Publish ``base`` (a keyframe), then ``new`` as a delta against it (this process's
+    kept copy of the keyframe as the base), then realize ``new`` for full readers."""
+    policy, kept = DeltaPolicy(), LastPublished()
+    keyframe = publish_model(store, name, base, policy, kept)
+    published = publish_model(store, name, new, policy, kept)
+    table = load_delta_table(store, name, published.generation)
+    if table is None or table.base != keyframe.generation:
+        raise RuntimeError(f"generation {published.generation} was not published as a delta")
+    started = time.perf_counter()
+    realize_generation(store, name, published.generation, ChecksumTable(published.checksums))
+    return DeltaPublished(keyframe, published, table, time.perf_counter() - started)
+
+
+def run_delta(args: argparse.Namespace, size: int, batch_bytes: int) -> dict[str, Any]:
+    """Publish a keyframe of the synthetic model, then N with ``args.delta_rate`` of its
+    elements changed as a delta; then compare N's full update with the in-place delta
+    update of workers at the keyframe (one TP=1 engine per worker, direct mode)."""
+    base = synthetic_model(size, args.tensors)
+    new = with_changes(base, args.delta_rate)
+    # The keyframe, N's delta objects and N realized, with room to spare.
+    with store_services(int(size * 2.4) + (64 << 20)) as (_, _, settings):
+        with StoreClient(settings) as store:
+            published = publish_delta(store, DELTA_MODEL, base, new)
+        generation = published.generation
+        plan, engines = planned_for(
+            generation.manifest, tp1_engines(args.workers, args.nodes), "direct", batch_bytes
+        )
+        nodes = worker_nodes(engines)
+        workers = delta_workers(engines, generation, published.table, base, new)
+        # Workers sharing the cores each get their share of torch threads: more stall
+        # torch's parallel scatter on a busy core (10x here), a cost no GPU worker pays.
+        os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(args.workers)))
+        with WorkerCluster(
+            worker_settings(settings, nodes, batch_bytes), plan.routing.regions
+        ) as cluster:
+            compared = delta_comparison(
+                cluster, plan, nodes, generation, published.table, workers, args.repeats
+            )
+        objects = {key: o.nbytes for key, o in object_extents(generation.manifest).items()}
+        store_gbps = get_into_gbps(settings, "cpu", objects)
+    return {
+        "bench": "apply-delta",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": host(),
+        "mode": "direct",
+        "workers": args.workers,
+        "nodes": args.nodes,
+        "tensors": args.tensors,
+        "model_bytes": generation.model_bytes,
+        "delta_rate": args.delta_rate,
+        "changed_elements_fraction": round(changed_fraction(base, new), 5),
+        "repeats": args.repeats,
+        "torch_threads_per_worker": int(os.environ["OMP_NUM_THREADS"]),
+        "publish_seconds": {
+            "keyframe": round(published.keyframe.seconds, 4),
+            "delta": round(generation.seconds, 4),
+            "realize": round(published.realize_seconds, 4),
+        },
+        **compared,
+        "store_get_into_gbps": round(store_gbps, 3),
+        "full_gbps_over_get_into": round(
+            generation.model_bytes / compared["full"]["median_seconds"] / 1e9 / store_gbps, 3
+        ),
+        "assumptions": {
+            "workers": "one TP=1 engine per worker (round robin over node labels), so every "
+            "box is a whole tensor (stored alone or a packed fragment), a checksummed unit; "
+            "a TP>1 row shard of a tensor stored alone takes the full path",
+            "full": "N realized from its chain first (publish_seconds.realize, not in the "
+            "update); bench.apply's planned update in direct mode over worker processes, "
+            "reads checked against N's checksums; moved: Store reads + TE pushes",
+            "delta": "every worker's regions (those the full update lands in) hold the "
+            "keyframe; delta_reads once per worker in the bench's process (not timed, as a "
+            "worker plans at prepare); then in every worker process at once: fetch (ranged "
+            "Store reads of the entries, hash-checked, decoded), scatter and check each box "
+            "against N's checksums; seconds: the wall time of all workers; moved: entry "
+            "bytes read",
+            "changes": "each bf16 element changed with probability delta_rate (seeded "
+            f"{DELTA_SEED}): its lowest bit flipped",
+            "threads": "each worker process runs torch with OMP_NUM_THREADS threads (its "
+            "share of the cores unless set), for both updates",
+            "exact": "each run starts from regions holding the keyframe; after it every "
+            "region is dumped from its worker and compared with N's bytes",
+        },
+    }
+
+
 def main() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake logs every connection at INFO
     parser = argparse.ArgumentParser(description=__doc__)
@@ -285,9 +638,20 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default="direct")
     parser.add_argument("--batch", default="64MiB")
     parser.add_argument("--repeats", type=int, default=3, help="checked/unchecked pairs")
+    parser.add_argument(
+        "--delta-rate",
+        type=float,
+        help="instead: the full update of a generation with this fraction of elements "
+        "changed against its in-place delta update (direct mode), e.g. 0.01",
+    )
     args = parser.parse_args()
     batch_bytes = parse_size(args.batch)
     size = parse_size(args.size)
+    if args.delta_rate is not None:
+        if args.mode != "direct" or not 0 < args.delta_rate <= 1:
+            parser.error("--delta-rate takes a rate in (0, 1] and --mode direct")
+        print(json.dumps(run_delta(args, size, batch_bytes)))
+        return
     with store_services(int(size * 1.2) + (64 << 20)) as (_, _, settings):
         published = publish_synthetic(settings, "bench-apply", size, args.tensors)
         total = published.model_bytes

@@ -251,6 +251,26 @@ def test_bench_apply_compares_the_two_pulls_on_real_services() -> None:
     assert single["vs_single"] == 1.0 and per_node["vs_single"] > 0
 
 
+def test_bench_apply_compares_a_delta_update_with_the_full_one_on_real_services() -> None:
+    """``bench.apply --delta-rate`` publishes a keyframe and a delta of it, then updates
+    workers at the keyframe both ways (real Store reads and TE writes): each leaves every
+    region holding N exactly, and the delta reads only its entries."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.apply", "--size", "4MiB", "--tensors", "6",
+         "--workers", "2", "--nodes", "1", "--mode", "direct", "--delta-rate", "0.01",
+         "--repeats", "1"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    m, full, delta = result["model_bytes"], result["full"], result["delta"]
+    assert result["exact"] == {"full": True, "delta": True} and result["goals"]["bit_exact"]
+    assert (full["store_read_bytes"], full["pushed_bytes"]) == (m, m)  # 2 x TP1 on one node
+    assert delta["moved_bytes"] == 2 * delta["stored_bytes"]  # whole tensors: every entry
+    assert 0 < delta["moved_bytes"] < full["moved_bytes"] / 10
+    assert delta["checked_bytes"] == 2 * m  # every box checked against N
+
+
 def test_bench_publish_claims_and_announces_from_two_ranks() -> None:
     """``bench.publish`` publishes like a trainer (rank 0 claims, every rank puts its share,
     rank 0 announces): every byte once, each in its own node's segment."""

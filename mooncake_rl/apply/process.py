@@ -11,13 +11,14 @@ import multiprocessing as mp
 import queue
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
+from mooncake_rl.apply.delta import DeltaRead, check, fetch, scatter
 from mooncake_rl.apply.landing import Landing
 from mooncake_rl.apply.registration import Region
 from mooncake_rl.apply.wire import with_checksums
@@ -32,10 +33,12 @@ from mooncake_rl.apply.worker import (
     region_of,
 )
 from mooncake_rl.counters import COUNTERS
+from mooncake_rl.generations.chain import DeltaTable
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.plan.update import UpdatePlan
 from mooncake_rl.settings import Settings
+from mooncake_rl.store import StoreClient
 
 CARVE_BYTES = 512
 """CUDA's caching allocator rounds every block to 512 bytes."""
@@ -72,8 +75,9 @@ def serve_worker(
     """Commands, each as ``(sequence, command)``, answered ``(sequence, status, value)``:
     ("prepare", stages[, checksums]) -> description; ("run", batches or the index of a
     prepared stage, descriptions or None for the last ones sent) -> result; ("dump",
-    region) -> bytes; ("land",) -> landing figures; ("digest",) -> XXH3-64 of every
-    parameter; ("stop",)."""
+    region) -> bytes; ("fill", {region: bytes}) -> None; ("delta", delta table, reads,
+    checksums) -> the in-place delta path's figures (:func:`take_delta`); ("land",) ->
+    landing figures; ("digest",) -> XXH3-64 of every parameter; ("stop",)."""
     params, slabs = _parameters(region_sizes, memory)
     received = _Received.laid_out(region_sizes, params, slabs, memory, order=())
     worker = ApplyWorker(settings, worker_id)
@@ -107,6 +111,15 @@ def serve_worker(
                 elif command[0] == "dump":
                     dump = received.buffers[command[1]].cpu().numpy().tobytes()
                     outbox.put((sequence, "ok", dump))
+                elif command[0] == "fill":
+                    for name, data in command[1].items():
+                        received.buffers[name].copy_(
+                            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        )
+                    outbox.put((sequence, "ok", None))
+                elif command[0] == "delta":
+                    figures = take_delta(worker.store, received.buffers, *command[1:])
+                    outbox.put((sequence, "ok", figures))
                 elif command[0] == "land":
                     outbox.put((sequence, "ok", _land(received.landing, params, memory)))
                 elif command[0] == "digest":
@@ -184,6 +197,31 @@ def _parameters(
     starts = itertools.accumulate(steps, initial=0)
     params = {n: slab[at : at + sizes[n]] for n, at in zip(names, starts, strict=False)}
     return params, [region_of("slab", slab)]
+
+
+def take_delta(
+    store: StoreClient,
+    regions: Mapping[str, torch.Tensor],
+    table: DeltaTable,
+    reads: Sequence[DeltaRead],
+    checksums: Mapping[str, ObjectChecksum],
+) -> dict[str, Any]:
+    """The in-place delta path on regions that hold the delta's base: fetch the entries,
+    then scatter them and check every box against N (:mod:`mooncake_rl.apply.delta`)."""
+    started = time.perf_counter()
+    changes = fetch(store, table, reads)
+    fetched = time.perf_counter()
+    scatter(changes, regions)
+    scattered = time.perf_counter()
+    checked = check(reads, regions, checksums)
+    return {
+        "fetch_seconds": fetched - started,
+        "scatter_seconds": scattered - fetched,
+        "check_seconds": time.perf_counter() - scattered,
+        "entry_bytes": changes.entry_bytes,
+        "changed_bytes": changes.changed_bytes,
+        "checked_bytes": checked,
+    }
 
 
 def _land(
