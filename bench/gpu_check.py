@@ -78,6 +78,8 @@ class GpuCheckConfig:
     pack_order: bool = True
     """Publish as an RL run's steady state: packs laid out by the order the engines' first
     update taught (``generations.pack_order``); off, tensor after tensor."""
+    steady_updates: int = STEADY_UPDATES
+    """Updates after the first whose median is reported (one suffices for a smoke)."""
 
     def __post_init__(self) -> None:
         if not self.modes or set(self.modes) - {"in_place", "staged"}:
@@ -86,6 +88,8 @@ class GpuCheckConfig:
             raise SystemExit("gpu-check: no CUDA device visible to torch (--device cpu to smoke)")
         if self.workers < 1 or min(self.moe_tensors, self.dense_tensors) < 1:
             raise ValueError("workers and tensor counts must be positive")
+        if self.steady_updates < 1:
+            raise ValueError("steady_updates must be at least 1")
 
 
 def expected_digests(
@@ -143,10 +147,10 @@ def update_row(
     memory = WorkerMemory(config.device, parameters=True, in_place=in_place)
     with WorkerCluster(workers, plan.routing.regions, memory) as cluster:
         # The first update also opens the workers' connections; the later ones are an RL
-        # run's steady state: the median of STEADY_UPDATES, each landed.
+        # run's steady state: the median of ``steady_updates``, each landed.
         first = run_planned_update(cluster, plan, checksums=checksums)
         steady = []
-        for _ in range(STEADY_UPDATES):
+        for _ in range(config.steady_updates):
             run = run_planned_update(cluster, plan, checksums=checksums)
             landed = {w: cluster.call(w, "land") for w in cluster.processes}
             steady.append(

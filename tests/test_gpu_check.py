@@ -34,6 +34,7 @@ def test_the_check_lands_every_parameter_bit_exact_in_place() -> None:
         workers=2,
         batch_bytes=1 << 20,
         modes=("in_place",),
+        steady_updates=1,
     )
     result = run(config)
     assert result["goals"]["bit_exact"] is True
