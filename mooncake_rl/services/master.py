@@ -110,6 +110,15 @@ class EmbeddedMaster(Service):
             f"--http_metadata_server_port={self.metadata_port}",
         ]
 
+    def stop(self) -> None:
+        """This process's parked clients of this master first (a client that lends no
+        memory is parked at close, :func:`mooncake_rl.store.close_parked`), then the master."""
+        from mooncake_rl.store import close_parked
+
+        if self.started and self.config.etcd is None:
+            close_parked(self.master_address)
+        super().stop()
+
     def serves(self) -> bool:
         """An HA member that leads and has left its warm-up (its ``/health`` says so).
 

@@ -66,7 +66,7 @@ class StoreConnection:
         self.durable = settings.master.startswith(etcd.ETCD_SCHEME)
         require_master(settings, self.durable)
         self.settings = settings
-        self._parkable = self.durable and settings.segment_bytes == 0
+        self._parkable = settings.segment_bytes == 0
         parked = unpark(settings) if self._parkable else None
         self._store: Any = set_up(settings, self.durable) if parked is None else parked
         self.segment: str = self._store.get_hostname()
@@ -173,10 +173,11 @@ class StoreConnection:
 
     # -- close --------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the client. A durable Store's client that lends no memory is parked for
-        the next :class:`StoreClient` of the same settings in this process instead: the
-        pinned wheel's close of such a client joins a leader-monitor thread that sleeps out
-        a hard-coded 30 s wait (an engine's loader would pay it at every start)."""
+        """Release the client. A client that lends no memory is parked for the next
+        :class:`StoreClient` of the same settings in this process instead: the pinned
+        wheel's close joins threads that sleep out their waits, 1 s on a plain master and a
+        hard-coded 30 s on a durable Store's leader monitor (an engine's loader, a command,
+        a trainer rank would pay it every time), and its next setup is saved too."""
         if self._closed:
             return
         self._closed = True

@@ -139,8 +139,8 @@ def _require_bound_etcd(master: str) -> frozenset[str]:
 
 
 _PARKED: dict[tuple[object, ...], list[Any]] = defaultdict(list)
-"""Idle native clients of durable Stores that lend no memory, by their setup arguments;
-referenced here so no destructor joins their threads before the process ends."""
+"""Idle native clients that lend no memory, by their setup arguments; referenced here so no
+destructor joins their threads before the process ends."""
 _PARKED_LOCK = threading.Lock()
 
 
@@ -168,9 +168,9 @@ def unpark(settings: Settings) -> Any | None:
 
 
 def close_parked(master: str) -> int:
-    """Really close every parked client of ``master`` (30 s, in parallel): for a process
-    that outlives a durable Store it ran, such as a test session, before it stops that
-    Store. Returns how many were closed."""
+    """Really close every parked client of ``master`` (in parallel; a durable Store's take
+    30 s): for a process that outlives a Store it ran, such as a test session, before it
+    stops that Store. Returns how many were closed."""
     with _PARKED_LOCK:
         keys = [key for key in _PARKED if key[0] == master]
         natives = [native for key in keys for native in _PARKED.pop(key)]
