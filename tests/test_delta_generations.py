@@ -4,6 +4,7 @@ through the chain, verify, realize, collect, and refuse what does not chain."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,9 +34,16 @@ from mooncake_rl.generations.publisher import (
     start_attempt,
 )
 from mooncake_rl.generations.weights import active_weights
-from mooncake_rl.settings import Settings
+from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
-from tests.conftest import READ_LEASE_S
+from tests.conftest import READ_LEASE_S, settings_for
+
+
+@pytest.fixture(scope="module")
+def store(master: EmbeddedMaster) -> Iterator[StoreClient]:
+    """One client for the module: each client's close costs the native client a second."""
+    with StoreClient(settings_for(master)) as client:
+        yield client
 
 
 def policy_weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -67,224 +75,213 @@ SMALL_PACKS = 1 << 16  # the norm and biases share packs; embed and mlp are stor
 
 
 def test_a_keyframe_and_two_deltas_read_back_exactly_and_cost_what_changed(
-    settings: Settings,
+    store: StoreClient,
 ) -> None:
     model, policy, kept = "delta-chain", DeltaPolicy(every=3), LastPublished()
     steps = [policy_weights()]
     for i in range(3):
         steps.append(step(steps[-1], 1e-6, i))
-    with StoreClient(settings) as store:
-        records = []
-        for weights in steps:
-            records.append(
-                publish_local(
-                    store,
-                    model,
-                    weights.items(),
-                    delta=policy,
-                    kept=kept,
-                    pack_bytes=SMALL_PACKS,
-                    keep=None,
-                )
-            )
-            assert loaded(store, model) == (records[-1].generation, served(weights))
-        first, second, third, fourth = records
-        assert first.lineage.is_delta is False
-        assert (second.base, second.keyframe, second.chain_length) == (
-            first.generation,
-            first.generation,
-            1,
-        )
-        assert (third.base, third.keyframe, third.chain_length) == (
-            second.generation,
-            first.generation,
-            2,
-        )
-        assert fourth.base is None  # every=3: a keyframe after two deltas
-
-        registry = GenerationRegistry(store, model)
-        manifest = registry.load_manifest(third.generation)
-        payloads = list(object_extents(manifest))
-        assert len(payloads) >= 3 and all(size is None for size in store.complete_sizes(payloads))
-        table = load_delta_table(store, model, third.generation)
-        assert table is not None and set(table.objects) == set(payloads)
-        assert third.chain_bytes == second.chain_bytes + table.delta_bytes
-        assert table.delta_bytes < third.bytes / 10  # lr 1e-6 moves about 2 % of bf16 elements
-        assert chain_of(store, model, third.generation).generations == (1, 2, 3)
-
-        report = verify_generation(store, model, third.generation)
-        assert report["ok"], report["problems"]
-        assert report["chain"] == [1, 2, 3] and report["checked_bytes"] == third.bytes
-
-        checksums = registry.load_checksums(third.generation, third.checksums_digest)
-        put = realize_generation(store, model, third.generation, checksums)
-        assert put == sum(o.nbytes for o in object_extents(manifest).values())
-        assert realize_generation(store, model, third.generation, checksums) == 0
-        assert chain_of(store, model, third.generation).generations == (3,)
-        for key in payloads:
-            checksums.objects[key].check(key, store.get_bytes(key))
-
-
-def test_without_a_kept_copy_the_base_is_read_back_and_the_delta_is_the_same(
-    settings: Settings,
-) -> None:
-    policy = DeltaPolicy()
-    first, second = policy_weights(1), step(policy_weights(1), 1e-4, 9)
-    deltas = []
-    with StoreClient(settings) as store:
-        for model, kept in (("delta-kept", LastPublished()), ("delta-read-back", None)):
-            publish_local(
-                store, model, first.items(), delta=policy, kept=kept, pack_bytes=SMALL_PACKS
-            )
-            record = publish_local(
-                store, model, second.items(), delta=policy, kept=kept, pack_bytes=SMALL_PACKS
-            )
-            table = load_delta_table(store, model, record.generation)
-            assert table is not None
-            prefix = payload_prefix(group_id(model, record.generation))
-            deltas.append({k.removeprefix(prefix): r for k, r in table.objects.items()})
-            assert loaded(store, model) == (record.generation, served(second))
-        assert deltas[0] == deltas[1]
-
-
-def test_a_delta_against_a_base_that_is_not_the_newest_is_refused_naming_both(
-    settings: Settings,
-) -> None:
-    model = "delta-stale-base"
-    with StoreClient(settings) as store:
-        for seed in range(2):
-            publish_local(store, model, policy_weights(seed).items(), pack_bytes=SMALL_PACKS)
-        generation, attempt = start_attempt(store, model)
-        publisher = GenerationPublisher(
-            store,
-            model,
-            generation,
-            0,
-            TrainerTopology.single("node0"),
-            attempt=attempt,
-            pack_bytes=SMALL_PACKS,
-            delta_base=(1, 1),
-        )
-        report = publisher.publish(policy_weights(2).items())
-        with pytest.raises(InvariantViolation, match=r"delta against generation 1.*before it is 2"):
-            finalize_generation(publisher, report)
-        assert GenerationRegistry(store, model).active().generation == 2  # type: ignore[union-attr]
-        written = [delta_key(key) for key, _ in report.deltas]
-        assert written and store.complete_sizes(written) == [None] * len(written)
-
-
-def test_a_corrupted_delta_is_found_by_verify_and_refused_by_readers(settings: Settings) -> None:
-    model, policy = "delta-corrupt", DeltaPolicy()
-    with StoreClient(settings) as store:
-        publish_local(store, model, policy_weights(3).items(), delta=policy, pack_bytes=SMALL_PACKS)
-        record = publish_local(
-            store,
-            model,
-            step(policy_weights(3), 1e-4, 4).items(),
-            delta=policy,
-            pack_bytes=SMALL_PACKS,
-        )
-        table = load_delta_table(store, model, record.generation)
-        assert table is not None
-        key = max(table.objects, key=lambda k: table.objects[k].delta_bytes)
-        data = bytearray(store.get_bytes(delta_key(key)))
-        data[-1] ^= 0x01
-        assert not store.remove([delta_key(key)], force=True)  # forced: despite read leases
-        store.put_tensor(delta_key(key), torch.frombuffer(data, dtype=torch.uint8))
-        report = verify_generation(store, model)
-        assert not report["ok"]
-        assert report["problems"] == [
-            f"corrupted delta: delta of {key}: the entry for bytes "
-            f"{table.objects[key].spans()[-1][0]}.."
-            f"{table.objects[key].nbytes} does not match its published "
-            "hash; the Store holds corrupted bytes: publish a keyframe, "
-            "or `mooncake-rl activate` a generation `mooncake-rl verify` "
-            "passes"
-        ]
-        with pytest.raises(CorruptDelta, match=key):
-            loaded(store, model)
-
-
-def test_gc_keeps_the_chain_behind_the_active_generation(settings: Settings) -> None:
-    model, policy, kept = "delta-gc", DeltaPolicy(every=3), LastPublished()
-    weights = policy_weights(5)
-    with StoreClient(settings) as store:
-        for i in range(4):  # keyframe 1, deltas 2 and 3, keyframe 4
+    records = []
+    for weights in steps:
+        records.append(
             publish_local(
                 store,
                 model,
                 weights.items(),
                 delta=policy,
                 kept=kept,
-                keep=None,
                 pack_bytes=SMALL_PACKS,
+                keep=None,
             )
-            weights = step(weights, 1e-6, 20 + i)
-            if i == 2:
-                assert collect_garbage(store, model, keep=1, grace_s=0).deleted == ()
-        time.sleep(READ_LEASE_S)
-        report = collect_garbage(store, model, keep=1, grace_s=0)
-        assert report.deleted == (1, 2, 3)
-        for generation in (2, 3):
-            assert load_delta_table(store, model, generation) is None
-        assert verify_generation(store, model)["ok"]
+        )
+        assert loaded(store, model) == (records[-1].generation, served(weights))
+    first, second, third, fourth = records
+    assert first.lineage.is_delta is False
+    assert (second.base, second.keyframe, second.chain_length) == (
+        first.generation,
+        first.generation,
+        1,
+    )
+    assert (third.base, third.keyframe, third.chain_length) == (
+        second.generation,
+        first.generation,
+        2,
+    )
+    assert fourth.base is None  # every=3: a keyframe after two deltas
+
+    registry = GenerationRegistry(store, model)
+    manifest = registry.load_manifest(third.generation)
+    payloads = list(object_extents(manifest))
+    assert len(payloads) >= 3 and all(size is None for size in store.complete_sizes(payloads))
+    table = load_delta_table(store, model, third.generation)
+    assert table is not None and set(table.objects) == set(payloads)
+    assert third.chain_bytes == second.chain_bytes + table.delta_bytes
+    assert table.delta_bytes < third.bytes / 10  # lr 1e-6 moves about 2 % of bf16 elements
+    assert chain_of(store, model, third.generation).generations == (1, 2, 3)
+
+    report = verify_generation(store, model, third.generation)
+    assert report["ok"], report["problems"]
+    assert report["chain"] == [1, 2, 3] and report["checked_bytes"] == third.bytes
+
+    checksums = registry.load_checksums(third.generation, third.checksums_digest)
+    put = realize_generation(store, model, third.generation, checksums)
+    assert put == sum(o.nbytes for o in object_extents(manifest).values())
+    assert realize_generation(store, model, third.generation, checksums) == 0
+    assert chain_of(store, model, third.generation).generations == (3,)
+    for key in payloads:
+        checksums.objects[key].check(key, store.get_bytes(key))
+
+
+def test_without_a_kept_copy_the_base_is_read_back_and_the_delta_is_the_same(
+    store: StoreClient,
+) -> None:
+    policy = DeltaPolicy()
+    first, second = policy_weights(1), step(policy_weights(1), 1e-4, 9)
+    deltas = []
+    for model, kept in (("delta-kept", LastPublished()), ("delta-read-back", None)):
+        publish_local(store, model, first.items(), delta=policy, kept=kept, pack_bytes=SMALL_PACKS)
+        record = publish_local(
+            store, model, second.items(), delta=policy, kept=kept, pack_bytes=SMALL_PACKS
+        )
+        table = load_delta_table(store, model, record.generation)
+        assert table is not None
+        prefix = payload_prefix(group_id(model, record.generation))
+        deltas.append({k.removeprefix(prefix): r for k, r in table.objects.items()})
+        assert loaded(store, model) == (record.generation, served(second))
+    assert deltas[0] == deltas[1]
+
+
+def test_a_delta_against_a_base_that_is_not_the_newest_is_refused_naming_both(
+    store: StoreClient,
+) -> None:
+    model = "delta-stale-base"
+    for seed in range(2):
+        publish_local(store, model, policy_weights(seed).items(), pack_bytes=SMALL_PACKS)
+    generation, attempt = start_attempt(store, model)
+    publisher = GenerationPublisher(
+        store,
+        model,
+        generation,
+        0,
+        TrainerTopology.single("node0"),
+        attempt=attempt,
+        pack_bytes=SMALL_PACKS,
+        delta_base=(1, 1),
+    )
+    report = publisher.publish(policy_weights(2).items())
+    with pytest.raises(InvariantViolation, match=r"delta against generation 1.*before it is 2"):
+        finalize_generation(publisher, report)
+    assert GenerationRegistry(store, model).active().generation == 2  # type: ignore[union-attr]
+    written = [delta_key(key) for key, _ in report.deltas]
+    assert written and store.complete_sizes(written) == [None] * len(written)
+
+
+def test_a_corrupted_delta_is_found_by_verify_and_refused_by_readers(store: StoreClient) -> None:
+    model, policy = "delta-corrupt", DeltaPolicy()
+    publish_local(store, model, policy_weights(3).items(), delta=policy, pack_bytes=SMALL_PACKS)
+    record = publish_local(
+        store,
+        model,
+        step(policy_weights(3), 1e-4, 4).items(),
+        delta=policy,
+        pack_bytes=SMALL_PACKS,
+    )
+    table = load_delta_table(store, model, record.generation)
+    assert table is not None
+    key = max(table.objects, key=lambda k: table.objects[k].delta_bytes)
+    data = bytearray(store.get_bytes(delta_key(key)))
+    data[-1] ^= 0x01
+    assert not store.remove([delta_key(key)], force=True)  # forced: despite read leases
+    store.put_tensor(delta_key(key), torch.frombuffer(data, dtype=torch.uint8))
+    report = verify_generation(store, model)
+    assert not report["ok"]
+    assert report["problems"] == [
+        f"corrupted delta: delta of {key}: the entry for bytes "
+        f"{table.objects[key].spans()[-1][0]}.."
+        f"{table.objects[key].nbytes} does not match its published "
+        "hash; the Store holds corrupted bytes: publish a keyframe, "
+        "or `mooncake-rl activate` a generation `mooncake-rl verify` "
+        "passes"
+    ]
+    with pytest.raises(CorruptDelta, match=key):
+        loaded(store, model)
+
+
+def test_gc_keeps_the_chain_behind_the_active_generation(store: StoreClient) -> None:
+    model, policy, kept = "delta-gc", DeltaPolicy(every=3), LastPublished()
+    weights = policy_weights(5)
+    for i in range(4):  # keyframe 1, deltas 2 and 3, keyframe 4
+        publish_local(
+            store,
+            model,
+            weights.items(),
+            delta=policy,
+            kept=kept,
+            keep=None,
+            pack_bytes=SMALL_PACKS,
+        )
+        weights = step(weights, 1e-6, 20 + i)
+        if i == 2:
+            assert collect_garbage(store, model, keep=1, grace_s=0).deleted == ()
+    time.sleep(READ_LEASE_S)
+    report = collect_garbage(store, model, keep=1, grace_s=0)
+    assert report.deleted == (1, 2, 3)
+    for generation in (2, 3):
+        assert load_delta_table(store, model, generation) is None
+    assert verify_generation(store, model)["ok"]
 
 
 def test_a_worker_at_the_base_takes_only_its_entries_and_lands_the_new_bytes_exactly(
-    settings: Settings,
+    store: StoreClient,
 ) -> None:
     """Every tensor a region of its own (as a TP=1 engine holds them), filled with the
     base; the delta's entries scattered in; each region then checks against N."""
     model, policy = "delta-in-place", DeltaPolicy()
     base_weights = policy_weights(7)
     new_weights = step(base_weights, 1e-6, 8)
-    with StoreClient(settings) as store:
-        publish_local(store, model, base_weights.items(), delta=policy, pack_bytes=SMALL_PACKS)
-        _, base_bytes = loaded(store, model)
-        record = publish_local(
-            store, model, new_weights.items(), delta=policy, pack_bytes=SMALL_PACKS
-        )
-        registry = GenerationRegistry(store, model)
-        manifest = registry.load_manifest(record.generation)
-        checksums = registry.load_checksums(record.generation, record.checksums_digest).objects
-        table = load_delta_table(store, model, record.generation)
-        assert table is not None
-        boxes = [
-            BoxRow(t.tensor_id, (0,) * len(t.global_shape), tuple(t.global_shape), t.tensor_id, 0)
-            for t in manifest.tensors
-        ]
-        regions = {
-            name: torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            for name, data in base_bytes.items()
-        }
-        with pytest.raises(DeltaUnavailable, match="processed after loading"):
-            delta_reads(manifest, checksums, table, boxes, set(regions) - {"norm.weight"})
-        reads = delta_reads(manifest, checksums, table, boxes, set(regions))
-        changes = fetch(store, table, reads)
-        assert changes.entry_bytes == table.delta_bytes  # every box here is a whole tensor
-        assert 0 < changes.changed_bytes < record.bytes / 20
-        assert scatter(changes, regions) == changes.changed_bytes
-        assert check(reads, regions, checksums) == record.bytes
-        assert {n: r.numpy().tobytes() for n, r in regions.items()} == served(new_weights)
-        # A row shard of a tensor stored alone is no checksummed unit: the full path.
-        shard = BoxRow("embed.weight", (0, 0), (256, 256), "embed.weight", 0)
-        with pytest.raises(DeltaUnavailable, match="no checksum covers alone"):
-            delta_reads(manifest, checksums, table, [shard], set(regions))
+    publish_local(store, model, base_weights.items(), delta=policy, pack_bytes=SMALL_PACKS)
+    _, base_bytes = loaded(store, model)
+    record = publish_local(store, model, new_weights.items(), delta=policy, pack_bytes=SMALL_PACKS)
+    registry = GenerationRegistry(store, model)
+    manifest = registry.load_manifest(record.generation)
+    checksums = registry.load_checksums(record.generation, record.checksums_digest).objects
+    table = load_delta_table(store, model, record.generation)
+    assert table is not None
+    boxes = [
+        BoxRow(t.tensor_id, (0,) * len(t.global_shape), tuple(t.global_shape), t.tensor_id, 0)
+        for t in manifest.tensors
+    ]
+    regions = {
+        name: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for name, data in base_bytes.items()
+    }
+    with pytest.raises(DeltaUnavailable, match="processed after loading"):
+        delta_reads(manifest, checksums, table, boxes, set(regions) - {"norm.weight"})
+    reads = delta_reads(manifest, checksums, table, boxes, set(regions))
+    changes = fetch(store, table, reads)
+    assert changes.entry_bytes == table.delta_bytes  # every box here is a whole tensor
+    assert 0 < changes.changed_bytes < record.bytes / 20
+    assert scatter(changes, regions) == changes.changed_bytes
+    assert check(reads, regions, checksums) == record.bytes
+    assert {n: r.numpy().tobytes() for n, r in regions.items()} == served(new_weights)
+    # A row shard of a tensor stored alone is no checksummed unit: the full path.
+    shard = BoxRow("embed.weight", (0, 0), (256, 256), "embed.weight", 0)
+    with pytest.raises(DeltaUnavailable, match="no checksum covers alone"):
+        delta_reads(manifest, checksums, table, [shard], set(regions))
 
 
-def test_fp8_generations_delta_their_fp8_codes_and_their_scales(settings: Settings) -> None:
+def test_fp8_generations_delta_their_fp8_codes_and_their_scales(store: StoreClient) -> None:
     """Block fp8: the weight's fp8 codes and its float32 block scales are both stored, and
     both delta'd; what reads back is what quantizing the new weights gives."""
     model, policy = "delta-fp8", DeltaPolicy()
     name = "model.layers.0.mlp.up_proj.weight"
     first = {name: torch.randn(256, 384, generator=torch.Generator().manual_seed(1)) * 0.02}
     second = step(first, 1e-6, 2)
-    with StoreClient(settings) as store:
-        publish_local(store, model, first.items(), dtype="fp8_e4m3", delta=policy)
-        record = publish_local(store, model, second.items(), dtype="fp8_e4m3", delta=policy)
-        assert record.base is not None and record.chain_bytes < record.bytes / 4
-        _, tensors = active_weights(store, model)
-        stored = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors}
+    publish_local(store, model, first.items(), dtype="fp8_e4m3", delta=policy)
+    record = publish_local(store, model, second.items(), dtype="fp8_e4m3", delta=policy)
+    assert record.base is not None and record.chain_bytes < record.bytes / 4
+    _, tensors = active_weights(store, model)
+    stored = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in tensors}
     weight, scale = fp8.block_quantize(name, second[name])
     assert stored == {
         name: weight.contiguous().view(torch.uint8).numpy().tobytes(),
