@@ -118,23 +118,31 @@ class MooncakeEndpointPlugin:
         if served.generation > 0:  # loaded from the Store: tag its tokens from the first
             await backend.set_weight_version(weight_version(str(model), served))
         if extra.get("lora"):
-            await self._keep_adapters(backend, state, str(extra["lora"]), extra, str(model))
+            await self._keep_adapters(backend, state, args, extra, str(model))
         self._ready.set()
         if served.generation > 0:  # served from the Store: keep the lease the loader took
             self._lease_task = asyncio.create_task(renew_leases(self._receiver, Settings()))
 
     async def _keep_adapters(
-        self, backend: VllmBackend, state: Any, policy: str, extra: dict[str, Any], base: str
+        self, backend: VllmBackend, state: Any, args: Namespace, extra: dict[str, Any], base: str
     ) -> None:
         """``"lora": POLICY`` (and ``"lora_versions": K``, default 1) in the loader's extra
         config: keep the newest K generations of adapter POLICY resident, starting from the
-        Store's active one."""
+        Store's active one. The LoRA cache must hold K + 1 (the next loads before the
+        oldest goes), all pinned."""
         from engine_ext.lora import ResidentAdapters
         from engine_ext.vllm.lora import VllmAdapterNames
 
         assert self._receiver is not None
+        policy, versions = str(extra["lora"]), int(extra.get("lora_versions", 1))
+        capacity = getattr(args, "max_cpu_loras", None) or getattr(args, "max_loras", 1)
+        if not getattr(args, "enable_lora", False) or capacity < versions + 1:
+            raise ConfigurationError(
+                f'"lora": {policy!r} with "lora_versions": {versions} needs --enable-lora and '
+                f"--max-cpu-loras of at least {versions + 1} (the next adapter loads before "
+                f"the oldest is evicted, all pinned); got {capacity}"
+            )
         names = VllmAdapterNames(state.openai_serving_models, policy, base)
-        versions = int(extra.get("lora_versions", 1))
         adapters = self._receiver.adapters = ResidentAdapters(backend, policy, versions, names)
         try:
             loaded = await adapters.load()
