@@ -12,9 +12,11 @@ import pytest
 pytest.importorskip("vllm")
 
 import httpx
+import torch
 
 from engine_ext.vllm.server import VllmServer
 from mooncake_rl.coordinator import Coordinator, UpdateFailed
+from mooncake_rl.generations import GenerationRegistry
 from mooncake_rl.generations.commands import publish_checkpoint
 from mooncake_rl.generations.lora import AdapterBase, publish_adapter, read_adapter
 from mooncake_rl.services import EmbeddedMaster
@@ -92,3 +94,20 @@ def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(
                     coordinator.update(policy)
                 assert why in str(refused.value.result.failed)
                 assert server.complete(PROMPT, model=policy) == reference[1]
+            # A corrupted object of the adapter in the Store: refused naming it.
+            record = publish_adapter(store, policy, read_adapter(dirs[0]), bound)
+            manifest = GenerationRegistry(store, policy).load_manifest(record.generation)
+            key = manifest.fragments[0].object_key
+            data = bytearray(store.get_bytes(key))
+            data[-1] ^= 0x01
+            assert not store.remove([key], force=True)
+            store.put_tensor(key, torch.frombuffer(data, dtype=torch.uint8))
+            with (
+                Coordinator(store, [server.url]) as coordinator,
+                pytest.raises(UpdateFailed) as corrupted,
+            ):
+                coordinator.update(policy)
+            assert f"object {key} does not match its published checksum" in str(
+                corrupted.value.result.failed
+            )
+            assert server.complete(PROMPT, model=policy) == reference[1]
