@@ -292,7 +292,7 @@ class Coordinator(EngineClient):
             "workers": {},
             "delta": {"base": record.base},
         }
-        try:
+        with session.holding(result):
             members = session.drain(
                 survey.delta, options.drain_mode, needed, result, target_of(record)
             )
@@ -307,12 +307,6 @@ class Coordinator(EngineClient):
             session.commit(members, record, needed, result)
             phase("commit")
             result.delta = [*result.delta, *(u for u in members if u in result.committed)]
-        except BaseException:
-            session.release(sorted(session.held))
-            raise
-        finally:
-            session.stop()
-            result.rebuild = sorted({*result.rebuild, *session.rebuilding})
         return result
 
     def _sync(
@@ -340,7 +334,7 @@ class Coordinator(EngineClient):
             "in_place": options.in_place,
         }
 
-        try:
+        with session.holding(result):
             members = session.drain(members, options.drain_mode, needed, result, target_of(record))
             phase("drain")
             if survey.planned is not None:
@@ -384,12 +378,6 @@ class Coordinator(EngineClient):
 
             landing(members, land)
             phase("commit")
-        except BaseException:
-            session.release(sorted(session.held))
-            raise
-        finally:
-            session.stop()
-            result.rebuild = sorted({*result.rebuild, *session.rebuilding})
         if survey.mixed:
             require_mixed_ran(
                 {TransportMode(result.legs[u]["transport"]) for u in result.committed}

@@ -11,8 +11,9 @@ and releases every held engine when too few remain.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mooncake_rl.coordinator.client import encode_body
@@ -76,6 +77,19 @@ class SessionLease:
     def stop(self) -> None:
         """No renewal from now on (one in flight is cancelled)."""
         self._renewal.cancel()
+
+    @contextlib.contextmanager
+    def holding(self, result: UpdateResult) -> Iterator[None]:
+        """Run a sync's steps: any failure releases every engine still held; renewal always
+        stops, and engines that rebuild themselves are recorded in ``result.rebuild``."""
+        try:
+            yield
+        except BaseException:
+            self.release(sorted(self.held))
+            raise
+        finally:
+            self.stop()
+            result.rebuild = sorted({*result.rebuild, *self.rebuilding})
 
     def deliver(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,15 +35,6 @@ from tests.procs import CTX
 
 pytestmark = pytest.mark.faults
 POLICY = DeltaPolicy(every=8)
-
-
-@pytest.fixture
-def services(tmp_path: Path) -> Iterator[Services]:
-    running = Services(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,15 +106,6 @@ class Services:
         for holder in self.holders.values():
             holder.stop()
         self.master.stop()
-
-
-@pytest.fixture
-def services(tmp_path: Path) -> Iterator[Services]:
-    running = Services(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def test_master_restart_store_level(services: Services) -> None:
