@@ -133,16 +133,17 @@ def _tiling(box: Box, fragments: Sequence[StoredFragment]) -> list[tuple[StoredF
 
 @dataclass(frozen=True)
 class DeltaChanges:
-    """What the scatter writes: per region, byte positions and their new bytes."""
+    """What the scatter writes: per (region, element size), element positions in the region
+    and their new elements as raw words (bytes, where a read is not element-aligned)."""
 
-    positions: Mapping[str, np.ndarray]
-    values: Mapping[str, np.ndarray]
+    positions: Mapping[tuple[str, int], np.ndarray]
+    values: Mapping[tuple[str, int], np.ndarray]
     entry_bytes: int
     """Delta bytes read from the Store for them."""
 
     @property
     def changed_bytes(self) -> int:
-        return sum(len(v) for v in self.values.values())
+        return sum(v.nbytes for v in self.values.values())
 
 
 def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> DeltaChanges:
@@ -196,8 +197,8 @@ def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> 
                 values = values[positions]
             starts = spans[block][0] + positions * delta.itemsize
             changed[key].append((starts, values, delta.itemsize))
-    positions: dict[str, list[np.ndarray]] = defaultdict(list)
-    values: dict[str, list[np.ndarray]] = defaultdict(list)
+    positions: dict[tuple[str, int], list[np.ndarray]] = defaultdict(list)
+    values: dict[tuple[str, int], list[np.ndarray]] = defaultdict(list)
     for read in reads:
         end = read.offset + read.length
         for starts, bytes_, itemsize in changed[read.key]:
@@ -205,10 +206,13 @@ def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> 
                 continue  # a block outside this read
             lo, hi = np.searchsorted(starts, (read.offset, end))
             first = starts[lo:hi] - read.offset + read.dst_offset
-            positions[read.region].append(
-                (first[:, None] + np.arange(itemsize)).reshape(-1).astype(np.int64)
-            )
-            values[read.region].append(bytes_[lo:hi].reshape(-1))
+            if (read.dst_offset - read.offset) % itemsize == 0:  # whole elements: words
+                positions[read.region, itemsize].append(first // itemsize)
+                values[read.region, itemsize].append(bytes_[lo:hi].view(f"u{itemsize}")[:, 0])
+            else:
+                spread = (first[:, None] + np.arange(itemsize)).reshape(-1)
+                positions[read.region, 1].append(spread)
+                values[read.region, 1].append(bytes_[lo:hi].reshape(-1))
     return DeltaChanges(
         {r: np.concatenate(p) for r, p in positions.items()},
         {r: np.concatenate(v) for r, v in values.items()},
@@ -216,13 +220,21 @@ def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> 
     )
 
 
+WORDS = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
+WORDS[8] = (torch.int64, np.int64)
+"""Signed views of an element's raw bits (torch indexes no unsigned wider than a byte)."""
+
+
 def scatter(changes: DeltaChanges, regions: Mapping[str, torch.Tensor]) -> int:
     """Write the changes into the regions (flat uint8 views of live parameters), one
-    indexed write per region on its own device; the bytes written."""
-    for name, positions in changes.positions.items():
-        region = regions[name]
-        index = torch.from_numpy(positions).to(region.device)
-        region[index] = torch.from_numpy(changes.values[name]).to(region.device)
+    indexed write per region and element size, on the region's own device; the bytes
+    written."""
+    for (name, itemsize), positions in changes.positions.items():
+        torch_words, numpy_words = WORDS[itemsize]
+        region = regions[name].view(torch_words)
+        index = torch.from_numpy(positions.astype(np.int64, copy=False)).to(region.device)
+        words = changes.values[name, itemsize].view(numpy_words)
+        region[index] = torch.from_numpy(words).to(region.device)
     return changes.changed_bytes
 
 
