@@ -196,12 +196,10 @@ def test_a_corrupted_delta_is_found_by_verify_and_refused_by_readers(store: Stor
     report = verify_generation(store, model)
     assert not report["ok"]
     assert report["problems"] == [
-        f"corrupted delta: delta of {key}: the entry for bytes "
-        f"{table.objects[key].spans()[-1][0]}.."
-        f"{table.objects[key].nbytes} does not match its published "
-        "hash; the Store holds corrupted bytes: publish a keyframe, "
-        "or `mooncake-rl activate` a generation `mooncake-rl verify` "
-        "passes"
+        f"corrupted delta: delta of {key} bytes {table.objects[key].spans()[-1][0]}.."
+        f"{table.objects[key].nbytes} does not match its published hash: the Store holds "
+        "corrupted bytes; publish a keyframe, or `mooncake-rl activate` a generation "
+        "`mooncake-rl verify` passes"
     ]
     with pytest.raises(CorruptDelta, match=key):
         loaded(store, model)

@@ -29,9 +29,8 @@ import torch
 from mooncake.reshard.weight import StoredFragment, WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.chain import CorruptDelta, DeltaTable, delta_key, entry_hash
+from mooncake_rl.generations.chain import DeltaTable, checked_entry, delta_key
 from mooncake_rl.generations.checksums import ObjectChecksum
-from mooncake_rl.generations.delta import changed_positions, decode
 from mooncake_rl.generations.packing import tensor_checksum_key
 from mooncake_rl.store import RangeRead, StoreClient
 
@@ -182,16 +181,7 @@ def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> 
             start, end = entries[block]
             entry = data[read.dst_offset + start - lo : read.dst_offset + end - lo]
             where = f"{key} bytes {spans[block][0]}..{spans[block][1]}"
-            if entry_hash(entry) != row.hashes[block]:
-                raise CorruptDelta(
-                    f"delta of {where} does not match its published hash: the Store holds "
-                    "corrupted bytes; publish a keyframe"
-                )
-            try:
-                delta = decode(entry, where)
-                positions = changed_positions(delta, where)
-            except InvariantViolation as error:
-                raise CorruptDelta(str(error)) from error
+            delta, positions = checked_entry(entry, row.hashes[block], where)
             values = np.frombuffer(delta.values, np.uint8).reshape(-1, delta.itemsize)
             if delta.encoding == "whole":
                 values = values[positions]

@@ -29,7 +29,13 @@ from mooncake.reshard.weight import WeightManifest
 
 from mooncake_rl.errors import InvariantViolation, ObjectNotFound
 from mooncake_rl.generations.checksums import ChecksumTable, block_spans
-from mooncake_rl.generations.delta import TensorDelta, apply_delta, decode, diff, encode
+from mooncake_rl.generations.delta import (
+    TensorDelta,
+    apply_delta,
+    decode_changes,
+    diff,
+    encode,
+)
 from mooncake_rl.generations.keys import delta_prefix, deltas_key, group_id, payload_prefix
 from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.records import FenceError, GenerationInfo, decode_record, seal, unseal
@@ -45,7 +51,7 @@ class CorruptDelta(InvariantViolation):
     """A delta entry whose bytes do not match its published hash, or do not decode."""
 
 
-def entry_hash(data: bytes | memoryview) -> str:
+def entry_hash(data: bytes | memoryview | np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
@@ -176,18 +182,29 @@ def apply_object(target: np.ndarray, data: bytes | memoryview, row: ObjectDelta,
             f"{row.nbytes}-byte object ({len(target)} in hand)"
         )
     for (start, end), (lo, hi), digest in zip(row.spans(), row.entries(), row.hashes, strict=True):
-        entry = view[lo:hi]
-        if entry_hash(entry) != digest:
-            raise CorruptDelta(
-                f"delta of {key}: the entry for bytes {start}..{end} does not match its "
-                "published hash; the Store holds corrupted bytes: publish a keyframe, or "
-                "`mooncake-rl activate` a generation `mooncake-rl verify` passes"
-            )
+        where = f"{key} bytes {start}..{end}"
+        delta, _ = checked_entry(view[lo:hi], digest, where)
         try:
-            delta = decode(entry, f"{key} bytes {start}..{end}")
-            apply_delta(target[start:end].view(f"u{delta.itemsize}"), delta, key)
+            apply_delta(target[start:end].view(f"u{delta.itemsize}"), delta, where)
         except InvariantViolation as error:
-            raise CorruptDelta(f"delta of {key}: {error}") from error
+            raise CorruptDelta(f"delta of {where}: {error}") from error
+
+
+def checked_entry(
+    entry: bytes | memoryview | np.ndarray, digest: str, where: str
+) -> tuple[TensorDelta, np.ndarray]:
+    """An entry's delta and changed positions, refused (:class:`CorruptDelta` naming
+    ``where``) unless it matches its published hash and decodes."""
+    if entry_hash(entry) != digest:
+        raise CorruptDelta(
+            f"delta of {where} does not match its published hash: the Store holds corrupted "
+            "bytes; publish a keyframe, or `mooncake-rl activate` a generation `mooncake-rl "
+            "verify` passes"
+        )
+    try:
+        return decode_changes(entry, where)
+    except InvariantViolation as error:
+        raise CorruptDelta(f"delta of {where}: {error}") from error
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,13 @@ def encode(delta: TensorDelta) -> bytes:
 def decode(entry: bytes | memoryview, name: str = "tensor") -> TensorDelta:
     """The delta an entry holds, checked (positions inside the tensor, in order); refuses a
     malformed entry naming ``name``."""
+    return decode_changes(entry, name)[0]
+
+
+def decode_changes(
+    entry: bytes | memoryview, name: str = "tensor"
+) -> tuple[TensorDelta, np.ndarray]:
+    """:func:`decode`, with the changed positions its check computed."""
     view = memoryview(entry)
     if len(view) < HEADER.size:
         raise InvariantViolation(f"{name}: its delta entry is truncated ({len(view)} bytes)")
@@ -189,8 +196,7 @@ def decode(entry: bytes | memoryview, name: str = "tensor") -> TensorDelta:
         )
     except InvariantViolation as error:
         raise InvariantViolation(f"{name}: {error}") from error
-    changed_positions(delta, name)
-    return delta
+    return delta, changed_positions(delta, name)
 
 
 def _words(tensor: np.ndarray) -> np.ndarray:
