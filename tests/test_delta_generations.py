@@ -33,6 +33,7 @@ from mooncake_rl.generations.publisher import (
     publish_local,
     start_attempt,
 )
+from mooncake_rl.generations.records import ActiveRecord
 from mooncake_rl.generations.weights import active_weights
 from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.store import StoreClient
@@ -74,6 +75,19 @@ def loaded(store: StoreClient, model: str) -> tuple[int, dict[str, bytes]]:
 SMALL_PACKS = 1 << 16  # the norm and biases share packs; embed and mlp are stored alone
 
 
+def publish_chained(
+    store: StoreClient,
+    model: str,
+    weights: dict[str, torch.Tensor],
+    policy: DeltaPolicy,
+    kept: LastPublished,
+) -> ActiveRecord:
+    """The next generation under ``policy``, no retention (the test collects itself)."""
+    return publish_local(
+        store, model, weights.items(), delta=policy, kept=kept, keep=None, pack_bytes=SMALL_PACKS
+    )
+
+
 def test_a_keyframe_and_two_deltas_read_back_exactly_and_cost_what_changed(
     store: StoreClient,
 ) -> None:
@@ -83,17 +97,7 @@ def test_a_keyframe_and_two_deltas_read_back_exactly_and_cost_what_changed(
         steps.append(step(steps[-1], 1e-6, i))
     records = []
     for weights in steps:
-        records.append(
-            publish_local(
-                store,
-                model,
-                weights.items(),
-                delta=policy,
-                kept=kept,
-                pack_bytes=SMALL_PACKS,
-                keep=None,
-            )
-        )
+        records.append(publish_chained(store, model, weights, policy, kept))
         assert loaded(store, model) == (records[-1].generation, served(weights))
     first, second, third, fourth = records
     assert first.lineage.is_delta is False
@@ -209,15 +213,7 @@ def test_gc_keeps_the_chain_behind_the_active_generation(store: StoreClient) -> 
     model, policy, kept = "delta-gc", DeltaPolicy(every=3), LastPublished()
     weights = policy_weights(5)
     for i in range(4):  # keyframe 1, deltas 2 and 3, keyframe 4
-        publish_local(
-            store,
-            model,
-            weights.items(),
-            delta=policy,
-            kept=kept,
-            keep=None,
-            pack_bytes=SMALL_PACKS,
-        )
+        publish_chained(store, model, weights, policy, kept)
         weights = step(weights, 1e-6, 20 + i)
         if i == 2:
             assert collect_garbage(store, model, keep=1, grace_s=0).deleted == ()
