@@ -30,7 +30,7 @@ from mooncake_rl.services import EmbeddedMaster
 from mooncake_rl.settings import Settings
 from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import make_tiny_llama, make_tiny_lora
-from tests.conftest import READ_LEASE_S
+from tests.conftest import READ_LEASE_S, settings_for
 from tests.test_cli_generations import cli
 
 
@@ -156,5 +156,13 @@ def test_publish_lora_from_the_command_line(
     assert refused.returncode == 2 and "has no lora_B weight" in refused.stderr
     unbound = cli(master, segment, *lora)
     assert unbound.returncode == 2 and "--lora needs --base MODEL" in unbound.stderr
+    for flags, why in (
+        (["--delta-every", "0"], "delta_every must be an integer >= 1"),
+        (["--delta-every", "4", "--delta-max-fraction", "1.5"], "delta_max_fraction must be"),
+    ):
+        bad = cli(master, segment, "publish", str(base_dir), "--name", "cli-base", *flags)
+        assert bad.returncode == 2 and why in bad.stderr and "nothing published" in bad.stderr
+    with StoreClient(settings_for(master, "lora-cli", segment_bytes=0)) as store:
+        assert GenerationRegistry(store, "cli-base").claim(2) is None  # nothing claimed
     both = cli(master, segment, "publish", str(base_dir), "--lora", str(adapter_dir), "--name", "x")
     assert both.returncode == 2 and "a checkpoint directory or --lora" in both.stderr

@@ -38,7 +38,14 @@ from mooncake_rl.generations.delta import (
 )
 from mooncake_rl.generations.keys import delta_prefix, deltas_key, group_id, payload_prefix
 from mooncake_rl.generations.packing import object_extents
-from mooncake_rl.generations.records import FenceError, GenerationInfo, decode_record, seal, unseal
+from mooncake_rl.generations.records import (
+    FenceError,
+    GenerationInfo,
+    decode_record,
+    read_optional,
+    seal,
+    unseal,
+)
 from mooncake_rl.store import StoreClient
 
 DEFAULT_DELTA_EVERY = 8
@@ -248,10 +255,7 @@ def delta_problems(store: StoreClient, manifest: WeightManifest, table: DeltaTab
 
 def load_delta_table(store: StoreClient, model: str, generation: int) -> DeltaTable | None:
     """The delta table of ``generation``, or None for a full one."""
-    try:
-        return DeltaTable.decode(store.get_bytes(deltas_key(group_id(model, generation))))
-    except ObjectNotFound:
-        return None
+    return read_optional(store, deltas_key(group_id(model, generation)), DeltaTable.decode)
 
 
 def is_realized(store: StoreClient, table: DeltaTable) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mooncake_rl.errors import ConfigurationError, ObjectNotFound
+from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations.assignment import TrainerTopology
 from mooncake_rl.generations.keys import adapter_key, group_id
 from mooncake_rl.generations.publisher import (
@@ -39,6 +39,7 @@ from mooncake_rl.generations.records import (
     ActiveRecord,
     FenceError,
     decode_record,
+    read_optional,
     seal,
     unseal,
 )
@@ -180,10 +181,7 @@ def read_adapter(directory: Path) -> Adapter:
 
 def load_adapter_record(store: StoreClient, model: str, generation: int) -> AdapterRecord | None:
     """The adapter record of ``generation`` of ``model``, or None: a generation of weights."""
-    try:
-        return AdapterRecord.decode(store.get_bytes(adapter_key(group_id(model, generation))))
-    except ObjectNotFound:
-        return None
+    return read_optional(store, adapter_key(group_id(model, generation)), AdapterRecord.decode)
 
 
 def require_base(store: StoreClient, base: AdapterBase) -> None:

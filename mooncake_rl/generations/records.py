@@ -71,6 +71,15 @@ def unseal(data: bytes, what: str) -> dict[str, object]:
 T = TypeVar("T")
 
 
+def read_optional(store: StoreClient, key: str, decode: Callable[[bytes], T]) -> T | None:
+    """The record at ``key``, decoded; None where the generation has none (a record of one
+    kind only: a delta table, an adapter record)."""
+    try:
+        return decode(store.get_bytes(key))
+    except ObjectNotFound:
+        return None
+
+
 def decode_record(cls: Callable[..., T], body: dict[str, object], what: str) -> T:
     try:
         return cls(**body)

@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 SESSIONS = ("a" * 32, "b" * 32)
-MUTABLE = ("drain", "renew", "prepare", "apply", "commit", "abort")
+MUTABLE = ("drain", "renew", "prepare", "apply", "commit", "abort", "adapter")
 ROUTES = (*MUTABLE, "rebuild", "status", "placement", "ready")
 
 json_values = st.recursive(
@@ -59,6 +59,7 @@ def templates(model: str, generation: int, session: str, digest: str) -> dict[st
         "apply": {"session": session, "generation": generation, "stage": 0, "peers": {"w0": peer}},
         "commit": {"session": session, "generation": generation},
         "abort": {"session": session},
+        "adapter": {"generation": generation},
     }
 
 

@@ -226,6 +226,17 @@ async def test_full_update_cycle(make_client) -> None:
     [
         ([], "apply", apply_body(0), 409, "no_session"),
         ([], "prepare", prepare_body(), 409, "no_session"),
+        ([], "adapter", {}, 409, "lora_disabled"),  # started without "lora"
+        ([], "adapter", {"generation": 0}, 422, "invalid_request"),
+        ([], "adapter", {"generation": "latest"}, 422, "invalid_request"),
+        ([], "adapter", {"generation": 2, "model": "other"}, 422, "invalid_request"),
+        (
+            UPDATE[:1],
+            "prepare",
+            {**prepare_body(), "delta": {"base": 1}, "mode": "compat"},
+            422,
+            "invalid_request",
+        ),
         ([], "commit", commit_body(), 409, "no_session"),
         ([], "renew", {"session": S1}, 409, "no_session"),
         ([("drain", drain_body())], "prepare", prepare_body(1), 409, "stale_generation"),
