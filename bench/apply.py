@@ -61,6 +61,7 @@ from mooncake_rl.generations.checksums import ChecksumTable, ObjectChecksum
 from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.publisher import LastPublished, publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.plan.delta import DeltaDemand, EntryBlock, entry_blocks, plan_delta_fetch
 from mooncake_rl.plan.synthetic import shard_bytes, simulated_engines
 from mooncake_rl.plan.table import bind, record_ranges
 from mooncake_rl.plan.update import RoutingCache, UpdatePlan, plan_update
@@ -380,6 +381,7 @@ class DeltaWorker:
     rewrite its boxes, and its regions' bytes at the base and at N."""
 
     reads: tuple[DeltaRead, ...]
+    blocks: tuple[EntryBlock, ...]
     base: Mapping[str, bytes]
     expected: Mapping[str, bytes]
 
@@ -397,7 +399,8 @@ def delta_workers(
             published.manifest, published.checksums, table, boxes, set(worker["regions"])
         )
         name = worker["worker_id"]
-        out[name] = DeltaWorker(tuple(reads), before[name], after[name])
+        blocks = entry_blocks(table, [(r.key, r.offset, r.length) for r in reads])
+        out[name] = DeltaWorker(tuple(reads), blocks, before[name], after[name])
     return out
 
 
@@ -435,17 +438,37 @@ def delta_update(
     table: DeltaTable,
     checksums: Mapping[str, ObjectChecksum],
     workers: Mapping[str, DeltaWorker],
+    nodes: Mapping[str, str],
+    batch_bytes: int,
 ) -> dict[str, Any]:
-    """Every worker's in-place delta update at once, in its own process, on regions that
-    hold the base: wall seconds, and per worker the fetch and scatter + check seconds and
-    bytes (:func:`mooncake_rl.apply.process.take_delta`)."""
-    commands = {
-        w: ("delta", table, d.reads, {r.checksum_key: checksums[r.checksum_key] for r in d.reads})
-        for w, d in workers.items()
-    }
+    """Every worker's in-place delta update, in its own process, on regions that hold the
+    base, as engines take it: each entry buffer laid out and registered (not timed, as at
+    an engine's prepare); then, timed, the planned fetch on every worker at once (each entry
+    read from the Store once, pushed to the workers that share it), a barrier, and each
+    worker's decode, scatter and check (:class:`mooncake_rl.apply.process.DeltaTaker`)."""
+    demand = DeltaDemand({w: nodes[w] for w in workers}, {w: d.blocks for w, d in workers.items()})
+    slices = plan_delta_fetch(demand, batch_bytes)
+    described = call_each(
+        cluster,
+        {
+            w: ("delta_prepare", table, d.reads, d.blocks, slices[w].stages[0])
+            for w, d in workers.items()
+        },
+    )
+    descriptions = list(described.values())
     started = time.perf_counter()
-    figures = call_each(cluster, commands)
-    return {"seconds": time.perf_counter() - started, "workers": figures}
+    fetched = call_each(cluster, {w: ("delta_fetch", descriptions) for w in workers})
+    landed = call_each(
+        cluster,
+        {
+            w: ("delta_land", {r.checksum_key: checksums[r.checksum_key] for r in d.reads})
+            for w, d in workers.items()
+        },
+    )
+    return {
+        "seconds": time.perf_counter() - started,
+        "workers": {w: {**fetched[w], **landed[w]} for w in workers},
+    }
 
 
 def delta_comparison(
@@ -456,6 +479,7 @@ def delta_comparison(
     table: DeltaTable,
     workers: Mapping[str, DeltaWorker],
     repeats: int,
+    batch_bytes: int,
 ) -> dict[str, Any]:
     """The full planned update of N (reads checked) and the in-place delta update, each
     from regions holding the base, alternating; medians, bytes moved, and whether every
@@ -470,7 +494,9 @@ def delta_comparison(
             lambda: measure(cluster, plan, nodes, published.model_bytes, delivered, checksums),
         )
         delta, exact_delta = from_base(
-            cluster, workers, lambda: delta_update(cluster, table, checksums, workers)
+            cluster,
+            workers,
+            lambda: delta_update(cluster, table, checksums, workers, nodes, batch_bytes),
         )
         full_runs.append(full)
         delta_runs.append(delta)
@@ -490,7 +516,8 @@ def delta_comparison(
     full_moved = last_full["store_read_bytes"] + last_full["pushed_bytes"]
     full_s = statistics.median(r["seconds"] for r in full_runs)
     delta_s = statistics.median(r["seconds"] for r in delta_runs)
-    bytes_ratio = summed("entry_bytes") / full_moved
+    delta_moved = summed("store_read_bytes") + summed("pushed_bytes")
+    bytes_ratio = delta_moved / full_moved
     seconds_ratio = delta_s / full_s
     return {
         "full": {
@@ -503,12 +530,16 @@ def delta_comparison(
             "seconds": [round(r["seconds"], 4) for r in delta_runs],
             "median_seconds": round(delta_s, 4),
             "median_slowest_fetch_seconds": slowest(lambda f: f["fetch_seconds"]),
+            "median_slowest_decode_seconds": slowest(lambda f: f["decode_seconds"]),
             "median_slowest_scatter_check_seconds": slowest(
                 lambda f: f["scatter_seconds"] + f["check_seconds"]
             ),
             "median_slowest_scatter_seconds": slowest(lambda f: f["scatter_seconds"]),
             "median_slowest_check_seconds": slowest(lambda f: f["check_seconds"]),
-            "moved_bytes": summed("entry_bytes"),
+            "moved_bytes": delta_moved,
+            "store_read_bytes": summed("store_read_bytes"),
+            "pushed_bytes": summed("pushed_bytes"),
+            "received_bytes": summed("entry_bytes"),
             "stored_bytes": table.delta_bytes,
             "changed_bytes": summed("changed_bytes"),
             "checked_bytes": summed("checked_bytes"),
@@ -578,7 +609,14 @@ def run_delta(args: argparse.Namespace, size: int, batch_bytes: int) -> dict[str
             worker_settings(settings, nodes, batch_bytes), plan.routing.regions
         ) as cluster:
             compared = delta_comparison(
-                cluster, plan, nodes, generation, published.table, workers, args.repeats
+                cluster,
+                plan,
+                nodes,
+                generation,
+                published.table,
+                workers,
+                args.repeats,
+                batch_bytes,
             )
         objects = {key: o.nbytes for key, o in object_extents(generation.manifest).items()}
         store_gbps = get_into_gbps(settings, "cpu", objects)
@@ -613,11 +651,12 @@ def run_delta(args: argparse.Namespace, size: int, batch_bytes: int) -> dict[str
             "update); bench.apply's planned update in direct mode over worker processes, "
             "reads checked against N's checksums; moved: Store reads + TE pushes",
             "delta": "every worker's regions (those the full update lands in) hold the "
-            "keyframe; delta_reads once per worker in the bench's process (not timed, as a "
-            "worker plans at prepare); then in every worker process at once: fetch (ranged "
-            "Store reads of the entries, hash-checked, decoded), scatter and check each box "
-            "against N's checksums; seconds: the wall time of all workers; moved: entry "
-            "bytes read",
+            "keyframe; delta_reads and the planned fetch made in the bench's process, each "
+            "worker's entry buffer registered (not timed: an engine does both at prepare); "
+            "then, timed, in every worker process at once: the fetch (each entry read from "
+            "the Store once, pushed to the workers that share it), a barrier, then decode "
+            "(hash-checked), scatter and check each box against N's checksums; seconds: the "
+            "wall time of all workers; moved: Store reads + TE pushes",
             "changes": "each bf16 element changed with probability delta_rate (seeded "
             f"{DELTA_SEED}): its lowest bit flipped",
             "threads": "each worker process runs torch with OMP_NUM_THREADS threads (its "

@@ -18,15 +18,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine_ext.admission import RequestRefused, apply_request
-from engine_ext.delta import DeltaWorker
 from engine_ext.transport import receive_broadcast, receive_bucket
 from engine_ext.update_state import UpdateState
+from engine_ext.worker_base import WorkerBase
 from mooncake_rl.apply.executor import Batch, Peer
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.protocol import BucketWire, stage_refusal
 
 
-class ApplyingWorker(DeltaWorker):
+class ApplyingWorker(WorkerBase):
     """The worker's ``apply`` and ``collect``, and the stages they run."""
 
     def _apply(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +55,6 @@ class ApplyingWorker(DeltaWorker):
             raise RequestRefused(*refusal)
         if state.reception is not None:
             run = functools.partial(self._receive, state, call.stage, call.bucket)
-        elif state.delta is not None:
-            run = functools.partial(self._apply_delta, state)
         else:
             assert state.slice is not None and state.peers is not None
             stages = state.slice.stages

@@ -21,15 +21,16 @@ from typing import Any
 import torch
 
 from engine_ext.admission import RequestRefused
+from engine_ext.delta import DeltaWorker
 from engine_ext.loading import mark_served, served_record, store_weights
 from engine_ext.placement import assemble_regions
 from engine_ext.update_state import UpdateState
-from engine_ext.worker_base import DirectLanding, LandingMismatch, WorkerBase
+from engine_ext.worker_base import DirectLanding, LandingMismatch
 from engine_ext.written import unwritten
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 
 
-class LandingWorker(WorkerBase):
+class LandingWorker(DeltaWorker):
     """The worker's ``expect``, ``commit`` and ``rebuild``."""
 
     def _require_landable(self, state: UpdateState, generation: int) -> None:
@@ -62,6 +63,8 @@ class LandingWorker(WorkerBase):
         return {"started": "expect"}
 
     def _build_check(self, state: UpdateState) -> dict[str, Any]:
+        if state.delta is not None:
+            self._decode_delta(state)
         state.check = self._landing_check(state)
         return {"worker_id": state.apply.worker_id, "seconds": state.check.seconds}
 
@@ -74,8 +77,12 @@ class LandingWorker(WorkerBase):
         state.settle(keep=True)
         # The reference and the comparison run on one thread (the stage thread): the check
         # compares GEMM outputs bit for bit, so nothing but the weights may differ.
-        check = state.check or state.stage_runner.submit(self._landing_check, state).result()
+        if state.check is None:
+            state.stage_runner.submit(self._build_check, state).result()
+        check = state.check
+        assert check is not None
         started = time.perf_counter()
+        delta = self._land_delta(state) if state.delta is not None else {}
         if state.mode == "compat":
             self.land_compat(staged_tensors(state.layout, state.buffers))
         else:
@@ -102,6 +109,7 @@ class LandingWorker(WorkerBase):
             "seconds": time.perf_counter() - started,
             "land_seconds": landed - started,
             "verify": compared,
+            **({"delta": delta} if delta else {}),
         }
 
     def _landing_check(self, state: UpdateState) -> LandingCheck:

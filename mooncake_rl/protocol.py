@@ -318,7 +318,9 @@ class PrepareRequest(SessionRequest):
         "processing (no staging copy; an update that then fails costs a rebuild)",
     )
     delta: DeltaWire | None = Field(
-        None, description="a delta generation's changes, written into live parameters"
+        None,
+        description="a delta generation's changes, written into live parameters (workers: "
+        "each one's planned fetch of entries, mooncake_rl.plan.delta)",
     )
 
     @model_validator(mode="after")
@@ -329,16 +331,14 @@ class PrepareRequest(SessionRequest):
                 "full tensors (mode compat)"
             )
         if self.delta is not None and (
-            self.workers
-            or self.receive is not None
+            self.receive is not None
             or self.mode != "direct"
             or not self.in_place
             or self.stages != 1
             or self.delta.base >= self.generation
         ):
             raise ValueError(
-                "a delta carries no routing slices and is one stage, direct and in place, "
-                "against an older generation"
+                "a delta is one stage, direct and in place, against an older generation"
             )
         return self
 

@@ -254,7 +254,7 @@ def test_bench_apply_compares_the_two_pulls_on_real_services() -> None:
 def test_bench_apply_compares_a_delta_update_with_the_full_one_on_real_services() -> None:
     """``bench.apply --delta-rate`` publishes a keyframe and a delta of it, then updates
     workers at the keyframe both ways (real Store reads and TE writes): each leaves every
-    region holding N exactly, and the delta reads only its entries."""
+    region holding N exactly, and the delta moves only its entries, each read once."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.apply", "--size", "4MiB", "--tensors", "6",
          "--workers", "2", "--nodes", "1", "--mode", "direct", "--delta-rate", "0.01",
@@ -266,7 +266,10 @@ def test_bench_apply_compares_a_delta_update_with_the_full_one_on_real_services(
     m, full, delta = result["model_bytes"], result["full"], result["delta"]
     assert result["exact"] == {"full": True, "delta": True} and result["goals"]["bit_exact"]
     assert (full["store_read_bytes"], full["pushed_bytes"]) == (m, m)  # 2 x TP1 on one node
-    assert delta["moved_bytes"] == 2 * delta["stored_bytes"]  # whole tensors: every entry
+    # Both TP=1 workers need every entry: the Store serves each once, and it is pushed once.
+    stored = delta["stored_bytes"]
+    assert (delta["store_read_bytes"], delta["pushed_bytes"]) == (stored, stored)
+    assert delta["moved_bytes"] == delta["received_bytes"] == 2 * stored
     assert 0 < delta["moved_bytes"] < full["moved_bytes"] / 10
     assert delta["checked_bytes"] == 2 * m  # every box checked against N
 

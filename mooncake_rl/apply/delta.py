@@ -5,8 +5,10 @@ regions that already hold the base.
     manifest, checksum table and delta table of N + the worker's boxes
         --delta_reads (pure)--> one DeltaRead per box: its bytes of a payload object, where
         they sit in a live region, and the checksum covering exactly them
-    delta objects --fetch (ranged reads of the blocks' entries, each hash-checked, decoded)-->
-        DeltaChanges: per region, the byte positions and new bytes
+    delta objects --the blocks' entries, into a buffer: a planned fetch (read once, pushed
+        to every worker that needs them, :mod:`mooncake_rl.plan.delta`) or :func:`fetch`
+        alone--> --decode (each entry hash-checked)--> DeltaChanges: per region, the byte
+        positions and new bytes
     DeltaChanges --scatter--> the live regions (one indexed write per region, on its device)
     --check--> each box's bytes against N's checksum: the region now holds N, exactly
 
@@ -18,7 +20,6 @@ the worker take the full path: :class:`DeltaUnavailable` says why.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ import numpy as np
 import torch
 from mooncake.reshard.weight import StoredFragment, WeightManifest
 
+from mooncake_rl.apply.coalesce import coalesced_reads
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.chain import DeltaTable, checked_entry, delta_key
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.packing import tensor_checksum_key
+from mooncake_rl.plan.delta import EntryBlock, entry_blocks, entry_offsets
 from mooncake_rl.store import RangeRead, StoreClient
 
 
@@ -146,47 +149,50 @@ class DeltaChanges:
 
 
 def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> DeltaChanges:
-    """Read the entries of every block the reads cover (adjacent blocks of an object in one
-    range), check and decode them, and keep the changes that fall inside each read."""
-    wanted: dict[str, set[int]] = defaultdict(set)
-    for read in reads:
-        spans = table.objects[read.key].spans()
-        end = read.offset + read.length
-        wanted[read.key].update(i for i, (s, e) in enumerate(spans) if s < end and e > read.offset)
-    ranges: list[tuple[str, list[int], int, int]] = []  # key, blocks, entry start, entry end
-    for key, blocks in sorted(wanted.items()):
-        entries = table.objects[key].entries()
-        for _, run in itertools.groupby(enumerate(sorted(blocks)), lambda p: p[1] - p[0]):
-            indices = [b for _, b in run]
-            ranges.append((key, indices, entries[indices[0]][0], entries[indices[-1]][1]))
-    total = sum(hi - lo for *_, lo, hi in ranges)
-    buffer = torch.empty(max(total, 1), dtype=torch.uint8)
-    plan, at = [], 0
-    for key, _, lo, hi in ranges:
-        plan.append(RangeRead(delta_key(key), lo, at, hi - lo))
-        at += hi - lo
+    """One worker alone: read the entries of every block the reads cover into a buffer laid
+    out by :func:`~mooncake_rl.plan.delta.entry_blocks` (the executor merges adjacent
+    ranges), then :func:`decode` them. Engines that share entries read them once through a
+    planned fetch instead (:func:`~mooncake_rl.plan.delta.plan_delta_fetch`)."""
+    blocks = entry_blocks(table, [(r.key, r.offset, r.length) for r in reads])
+    offsets = entry_offsets(blocks)
+    buffer = torch.empty(max(offsets[-1], 1), dtype=torch.uint8)
+    plan = coalesced_reads(
+        [
+            RangeRead(delta_key(b.key), b.start, at, b.length)
+            for b, at in zip(blocks, offsets[:-1], strict=True)
+        ]
+    )
     if plan:
         store.register(buffer.data_ptr(), buffer.numel())
         try:
             store.read_ranges(buffer.data_ptr(), plan)
         finally:
             store.unregister(buffer.data_ptr())
-    data = buffer.numpy()
+    return decode(buffer.numpy(), blocks, table, reads)
+
+
+def decode(
+    buffer: np.ndarray,
+    blocks: Sequence[EntryBlock],
+    table: DeltaTable,
+    reads: Sequence[DeltaRead],
+) -> DeltaChanges:
+    """The entries in ``buffer`` (laid out by ``blocks``), each hash-checked and decoded
+    (:class:`CorruptDelta` names the first that is not what the table says: corrupt in the
+    Store, or never delivered), keeping the changes that fall inside each read."""
     # Per object: the changed elements' byte offsets and their bytes, in object order.
     changed: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = defaultdict(list)
-    for (key, blocks, lo, _), read in zip(ranges, plan, strict=True):
-        row = table.objects[key]
-        spans, entries = row.spans(), row.entries()
-        for block in blocks:
-            start, end = entries[block]
-            entry = data[read.dst_offset + start - lo : read.dst_offset + end - lo]
-            where = f"{key} bytes {spans[block][0]}..{spans[block][1]}"
-            delta, positions = checked_entry(entry, row.hashes[block], where)
-            values = np.frombuffer(delta.values, np.uint8).reshape(-1, delta.itemsize)
-            if delta.encoding == "whole":
-                values = values[positions]
-            starts = spans[block][0] + positions * delta.itemsize
-            changed[key].append((starts, values, delta.itemsize))
+    for block, at in zip(blocks, entry_offsets(blocks)[:-1], strict=True):
+        row = table.objects[block.key]
+        span = row.spans()[block.block]
+        entry = buffer[at : at + block.length]
+        where = f"{block.key} bytes {span[0]}..{span[1]}"
+        delta, positions = checked_entry(entry, row.hashes[block.block], where)
+        values = np.frombuffer(delta.values, np.uint8).reshape(-1, delta.itemsize)
+        if delta.encoding == "whole":
+            values = values[positions]
+        starts = span[0] + positions * delta.itemsize
+        changed[block.key].append((starts, values, delta.itemsize))
     positions: dict[tuple[str, int], list[np.ndarray]] = defaultdict(list)
     values: dict[tuple[str, int], list[np.ndarray]] = defaultdict(list)
     for read in reads:
@@ -206,7 +212,7 @@ def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> 
     return DeltaChanges(
         {r: np.concatenate(p) for r, p in positions.items()},
         {r: np.concatenate(v) for r, v in values.items()},
-        total,
+        sum(b.length for b in blocks),
     )
 
 
@@ -218,12 +224,16 @@ WORDS[8] = (torch.int64, np.int64)
 def scatter(changes: DeltaChanges, regions: Mapping[str, torch.Tensor]) -> int:
     """Write the changes into the regions (flat uint8 views of live parameters), one
     indexed write per region and element size, on the region's own device; the bytes
-    written."""
+    written. On the host the write is numpy's (a third faster than torch's indexed write
+    here: it is most of a delta's pause on a CPU engine)."""
     for (name, itemsize), positions in changes.positions.items():
         torch_words, numpy_words = WORDS[itemsize]
         region = regions[name].view(torch_words)
-        index = torch.from_numpy(positions.astype(np.int64, copy=False)).to(region.device)
         words = changes.values[name, itemsize].view(numpy_words)
+        if region.device.type == "cpu":
+            region.detach().numpy()[positions] = words
+            continue
+        index = torch.from_numpy(positions.astype(np.int64, copy=False)).to(region.device)
         region[index] = torch.from_numpy(words).to(region.device)
     return changes.changed_bytes
 

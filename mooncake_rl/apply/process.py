@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import xxhash
 
-from mooncake_rl.apply.delta import DeltaRead, check, fetch, scatter
+from mooncake_rl.apply.delta import DeltaRead, check, decode, scatter
+from mooncake_rl.apply.executor import Batch
 from mooncake_rl.apply.landing import Landing
 from mooncake_rl.apply.registration import Region
 from mooncake_rl.apply.wire import with_checksums
@@ -35,10 +36,10 @@ from mooncake_rl.apply.worker import (
 from mooncake_rl.counters import COUNTERS
 from mooncake_rl.generations.chain import DeltaTable
 from mooncake_rl.generations.checksums import ObjectChecksum
+from mooncake_rl.plan.delta import DELTA_REGION, EntryBlock, entry_offsets
 from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGION
 from mooncake_rl.plan.update import UpdatePlan
 from mooncake_rl.settings import Settings
-from mooncake_rl.store import StoreClient
 
 CARVE_BYTES = 512
 """CUDA's caching allocator rounds every block to 512 bytes."""
@@ -75,12 +76,15 @@ def serve_worker(
     """Commands, each as ``(sequence, command)``, answered ``(sequence, status, value)``:
     ("prepare", stages[, checksums]) -> description; ("run", batches or the index of a
     prepared stage, descriptions or None for the last ones sent) -> result; ("dump",
-    region) -> bytes; ("fill", {region: bytes}) -> None; ("delta", delta table, reads,
-    checksums) -> the in-place delta path's figures (:func:`take_delta`); ("land",) ->
-    landing figures; ("digest",) -> XXH3-64 of every parameter; ("stop",)."""
+    region) -> bytes; ("fill", {region: bytes}) -> None; ("delta_prepare", delta table,
+    reads, entry blocks, the planned fetch's batches) -> the description of the worker's
+    entry buffer; ("delta_fetch", descriptions), then ("delta_land", checksums) -> the
+    in-place delta path's figures (:class:`DeltaTaker`); ("land",) -> landing figures;
+    ("digest",) -> XXH3-64 of every parameter; ("stop",)."""
     params, slabs = _parameters(region_sizes, memory)
     received = _Received.laid_out(region_sizes, params, slabs, memory, order=())
     worker = ApplyWorker(settings, worker_id)
+    taker: DeltaTaker | None = None
     prepared: tuple = ()
     described: list[dict[str, Any]] = []
     try:
@@ -117,9 +121,15 @@ def serve_worker(
                             torch.frombuffer(bytearray(data), dtype=torch.uint8)
                         )
                     outbox.put((sequence, "ok", None))
-                elif command[0] == "delta":
-                    figures = take_delta(worker.store, received.buffers, *command[1:])
-                    outbox.put((sequence, "ok", figures))
+                elif command[0] == "delta_prepare":
+                    taker = taker or DeltaTaker(ApplyWorker(settings, worker_id))
+                    outbox.put((sequence, "ok", taker.prepare(*command[1:])))
+                elif command[0] == "delta_fetch":
+                    assert taker is not None, "delta_fetch before delta_prepare"
+                    outbox.put((sequence, "ok", taker.fetch(command[1])))
+                elif command[0] == "delta_land":
+                    assert taker is not None, "delta_land before delta_prepare"
+                    outbox.put((sequence, "ok", taker.land(received.buffers, command[1])))
                 elif command[0] == "land":
                     outbox.put((sequence, "ok", _land(received.landing, params, memory)))
                 elif command[0] == "digest":
@@ -140,6 +150,8 @@ def serve_worker(
                     )
                 )
     finally:
+        if taker is not None:
+            taker.worker.close()
         worker.close()
 
 
@@ -199,29 +211,65 @@ def _parameters(
     return params, [region_of("slab", slab)]
 
 
-def take_delta(
-    store: StoreClient,
-    regions: Mapping[str, torch.Tensor],
-    table: DeltaTable,
-    reads: Sequence[DeltaRead],
-    checksums: Mapping[str, ObjectChecksum],
-) -> dict[str, Any]:
-    """The in-place delta path on regions that hold the delta's base: fetch the entries,
-    then scatter them and check every box against N (:mod:`mooncake_rl.apply.delta`)."""
-    started = time.perf_counter()
-    changes = fetch(store, table, reads)
-    fetched = time.perf_counter()
-    scatter(changes, regions)
-    scattered = time.perf_counter()
-    checked = check(reads, regions, checksums)
-    return {
-        "fetch_seconds": fetched - started,
-        "scatter_seconds": scattered - fetched,
-        "check_seconds": time.perf_counter() - scattered,
-        "entry_bytes": changes.entry_bytes,
-        "changed_bytes": changes.changed_bytes,
-        "checked_bytes": checked,
-    }
+class DeltaTaker:
+    """The in-place delta path of a simulated worker whose regions hold the delta's base,
+    on an :class:`ApplyWorker` of its own (its one region: the entry buffer), in the steps
+    an engine takes (:mod:`engine_ext.delta`): prepare lays the buffer out and registers it;
+    fetch runs the planned stage (reads, and pushes to the peers that share entries); once
+    every worker fetched (the caller's barrier), land decodes, scatters and checks every
+    box against N (:mod:`mooncake_rl.apply.delta`)."""
+
+    def __init__(self, worker: ApplyWorker) -> None:
+        self.worker = worker
+        self.prepared: tuple[DeltaTable, Sequence[DeltaRead], Sequence[EntryBlock]] | None = None
+        self.batches: tuple[Batch, ...] = ()
+        self.entries = torch.empty(0, dtype=torch.uint8)
+
+    def prepare(
+        self,
+        table: DeltaTable,
+        reads: Sequence[DeltaRead],
+        blocks: Sequence[EntryBlock],
+        batches: Sequence[Batch],
+    ) -> dict[str, Any]:
+        self.entries = torch.empty(max(entry_offsets(blocks)[-1], 1), dtype=torch.uint8)
+        region = region_of(DELTA_REGION, self.entries)
+        self.worker.prepare(region, {DELTA_REGION: region}, [batches])
+        self.worker.promote()
+        self.prepared, self.batches = (table, reads, blocks), tuple(batches)
+        return self.worker.describe()
+
+    def fetch(self, descriptions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        before = COUNTERS.snapshot()
+        started = time.perf_counter()
+        peers = peers_from(descriptions, pushed_regions(self.batches, self.worker.worker_id))
+        self.worker.run_stage(self.batches, peers)
+        counters = COUNTERS.snapshot() - before
+        return {
+            "fetch_seconds": time.perf_counter() - started,
+            "store_read_bytes": counters.store_read_bytes,
+            "pushed_bytes": counters.te_pushed_bytes,
+        }
+
+    def land(
+        self, regions: Mapping[str, torch.Tensor], checksums: Mapping[str, ObjectChecksum]
+    ) -> dict[str, Any]:
+        assert self.prepared is not None, "land before prepare"
+        table, reads, blocks = self.prepared
+        started = time.perf_counter()
+        changes = decode(self.entries.numpy(), blocks, table, reads)
+        decoded = time.perf_counter()
+        scatter(changes, regions)
+        scattered = time.perf_counter()
+        checked = check(reads, regions, checksums)
+        return {
+            "decode_seconds": decoded - started,
+            "scatter_seconds": scattered - decoded,
+            "check_seconds": time.perf_counter() - scattered,
+            "entry_bytes": changes.entry_bytes,
+            "changed_bytes": changes.changed_bytes,
+            "checked_bytes": checked,
+        }
 
 
 def _land(

@@ -193,14 +193,14 @@ class Coordinator(EngineClient):
             )
             try:
                 survey = survey_targets(self, model, group, record, needed_now, options)
-                if survey.delta:  # paused from prepare on: out of rotation for the whole sync
-                    needed_delta = max(1, len(survey.delta) - (len(group) - needed_now))
-                    delta = functools.partial(self._sync_delta, survey, record, needed_delta)
-                    bracket(survey.delta, functools.partial(delta, options))
+                if survey.delta.engines:  # out of rotation for the landing alone
+                    in_place = survey.delta.engines
+                    needed_delta = max(1, len(in_place) - (len(group) - needed_now))
+                    self._sync_delta(survey, record, needed_delta, options, bracket)
                     needed_now = max(1, needed_now - len(survey.result.delta))
                 if options.pauses_at_prepare:  # out of rotation for the whole sync
                     sync = functools.partial(self._sync, survey, record, needed_now, options)
-                    rest = [u for u in group if u not in survey.delta]
+                    rest = [u for u in group if u not in survey.delta.workers]
                     result = bracket(rest, functools.partial(sync, _unbracketed))
                 else:  # out of rotation for the landing alone
                     result = self._sync(survey, record, needed_now, options, bracket)
@@ -273,11 +273,13 @@ class Coordinator(EngineClient):
         return result
 
     def _sync_delta(
-        self, survey: Survey, record: ActiveRecord, needed: int, options: Options
+        self, survey: Survey, record: ActiveRecord, needed: int, options: Options, landing: Bracket
     ) -> UpdateResult:
         """A delta generation on the engines that take it in place (``survey.delta``):
-        drain, prepare (each fetches its entries while it serves, then pauses), one apply
-        stage (the scatter and its check), commit."""
+        drain, prepare (each worker's entry buffer, its slice of the planned fetch), one
+        apply stage (entries read once from the Store and pushed between workers, while the
+        engines serve), commit (each decodes, then pauses to scatter and check) under
+        ``landing``."""
         result, phase = survey.result, survey.phase
         phase.restart()
         session = SessionLease(self, self.session_ttl_s)
@@ -289,22 +291,29 @@ class Coordinator(EngineClient):
             "mode": "direct",
             "in_place": True,
             "stages": 1,
-            "workers": {},
             "delta": {"base": record.base},
         }
         with session.holding(result):
             members = session.drain(
-                survey.delta, options.drain_mode, needed, result, target_of(record)
+                survey.delta.engines, options.drain_mode, needed, result, target_of(record)
             )
             phase("drain")
-            members, _, prepared = session.prepare(
-                members, lambda urls: None, lambda url, plan: body, needed, result, phase
+            members, fetch, prepared = session.prepare(
+                members,
+                lambda urls: survey.delta.plan(urls, options.batch_bytes),
+                lambda url, fetch: {**body, "workers": fetch.body(url)},
+                needed,
+                result,
+                phase,
             )
-            for reply in prepared.values():
-                result.in_place_bytes += reply.get("in_place_bytes", 0)
-            session.apply_delta(members, record, result)
+            session.apply_delta(members, fetch, advertised_peers(prepared), record, result)
             phase("apply")
-            session.commit(members, record, needed, result)
+
+            def land() -> UpdateResult:
+                session.commit(members, record, needed, result)
+                return result
+
+            landing(members, land)
             phase("commit")
             result.delta = [*result.delta, *(u for u in members if u in result.committed)]
         return result

@@ -26,6 +26,7 @@ from mooncake_rl.transport.sender import SenderLauncher
 from mooncake_rl.transport.topology import Classification
 
 if TYPE_CHECKING:
+    from mooncake_rl.coordinator.delta import DeltaFetch
     from mooncake_rl.coordinator.orchestration import Coordinator
 
 P = TypeVar("P")
@@ -246,21 +247,37 @@ class SessionLease:
                 raise UpdateFailed(result)
             self._coordinator._progress(f"stage {stage}")
 
-    def apply_delta(self, members: list[str], record: ActiveRecord, result: UpdateResult) -> None:
-        """A delta's one stage: every engine writes its changes into live parameters."""
-        body = {"session": self.id, "generation": record.generation, "stage": 0, "peers": {}}
-        applied, failed = self._coordinator._all(
-            members, "POST", "apply", {u: body for u in members}
-        )
+    def apply_delta(
+        self,
+        members: list[str],
+        fetch: DeltaFetch,
+        peers: dict[str, dict[str, Any]],
+        record: ActiveRecord,
+        result: UpdateResult,
+    ) -> None:
+        """A delta's one stage, while the engines serve: every entry read from the Store
+        once and pushed to the other workers that need it (nothing live is written)."""
+        bodies = {
+            url: {
+                "session": self.id,
+                "generation": record.generation,
+                "stage": 0,
+                "peers": fetch.peers(url, peers),
+            }
+            for url in members
+        }
+        applied, failed = self._coordinator._all(members, "POST", "apply", bodies)
         for reply in applied.values():
             for worker in reply["workers"]:
                 result.store_read_bytes += worker["store_read_bytes"]
+                result.pushed_bytes += worker["pushed_bytes"]
                 result.delta_bytes += worker["store_read_bytes"]
-        if failed:  # live parameters were written: released engines rebuild (result.rebuild)
+        if failed:  # nothing live was written: released engines serve the base
             self.release(sorted(self.held))
             left_out(result, failed)
-            result.error = "delta apply failed: " + "; ".join(str(e) for e in failed.values())
+            result.error = "delta fetch failed: " + "; ".join(str(e) for e in failed.values())
             raise UpdateFailed(result)
+        self._coordinator._progress("stage 0")
 
     def commit(
         self,

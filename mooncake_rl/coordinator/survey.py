@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mooncake_rl.coordinator.delta import delta_targets
+from mooncake_rl.coordinator.delta import InPlaceDelta, delta_targets
 from mooncake_rl.coordinator.result import (
     UpdateFailed,
     UpdateResult,
@@ -100,8 +100,9 @@ class Survey:
     planned: UpdatePlan | None = None
     # Each target's prepare-body ``workers`` under ``planned``, encoded before the drain.
     encoded: dict[str, bytes] = field(default_factory=dict)
-    # A delta generation: the engines taking it in place (not in ``targets``, unplanned).
-    delta: list[str] = field(default_factory=list)
+    # A delta generation: the engines taking it in place (not in ``targets``; their fetch
+    # is planned apart, :mod:`mooncake_rl.plan.delta`).
+    delta: InPlaceDelta = field(default_factory=InPlaceDelta)
 
     def plan(self, urls: Sequence[str]) -> UpdatePlan:
         """The plan for ``urls``: the one made before the drain when every target drained,
@@ -225,7 +226,7 @@ def survey_targets(
     in_place_delta, result.delta_refused = delta_targets(
         coordinator, record, manifest, checksums, table, placements, targets, options
     )
-    targets = [u for u in targets if u not in in_place_delta]
+    targets = [u for u in targets if u not in in_place_delta.workers]
     mixed = chosen is TransportMode.AUTO and coordinator.store.settings.assert_mixed_transport
     if mixed:
         require_mixed(classification)
@@ -252,7 +253,7 @@ def survey_targets(
         if mode == "direct" and described:
             learn_pack_order(coordinator.store, model, described)
         targets = [u for u in targets if u not in failed]
-        require_enough(result, [*targets, *in_place_delta], needed, "placement")
+        require_enough(result, [*targets, *in_place_delta.engines], needed, "placement")
     if chosen is not TransportMode.STORE or mode != "direct":
         learn_pack_order(coordinator.store, model, {})
     phase("placement")
