@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine_ext.adapting import AdaptingWorker
 from engine_ext.admission import RequestRefused
 from engine_ext.delta import DeltaWorker
 from engine_ext.loading import mark_served, served_record, store_weights
@@ -30,7 +31,7 @@ from engine_ext.written import unwritten
 from mooncake_rl.generations.catalog import ROLLOUT_DTYPES
 
 
-class LandingWorker(DeltaWorker):
+class LandingWorker(DeltaWorker, AdaptingWorker):
     """The worker's ``expect``, ``commit`` and ``rebuild``."""
 
     def _require_landable(self, state: UpdateState, generation: int) -> None:
@@ -75,6 +76,8 @@ class LandingWorker(DeltaWorker):
         state = self._state(engine_id)
         self._require_landable(state, generation)
         state.settle(keep=True)
+        if state.adapter is not None:
+            return self._commit_adapter(engine_id, state)
         # The reference and the comparison run on one thread (the stage thread): the check
         # compares GEMM outputs bit for bit, so nothing but the weights may differ.
         if state.check is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine_ext.adapting import AdaptingWorker
 from engine_ext.admission import (
     PeerBook,
     RequestRefused,
@@ -47,7 +48,7 @@ from mooncake_rl.plan.demand import COMPAT_REGION, FALLBACK_REGION, STAGING_REGI
 from mooncake_rl.protocol import PLACEMENT_DIGEST, PrepareRequest
 
 
-class PreparingWorker(DeltaWorker):
+class PreparingWorker(DeltaWorker, AdaptingWorker):
     """The worker's ``prepare`` and, once every rank prepared, ``promote``."""
 
     def _prepare(self, engine_id: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +62,8 @@ class PreparingWorker(DeltaWorker):
             return self._prepare_reception(engine_id, state, parsed(PrepareRequest, request))
         if isinstance(request, Mapping) and request.get("delta") is not None:
             return self._prepare_delta(engine_id, state, request)
+        if isinstance(request, Mapping) and request.get("adapter"):
+            return self._prepare_adapter(engine_id, state, request)
         call, raw = prepare_request(request, state.apply.worker_id)
         try:
             worker_slice = decode_slice(raw["slice"])

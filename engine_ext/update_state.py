@@ -27,6 +27,7 @@ from mooncake_rl.protocol import PrepareRequest
 from mooncake_rl.settings import Settings
 
 if TYPE_CHECKING:
+    from engine_ext.adapting import BuiltAdapter
     from engine_ext.delta import DeltaReception
     from engine_ext.landing import LandingCheck
 
@@ -63,6 +64,8 @@ class UpdateState:
         self.reception: Reception | None = None
         # A delta taken in place (``engine_ext.delta``): its reads, fetched changes, checksums.
         self.delta: DeltaReception | None = None
+        # An adapter generation built for commit (``engine_ext.adapting``).
+        self.adapter: BuiltAdapter | None = None
         self.received: torch.Tensor | None = None
         self.membership = Membership()
         # The last apply stage started, moving bytes on its own thread; ``collect`` answers
@@ -94,7 +97,12 @@ class UpdateState:
 
     @property
     def pending(self) -> bool:
-        return self.slice is not None or self.reception is not None or self.delta is not None
+        return (
+            self.slice is not None
+            or self.reception is not None
+            or self.delta is not None
+            or self.adapter is not None
+        )
 
     def settle(self, keep: bool = False) -> None:
         """Wait out a running stage: nothing may deregister or reuse staging while a stage
@@ -111,7 +119,7 @@ class UpdateState:
         if self.session is not None and self.slice is not None:  # a Store-path advert
             withdraw(self.apply.store, self.session, self.apply.worker_id)
         self.slice = self.generation = self.session = self.peers = self.reception = None
-        self.delta = None
+        self.delta = self.adapter = None
         self.check = self.canary = None
         self.stages = self.ran = 0
         self.in_place = {}

@@ -130,24 +130,6 @@ class WorkerBase(ABC):
             [n for n in reference if n not in live],
         )
 
-    def _adapter(self, engine_id: str, model: str, generation: int | None) -> dict[str, Any]:
-        """Make generation ``generation`` (None: the active one) of LoRA adapter ``model``
-        resident beside the base (engines with a LoRA manager override it)."""
-        raise self._no_lora()
-
-    def _evict_adapter(self, engine_id: str, generation: int) -> dict[str, Any]:
-        raise self._no_lora()
-
-    def _no_lora(self) -> Exception:
-        from engine_ext.admission import RequestRefused
-
-        return RequestRefused(
-            409,
-            "lora_unsupported",
-            f"{type(self).__name__} does not load LoRA adapters from the Store (only vLLM's "
-            "worker does, docs/lora.md)",
-        )
-
     # -- shared by the steps ----------------------------------------------------------
     def _state(self, engine_id: str) -> UpdateState:
         if self._update is None:

@@ -317,6 +317,11 @@ class PrepareRequest(SessionRequest):
         description="direct mode: receive into live parameters that need no post-load "
         "processing (no staging copy; an update that then fails costs a rebuild)",
     )
+    adapter: bool = Field(
+        False,
+        description="a LoRA adapter generation (model: the adapter's name), made resident "
+        "beside the base at commit: no slices, no stages",
+    )
     delta: DeltaWire | None = Field(
         None,
         description="a delta generation's changes, written into live parameters (workers: "
@@ -329,6 +334,13 @@ class PrepareRequest(SessionRequest):
             raise ValueError(
                 "a broadcast or CPU-serialized delivery carries no routing slices and lands "
                 "full tensors (mode compat)"
+            )
+        if self.adapter and (
+            self.workers or self.receive is not None or self.delta is not None or self.stages
+        ):
+            raise ValueError(
+                "an adapter generation carries no routing slices, transport or delta, and "
+                "runs no apply stage (stages: 0)"
             )
         if self.delta is not None and (
             self.receive is not None

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import xxhash
 
 from mooncake_rl.errors import ConfigurationError
 from mooncake_rl.generations.lora import AdapterRecord, load_adapter_record
@@ -81,6 +82,35 @@ def adapter_model(
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
     )
+
+
+def lora_digest(lora: Any) -> str:
+    """XXH3-64 over an adapter's weights as vLLM holds them: every module's A and B (a
+    packed module's list of them, a missing slice named), in module order, with its
+    scaling."""
+    digest = xxhash.xxh3_64()
+    for name in sorted(lora.loras):
+        weights = lora.loras[name]
+        digest.update(f"{name}:{weights.scaling}".encode())
+        for part in (weights.lora_a, weights.lora_b):
+            for tensor in part if isinstance(part, list) else [part]:
+                if tensor is None:
+                    digest.update(b"-")
+                    continue
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def merged_digest(manager: Any, fresh: Any) -> str:
+    """The digest a resident adapter must have: ``fresh`` (a build of its own) merged into
+    packed modules as the manager merges every adapter it adds."""
+    manager._adapter_manager._create_merged_loras_inplace(fresh)
+    return lora_digest(fresh)
+
+
+def held_adapter(manager: Any, lora_id: int) -> Any:
+    """The ``LoRAModel`` the manager holds under ``lora_id`` (None: none)."""
+    return manager._adapter_manager.get_adapter(lora_id)
 
 
 def make_resident(manager: Any, lora: Any) -> None:

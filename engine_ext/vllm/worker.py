@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine_ext.adapting import BuiltAdapter
 from engine_ext.placement import RegionSpec
 from engine_ext.shards import ShardSpec
 from engine_ext.vllm.placement import describe_vllm_shards, holds_kv_cache_scales
@@ -31,7 +32,7 @@ from engine_ext.worker_base import (
     live_receivers,
     same_bytes,
 )
-from mooncake_rl.errors import ConfigurationError
+from mooncake_rl.store import StoreClient
 
 
 class VllmUpdateWorker(UpdateWorker):
@@ -246,48 +247,47 @@ class VllmUpdateWorker(UpdateWorker):
             )
         self._reset_runner_caches()
 
-    def _adapter(self, engine_id: str, model: str, generation: int | None) -> dict[str, Any]:
-        """Read generation ``generation`` (None: the active one) of LoRA adapter ``model``
-        from the Store (refused unless it binds the base this engine serves, and fits
-        ``--max-lora-rank`` and the modules vLLM can adapt) and make it resident and pinned
-        in vLLM's LoRA manager."""
-        from engine_ext.admission import RequestRefused
-        from engine_ext.loading import served_by
+    def build_adapter(
+        self, store: StoreClient, model: str, generation: int, serves: tuple[str, int]
+    ) -> BuiltAdapter:
+        """vLLM's ``LoRAModel`` of the adapter (refused unless it fits ``--max-lora-rank``
+        and the modules vLLM can adapt), and the digest of a second build merged as the
+        manager merges what it adds (:func:`engine_ext.vllm.lora.merged_digest`)."""
         from engine_ext.vllm.lora import (
             adapter_id,
             adapter_model,
-            make_resident,
+            merged_digest,
             read_adapter_generation,
-            resident,
         )
-        from mooncake_rl.generations.registry import require_active
 
         manager = self._lora_manager()
-        served, name = served_by(self.model())
-        store = self.store(engine_id)
-        try:
-            if generation is None:
-                generation = require_active(store, model, "no adapter to load").generation
-            record, tensors = read_adapter_generation(
-                store, model, generation, (name or "", served.generation)
-            )
-            lora = adapter_model(manager, record, tensors, adapter_id(generation))
-        except ConfigurationError as refused:
-            raise RequestRefused(409, "adapter_refused", str(refused)) from refused
-        make_resident(manager, lora)
-        return {
-            "adapter": model,
-            "generation": generation,
-            "adapter_bytes": sum(t.nbytes for t in tensors.values()),
-            "resident": sorted(resident(manager)),
-        }
+        record, tensors = read_adapter_generation(store, model, generation, serves)
+        lora = adapter_model(manager, record, tensors, adapter_id(generation))
+        fresh = adapter_model(manager, record, tensors, adapter_id(generation))
+        return BuiltAdapter(
+            generation,
+            lora,
+            merged_digest(manager, fresh),
+            sum(t.nbytes for t in tensors.values()),
+        )
 
-    def _evict_adapter(self, engine_id: str, generation: int) -> dict[str, Any]:
+    def land_adapter(self, built: BuiltAdapter) -> None:
+        from engine_ext.vllm.lora import make_resident
+
+        make_resident(self._lora_manager(), built.adapter)
+
+    def resident_adapter(self, generation: int) -> str | None:
+        from engine_ext.vllm.lora import adapter_id, held_adapter, lora_digest
+
+        held = held_adapter(self._lora_manager(), adapter_id(generation))
+        return None if held is None else lora_digest(held)
+
+    def evict_adapter(self, generation: int) -> list[int]:
         from engine_ext.vllm.lora import adapter_id, evict, resident
 
         manager = self._lora_manager()
         evict(manager, adapter_id(generation))
-        return {"resident": sorted(resident(manager))}
+        return sorted(resident(manager))
 
     def _lora_manager(self) -> Any:
         from engine_ext.admission import RequestRefused
