@@ -29,7 +29,7 @@ import torch
 from mooncake.reshard.weight import StoredFragment, WeightManifest
 
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.chain import DeltaTable, checked_entry, delta_key
+from mooncake_rl.generations.chain import DeltaTable, block_tensors, checked_entry, delta_key
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.packing import tensor_checksum_key
 from mooncake_rl.store import RangeRead, StoreClient
@@ -52,7 +52,8 @@ class Box(Protocol):
 @dataclass(frozen=True)
 class DeltaRead:
     """Bytes ``offset``..``offset + length`` of payload ``key`` are region ``region``'s
-    bytes from ``dst_offset`` on, and ``checksum_key`` checks exactly them."""
+    bytes from ``dst_offset`` on, ``checksum_key`` checks exactly them, and they are bytes
+    of ``tensor`` (what a refused entry names)."""
 
     key: str
     offset: int
@@ -60,6 +61,7 @@ class DeltaRead:
     region: str
     dst_offset: int
     checksum_key: str
+    tensor: str
 
 
 def delta_reads(
@@ -96,6 +98,7 @@ def delta_reads(
                     box.region,
                     dst_offset,
                     check_key,
+                    box.tensor,
                 )
             )
     return reads
@@ -172,16 +175,16 @@ def fetch(store: StoreClient, table: DeltaTable, reads: Sequence[DeltaRead]) -> 
         finally:
             store.unregister(buffer.data_ptr())
     data = buffer.numpy()
+    pieces = [(r.tensor, r.key, r.offset, r.length) for r in reads]
     # Per object: the changed elements' byte offsets and their bytes, in object order.
     changed: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = defaultdict(list)
     for (key, blocks, lo, _), read in zip(ranges, plan, strict=True):
         row = table.objects[key]
-        spans, entries = row.spans(), row.entries()
+        spans, entries, tensors = row.spans(), row.entries(), block_tensors(pieces, key)
         for block in blocks:
             start, end = entries[block]
             entry = data[read.dst_offset + start - lo : read.dst_offset + end - lo]
-            where = f"{key} bytes {spans[block][0]}..{spans[block][1]}"
-            delta, positions = checked_entry(entry, row.hashes[block], where)
+            delta, positions = checked_entry(entry, key, row, block, spans[block], tensors)
             values = np.frombuffer(delta.values, np.uint8).reshape(-1, delta.itemsize)
             if delta.encoding == "whole":
                 values = values[positions]
