@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,9 +22,9 @@ from mooncake_rl.generations.chain import (
     entry_hash,
 )
 from mooncake_rl.generations.checksums import BLOCK_BYTES
-from mooncake_rl.generations.delta import ENCODINGS, HEADER, MAGIC
+from mooncake_rl.generations.delta import ENCODINGS, HEADER, MAGIC, decode_changes
 from mooncake_rl.generations.gc import plan_gc
-from mooncake_rl.generations.records import FenceError, GenerationInfo, Lineage
+from mooncake_rl.generations.records import FenceError, GenerationInfo, Lineage, seal
 
 
 @st.composite
@@ -90,6 +93,77 @@ def test_an_entry_outside_its_block_is_refused() -> None:
     forged_row = ObjectDelta(64, (len(forged),), (entry_hash(forged),))
     with pytest.raises(CorruptDelta, match="changes element 64 of 64"):
         apply_object(base.copy(), forged, forged_row, "k")
+
+
+@settings(max_examples=150, deadline=None)
+@given(object_pairs())
+def test_declared_extents_are_what_each_entry_writes_and_round_trip(case) -> None:  # type: ignore[no-untyped-def]
+    base, new, itemsize, cuts = case
+    blob, row = delta_object(base, new, itemsize, cuts)
+    for (lo, hi), extent in zip(row.entries(), row.extents, strict=True):
+        delta, positions = decode_changes(blob[lo:hi])
+        assert delta.itemsize == row.itemsize
+        assert extent == (len(positions), int(positions[-1]) if len(positions) else -1)
+    assert row.problems() == []
+    assert ObjectDelta.from_json(json.loads(json.dumps(asdict(row)))) == row
+    table = DeltaTable(1, 1, {"m/g2/payload/w": row})
+    assert DeltaTable.decode(table.encode()) == table
+
+
+def test_a_table_from_before_extents_decodes_and_its_entries_are_checked_at_load() -> None:
+    base = np.arange(4096, dtype=np.uint16)
+    new = base.copy()
+    new[::50] += 1
+    blob, row = delta_object(base, new, 2)
+    old = {k: v for k, v in asdict(row).items() if k not in ("itemsize", "extents")}
+    table = DeltaTable.decode(seal({"base": 1, "keyframe": 1, "objects": {"k": old}}))
+    legacy = table.objects["k"]
+    assert (legacy.itemsize, legacy.extents, legacy.problems()) == (0, (), [])
+    target = base.view(np.uint8).copy()
+    apply_object(target, blob, legacy, "k")
+    assert target.tobytes() == new.tobytes()
+
+
+def test_an_extent_outside_its_block_or_its_entry_is_found_without_reading_it() -> None:
+    base = np.zeros(1000, np.uint16)
+    new = base.copy()
+    new[[3, 700]] = 1
+    _, row = delta_object(base, new, 2, (1000,))  # blocks of 500 elements: 3 | 200
+    assert row.extents == ((1, 3), (1, 200))
+    cases = {
+        ((1, 3), (1, 500)): "declares a change at element 500, outside its 500 elements",
+        ((1, 3), (2, 0)): "declares 2 changed elements up to element 0",
+        ((1, 3), (0, 200)): "declares 0 changed elements up to element 200",
+        ((1, 3), (3, 200)): "has an entry of 32 bytes, which no encoding fills with 3 of its "
+        "500 2-byte elements",
+    }
+    for extents, why in cases.items():
+        assert replace(row, extents=extents).problems() == [(1, why)]
+    for bad in [{"extents": ((1, 3),)}, {"itemsize": 3}, {"extents": ((1, 3), (-1, 200))}]:
+        with pytest.raises(InvariantViolation, match="extents"):
+            replace(row, **bad)
+
+
+def test_an_entry_that_writes_other_than_its_declared_extent_or_block_is_refused_at_load() -> None:
+    base = np.zeros(64, np.uint8)
+    new = base.copy()
+    new[[5, 9]] = 1
+    blob, row = delta_object(base, new, 1)
+    assert row.extents == ((2, 9),)
+    understated = replace(row, extents=((2, 8),))
+    with pytest.raises(CorruptDelta) as refused:
+        apply_object(base.copy(), blob, understated, "k", lambda start, end: ["w", "b"])
+    assert refused.type is CorruptDelta
+    assert str(refused.value).startswith(
+        "delta of k bytes 0..64 (tensors w, b): its entry writes 2 1-byte elements up to "
+        "element 9, the delta table declares 2 1-byte elements up to element 8; the publisher "
+        "wrote a malformed delta: publish a keyframe"
+    )
+    # A well-hashed entry of 32 elements for a block of 64: it would leave half unwritten.
+    short = HEADER.pack(MAGIC, ENCODINGS.index("gaps16"), 1, 32, 1) + b"\5\0\1"
+    short_row = ObjectDelta(64, (len(short),), (entry_hash(short),))
+    with pytest.raises(CorruptDelta, match="covers 32 elements of 1 bytes, not the block's 64"):
+        apply_object(base.copy(), short, short_row, "k")
 
 
 def test_delta_table_round_trips_and_refuses_a_bad_keyframe() -> None:

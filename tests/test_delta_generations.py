@@ -5,30 +5,45 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from mooncake_rl.apply.delta import DeltaUnavailable, check, delta_reads, fetch, scatter
 from mooncake_rl.coordinator.delta import BoxRow
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations import GenerationRegistry, fp8
+from mooncake_rl.generations import GenerationRegistry, fp8, publisher
 from mooncake_rl.generations.assignment import TrainerTopology
 from mooncake_rl.generations.chain import (
     CorruptDelta,
     DeltaPolicy,
     chain_of,
     delta_key,
+    entry_hash,
     load_delta_table,
+    manifest_tensors,
+    object_reader,
     realize_generation,
 )
 from mooncake_rl.generations.commands import verify_generation
+from mooncake_rl.generations.delta import HEADER, decode_changes
 from mooncake_rl.generations.gc import collect_garbage
-from mooncake_rl.generations.keys import group_id, payload_prefix
-from mooncake_rl.generations.packing import object_extents
+from mooncake_rl.generations.keys import (
+    checksums_key,
+    deltas_key,
+    group_id,
+    manifest_key,
+    payload_prefix,
+    report_key,
+)
+from mooncake_rl.generations.packing import is_pack_key, object_extents
 from mooncake_rl.generations.publisher import (
     GenerationPublisher,
     LastPublished,
+    PublishFailed,
+    abort_generation,
     finalize_generation,
     publish_local,
     start_attempt,
@@ -201,12 +216,134 @@ def test_a_corrupted_delta_is_found_by_verify_and_refused_by_readers(store: Stor
     assert not report["ok"]
     assert report["problems"] == [
         f"corrupted delta: delta of {key} bytes {table.objects[key].spans()[-1][0]}.."
-        f"{table.objects[key].nbytes} does not match its published hash: the Store holds "
-        "corrupted bytes; publish a keyframe, or `mooncake-rl activate` a generation "
-        "`mooncake-rl verify` passes"
+        f"{table.objects[key].nbytes} (tensor embed.weight) does not match its published hash: "
+        "the Store holds corrupted bytes; publish a keyframe, or `mooncake-rl activate` a "
+        "generation `mooncake-rl verify` passes"
     ]
     with pytest.raises(CorruptDelta, match=key):
         loaded(store, model)
+
+
+def test_a_delta_table_declaring_a_change_outside_a_block_is_refused_at_announce(
+    store: StoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The announce reads no entry, but refuses a row whose declared extent leaves its
+    block, naming the object, the block and its tensor; it writes nothing, and the
+    attempt's abort then removes the delta objects."""
+    model, policy = "delta-extent-announce", DeltaPolicy()
+    publish_local(store, model, policy_weights(11).items(), delta=policy, pack_bytes=SMALL_PACKS)
+    generation, attempt = start_attempt(store, model)
+    writer = GenerationPublisher(
+        store,
+        model,
+        generation,
+        0,
+        TrainerTopology.single("node0"),
+        attempt=attempt,
+        pack_bytes=SMALL_PACKS,
+        delta_base=(1, 1),
+    )
+    report = writer.publish(step(policy_weights(11), 1e-6, 12).items())
+    key = payload_prefix(writer.group) + "mlp.weight"  # stored alone: one 192 KiB block
+    rows = dict(report.deltas)
+    count, _ = rows[key].extents[0]
+    rows[key] = replace(rows[key], extents=((count, 384 * 256),))  # one past its last element
+    forged = replace(report, deltas=tuple(rows.items()))
+    store.upsert_bytes(report_key(writer.group, 0), forged.encode())
+    monkeypatch.setattr(publisher, "abort_generation", lambda *args: None)  # see what's left
+    with pytest.raises(PublishFailed) as refused:
+        finalize_generation(writer, forged)
+    assert refused.type is PublishFailed
+    assert (
+        f"cannot announce: 1 payload problem(s), first: the delta table's block 0 of {key} "
+        f"(bytes 0..{384 * 256 * 2}, tensor mlp.weight) declares a change at element "
+        f"{384 * 256}, outside its {384 * 256} elements: the publisher wrote a malformed delta; "
+        "republish this generation as a keyframe (a full generation)"
+    ) in str(refused.value)
+    registry = GenerationRegistry(store, model)
+    assert registry.active().newest == 1  # type: ignore[union-attr]
+    assert [g.generation for g in registry.generations()] == [1]
+    group = writer.group
+    assert (
+        store.exists([manifest_key(group), checksums_key(group), deltas_key(group)]) == [False] * 3
+    )
+    abort_generation(store, model, generation, attempt)
+    written = [delta_key(k) for k in rows]
+    assert store.exists(written) == [False] * len(written)
+
+
+def forge_past_declared(store: StoreClient, model: str, generation: int) -> tuple[str, int]:
+    """Move the last change of a gaps16 entry (of a pack, where one has such an entry) one
+    element on, within its block, and record the forged entry's hash in the delta table,
+    its declared extent left as it was: (object, block)."""
+    table = load_delta_table(store, model, generation)
+    assert table is not None
+    group = group_id(model, generation)
+    for key in sorted(table.objects, key=lambda k: not is_pack_key(group, k)):
+        row, blob = table.objects[key], bytearray(store.get_bytes(delta_key(key)))
+        for block, (lo, hi) in enumerate(row.entries()):
+            delta, positions = decode_changes(bytes(blob[lo:hi]))
+            if (
+                delta.encoding == "gaps16"
+                and len(positions) > 0
+                and positions[-1] + 1 < delta.numel
+            ):
+                gaps = np.frombuffer(blob, np.uint16, delta.changed, lo + HEADER.size)
+                if gaps[-1] == np.iinfo(np.uint16).max:
+                    continue
+                gaps[-1] += 1
+                hashes = list(row.hashes)
+                hashes[block] = entry_hash(bytes(blob[lo:hi]))
+                forged = replace(row, hashes=tuple(hashes))
+                objects = {**table.objects, key: forged}
+                store.upsert_bytes(deltas_key(group), replace(table, objects=objects).encode())
+                assert not store.remove([delta_key(key)], force=True)
+                store.put_tensor(delta_key(key), torch.frombuffer(blob, dtype=torch.uint8))
+                return key, block
+    raise AssertionError("no gaps16 entry to forge")
+
+
+def test_an_entry_writing_past_its_declared_extent_is_refused_at_load_naming_its_tensor(
+    store: StoreClient,
+) -> None:
+    """Well hashed, inside its block, but past what the table declared: every reader
+    (the chain's object reader, realize, an engine's in-place fetch) refuses it, naming
+    the object, the block and the tensor of the element past the declared extent."""
+    model, policy = "delta-extent-load", DeltaPolicy()
+    publish_local(store, model, policy_weights(13).items(), delta=policy, pack_bytes=SMALL_PACKS)
+    new_weights = step(policy_weights(13), 1e-6, 14)
+    record = publish_local(store, model, new_weights.items(), delta=policy, pack_bytes=SMALL_PACKS)
+    key, block = forge_past_declared(store, model, record.generation)
+    registry = GenerationRegistry(store, model)
+    manifest = registry.load_manifest(record.generation)
+    table = load_delta_table(store, model, record.generation)
+    assert table is not None
+    start, end = table.objects[key].spans()[block]
+    count, last = table.objects[key].extents[block]
+    assert len(manifest_tensors(manifest, key)(start, end)) > 1  # a pack
+    at = start + (last + 1) * 2  # the element past the declared extent, in one tensor
+    (tensor,) = manifest_tensors(manifest, key)(at, at + 2)
+    refusal = (
+        f"delta of {key} bytes {start}..{end} (tensor {tensor}): its entry writes {count} "
+        f"2-byte elements up to element {last + 1}, the delta table declares {count} 2-byte "
+        f"elements up to element {last}; the publisher wrote a malformed delta"
+    )
+    checksums = registry.load_checksums(record.generation, record.checksums_digest)
+    boxes = [
+        BoxRow(t.tensor_id, (0,) * len(t.global_shape), tuple(t.global_shape), t.tensor_id, 0)
+        for t in manifest.tensors
+    ]
+    reads = delta_reads(manifest, checksums.objects, table, boxes, {b.region for b in boxes})
+    for read in (
+        lambda: object_reader(store, model, record.generation)(key),
+        lambda: fetch(store, table, reads),
+        lambda: realize_generation(store, model, record.generation, checksums),
+    ):
+        with pytest.raises(CorruptDelta) as refused:
+            read()
+        assert refused.type is CorruptDelta
+        assert str(refused.value).startswith(refusal), str(refused.value)
+    assert not store.exists([key])[0]  # never realized
 
 
 def test_gc_keeps_the_chain_behind_the_active_generation(store: StoreClient) -> None:

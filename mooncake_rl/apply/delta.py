@@ -31,7 +31,7 @@ from mooncake.reshard.weight import StoredFragment, WeightManifest
 
 from mooncake_rl.apply.coalesce import coalesced_reads
 from mooncake_rl.errors import InvariantViolation
-from mooncake_rl.generations.chain import DeltaTable, checked_entry, delta_key
+from mooncake_rl.generations.chain import DeltaTable, block_tensors, checked_entry, delta_key
 from mooncake_rl.generations.checksums import ObjectChecksum
 from mooncake_rl.generations.packing import tensor_checksum_key
 from mooncake_rl.plan.delta import EntryBlock, entry_blocks, entry_offsets
@@ -55,7 +55,8 @@ class Box(Protocol):
 @dataclass(frozen=True)
 class DeltaRead:
     """Bytes ``offset``..``offset + length`` of payload ``key`` are region ``region``'s
-    bytes from ``dst_offset`` on, and ``checksum_key`` checks exactly them."""
+    bytes from ``dst_offset`` on, ``checksum_key`` checks exactly them, and they are bytes
+    of ``tensor`` (what a refused entry names)."""
 
     key: str
     offset: int
@@ -63,6 +64,7 @@ class DeltaRead:
     region: str
     dst_offset: int
     checksum_key: str
+    tensor: str
 
 
 def delta_reads(
@@ -99,6 +101,7 @@ def delta_reads(
                     box.region,
                     dst_offset,
                     check_key,
+                    box.tensor,
                 )
             )
     return reads
@@ -177,17 +180,20 @@ def decode(
     table: DeltaTable,
     reads: Sequence[DeltaRead],
 ) -> DeltaChanges:
-    """The entries in ``buffer`` (laid out by ``blocks``), each hash-checked and decoded
-    (:class:`CorruptDelta` names the first that is not what the table says: corrupt in the
-    Store, or never delivered), keeping the changes that fall inside each read."""
+    """The entries in ``buffer`` (laid out by ``blocks``), each checked against its hash and
+    its declared extent, and decoded (:class:`CorruptDelta` names the first that is not
+    what the table says: corrupt in the Store, or never delivered), keeping the changes
+    that fall inside each read."""
+    pieces = [(r.tensor, r.key, r.offset, r.length) for r in reads]
     # Per object: the changed elements' byte offsets and their bytes, in object order.
     changed: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = defaultdict(list)
+    spans = {key: table.objects[key].spans() for key in {b.key for b in blocks}}
     for block, at in zip(blocks, entry_offsets(blocks)[:-1], strict=True):
         row = table.objects[block.key]
-        span = row.spans()[block.block]
+        span = spans[block.key][block.block]
         entry = buffer[at : at + block.length]
-        where = f"{block.key} bytes {span[0]}..{span[1]}"
-        delta, positions = checked_entry(entry, row.hashes[block.block], where)
+        tensors = block_tensors(pieces, block.key)
+        delta, positions = checked_entry(entry, block.key, row, block.block, span, tensors)
         values = np.frombuffer(delta.values, np.uint8).reshape(-1, delta.itemsize)
         if delta.encoding == "whole":
             values = values[positions]

@@ -27,16 +27,25 @@ import torch
 import xxhash
 from mooncake.reshard.weight import WeightManifest
 
-from mooncake_rl.errors import InvariantViolation, ObjectNotFound
+from mooncake_rl.errors import InvariantViolation, MooncakeRLError, ObjectNotFound
 from mooncake_rl.generations.checksums import ChecksumTable, block_spans
 from mooncake_rl.generations.delta import (
+    WORDS,
     TensorDelta,
     apply_delta,
+    changed_positions,
     decode_changes,
     diff,
     encode,
+    entry_holds,
 )
-from mooncake_rl.generations.keys import delta_prefix, deltas_key, group_id, payload_prefix
+from mooncake_rl.generations.keys import (
+    delta_prefix,
+    deltas_key,
+    group_id,
+    manifest_key,
+    payload_prefix,
+)
 from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.records import (
     FenceError,
@@ -55,7 +64,14 @@ DEFAULT_DELTA_FRACTION = 0.5
 
 
 class CorruptDelta(InvariantViolation):
-    """A delta entry whose bytes do not match its published hash, or do not decode."""
+    """A delta entry whose bytes do not match its published hash, do not decode, or write
+    other than its block or what the delta table declares."""
+
+
+REPUBLISH = (
+    "the publisher wrote a malformed delta: publish a keyframe (a full generation), or "
+    "`mooncake-rl activate` a generation `mooncake-rl verify` passes"
+)
 
 
 def entry_hash(data: bytes | memoryview | np.ndarray) -> str:
@@ -75,6 +91,13 @@ class ObjectDelta:
     fresh: bool = False
     """The object is new in this generation (or resized): every entry holds its block
     whole and no base object is read."""
+    itemsize: int = 0
+    """The entries' element size in bytes; 0 in a table from before extents were kept."""
+    extents: tuple[tuple[int, int], ...] = ()
+    """Per block, what its entry writes: (elements, position of the last one; -1: none),
+    in ``itemsize``-byte elements, a whole entry writing its block. Lets an announce refuse
+    an entry that would write outside its block without reading it (:meth:`problems`);
+    empty where unknown (an older table: its entries are checked at load only)."""
 
     def __post_init__(self) -> None:
         blocks = len(self.spans())
@@ -85,6 +108,15 @@ class ObjectDelta:
             )
         if any(b <= a for a, b in itertools.pairwise((0, *self.ends))):
             raise InvariantViolation(f"delta entry ends {self.ends} are not increasing")
+        if self.itemsize == 0 and not self.extents:
+            return
+        if self.itemsize not in WORDS or len(self.extents) != blocks:
+            raise InvariantViolation(
+                f"a delta of {blocks} blocks in {self.itemsize}-byte elements declares "
+                f"{len(self.extents)} extents"
+            )
+        if any(count < 0 or last < -1 for count, last in self.extents):
+            raise InvariantViolation(f"delta extents {self.extents} are negative")
 
     @classmethod
     def from_json(cls, row: Mapping[str, Any]) -> ObjectDelta:
@@ -94,6 +126,8 @@ class ObjectDelta:
             tuple(row["hashes"]),
             tuple(row["cuts"]),
             bool(row["fresh"]),
+            int(row.get("itemsize", 0)),
+            tuple((int(count), int(last)) for count, last in row.get("extents", ())),
         )
 
     def spans(self) -> list[tuple[int, int]]:
@@ -107,6 +141,37 @@ class ObjectDelta:
     @property
     def delta_bytes(self) -> int:
         return self.ends[-1]
+
+    def problems(self) -> list[tuple[int, str]]:
+        """(block, why) for each block whose declared extent falls outside it, or that its
+        entry's size cannot hold in any encoding: what an announce refuses unread."""
+        if not self.extents:
+            return []
+        spans = np.array(self.spans(), np.int64)
+        lengths = spans[:, 1] - spans[:, 0]
+        sizes = np.diff(np.array(self.ends, np.int64), prepend=0)
+        count, last = np.array(self.extents, np.int64).T
+        numel = lengths // self.itemsize
+        ragged = lengths % self.itemsize != 0
+        outside = last >= numel
+        uneven = (count > last + 1) | ((count == 0) != (last == -1))
+        unfit = ~entry_holds(sizes, numel, count, self.itemsize)
+        found = []
+        for block in np.flatnonzero(ragged | outside | uneven | unfit).tolist():
+            n, at, elements = int(count[block]), int(last[block]), int(numel[block])
+            if ragged[block]:
+                why = f"is not whole {self.itemsize}-byte elements"
+            elif outside[block]:
+                why = f"declares a change at element {at}, outside its {elements} elements"
+            elif uneven[block]:
+                why = f"declares {n} changed elements up to element {at}"
+            else:
+                why = (
+                    f"has an entry of {int(sizes[block])} bytes, which no encoding fills with "
+                    f"{n} of its {elements} {self.itemsize}-byte elements"
+                )
+            found.append((block, why))
+        return found
 
 
 @dataclass(frozen=True)
@@ -138,7 +203,7 @@ class DeltaTable:
                 k: ObjectDelta.from_json(r)
                 for k, r in body.pop("objects").items()  # type: ignore[union-attr]
             }
-        except (KeyError, TypeError) as error:
+        except (KeyError, TypeError, ValueError) as error:
             raise FenceError(f"delta table has unexpected fields ({error})") from error
         return decode_record(cls, {**body, "objects": rows}, "delta table")
 
@@ -166,6 +231,7 @@ def delta_object(
         if len(base) != len(new):
             base = None  # resized under the same name: nothing of it carries over
     parts: list[bytes] = []
+    extents: list[tuple[int, int]] = []
     for start, end in spans:
         block = new[start:end].view(words)
         if base is None:
@@ -173,45 +239,132 @@ def delta_object(
         else:
             delta = diff(base[start:end].view(words), block)
         parts.append(encode(delta))
+        extents.append(entry_extent(delta))
     ends = tuple(itertools.accumulate(len(p) for p in parts))
     hashes = tuple(entry_hash(p) for p in parts)
-    row = ObjectDelta(len(new), ends, hashes, tuple(cuts), base is None)
+    row = ObjectDelta(len(new), ends, hashes, tuple(cuts), base is None, itemsize, tuple(extents))
     return b"".join(parts), row
 
 
-def apply_object(target: np.ndarray, data: bytes | memoryview, row: ObjectDelta, key: str) -> None:
+def entry_extent(delta: TensorDelta) -> tuple[int, int]:
+    """(elements an entry writes, the last one's position; -1: none): its declared extent."""
+    if delta.encoding == "whole":
+        return delta.numel, delta.numel - 1
+    positions = changed_positions(delta)
+    return len(positions), int(positions[-1]) if len(positions) else -1
+
+
+Tensors = Callable[[int, int], Sequence[str]]
+"""The tensors whose bytes lie in bytes start..end of an object: what a refusal names."""
+
+
+def apply_object(
+    target: np.ndarray,
+    data: bytes | memoryview,
+    row: ObjectDelta,
+    key: str,
+    tensors: Tensors | None = None,
+) -> None:
     """Turn ``target`` (the base's bytes of ``key``, writable) into N's, entry after entry;
-    every entry is checked against its hash first."""
+    every entry is checked (:func:`checked_entry`) first."""
     view = memoryview(data)
     if len(view) != row.delta_bytes or len(target) != row.nbytes:
         raise CorruptDelta(
             f"delta of {key}: {len(view)} bytes for a {row.delta_bytes}-byte delta of a "
             f"{row.nbytes}-byte object ({len(target)} in hand)"
         )
-    for (start, end), (lo, hi), digest in zip(row.spans(), row.entries(), row.hashes, strict=True):
+    for block, ((start, end), (lo, hi)) in enumerate(zip(row.spans(), row.entries(), strict=True)):
+        delta, _ = checked_entry(view[lo:hi], key, row, block, (start, end), tensors)
         where = f"{key} bytes {start}..{end}"
-        delta, _ = checked_entry(view[lo:hi], digest, where)
-        try:
-            apply_delta(target[start:end].view(f"u{delta.itemsize}"), delta, where)
-        except InvariantViolation as error:
-            raise CorruptDelta(f"delta of {where}: {error}") from error
+        apply_delta(target[start:end].view(f"u{delta.itemsize}"), delta, where)
 
 
 def checked_entry(
-    entry: bytes | memoryview | np.ndarray, digest: str, where: str
+    entry: bytes | memoryview | np.ndarray,
+    key: str,
+    row: ObjectDelta,
+    block: int,
+    span: tuple[int, int],
+    tensors: Tensors | None = None,
 ) -> tuple[TensorDelta, np.ndarray]:
-    """An entry's delta and changed positions, refused (:class:`CorruptDelta` naming
-    ``where``) unless it matches its published hash and decodes."""
-    if entry_hash(entry) != digest:
-        raise CorruptDelta(
-            f"delta of {where} does not match its published hash: the Store holds corrupted "
-            "bytes; publish a keyframe, or `mooncake-rl activate` a generation `mooncake-rl "
-            "verify` passes"
+    """Block ``block`` (bytes ``span``) of ``key``'s delta: its entry's delta and changed
+    positions, refused (:class:`CorruptDelta` naming the object, the block and, given
+    ``tensors``, what it holds) unless it matches its published hash, decodes, covers
+    exactly its block and writes what the table declares. A few scalar checks: it runs
+    for every entry an engine lands."""
+    start, end = span
+
+    def refused(cause: str, lo: int = start, hi: int = end) -> CorruptDelta:
+        held = tensors(lo, hi) if tensors is not None else ()  # bytes lo..hi's tensors
+        return CorruptDelta(
+            f"delta of {key} bytes {start}..{end}{f' ({named(held)})' if held else ''}{cause}"
+        )
+
+    if entry_hash(entry) != row.hashes[block]:
+        raise refused(
+            " does not match its published hash: the Store holds corrupted bytes; publish a "
+            "keyframe, or `mooncake-rl activate` a generation `mooncake-rl verify` passes"
         )
     try:
-        return decode_changes(entry, where)
+        delta, positions = decode_changes(entry, f"{key} bytes {start}..{end}")
     except InvariantViolation as error:
-        raise CorruptDelta(f"delta of {where}: {error}") from error
+        raise refused(f": {error}; {REPUBLISH}") from error
+    if delta.numel * delta.itemsize != end - start:
+        raise refused(
+            f": its entry covers {delta.numel} elements of {delta.itemsize} bytes, not the "
+            f"block's {end - start} bytes; {REPUBLISH}"
+        )
+    if row.extents:
+        count, last = len(positions), int(positions[-1]) if len(positions) else -1
+        if (delta.itemsize, count, last) != (row.itemsize, *row.extents[block]):
+            declared, up_to = row.extents[block]
+            at = start + max(last, 0) * delta.itemsize  # names the last written element's tensor
+            raise refused(
+                f": its entry writes {count} {delta.itemsize}-byte elements up to element "
+                f"{last}, the delta table declares {declared} {row.itemsize}-byte elements up "
+                f"to element {up_to}; {REPUBLISH}",
+                at,
+                at + delta.itemsize,
+            )
+    return delta, positions
+
+
+def named(tensors: Sequence[str]) -> str:
+    """A refusal's list of tensors: the first three, and how many more."""
+    if not tensors:
+        return "no tensor"
+    shown = ", ".join(tensors[:3]) + (f" and {len(tensors) - 3} more" if len(tensors) > 3 else "")
+    return f"tensor{'s' if len(tensors) > 1 else ''} {shown}"
+
+
+def block_tensors(pieces: Sequence[tuple[str, str, int, int]], key: str) -> Tensors:
+    """:data:`Tensors` of object ``key`` from (tensor, object key, offset, bytes) pieces: a
+    manifest's fragments, or a worker's delta reads. Looked up only when a refusal asks."""
+
+    def tensors(start: int, end: int) -> Sequence[str]:
+        return sorted({t for t, k, lo, n in pieces if k == key and lo < end and start < lo + n})
+
+    return tensors
+
+
+def manifest_tensors(manifest: WeightManifest, key: str) -> Tensors:
+    """:data:`Tensors` of object ``key`` by the manifest's fragments."""
+    pieces = [(f.tensor_id, f.object_key, f.object_offset, f.nbytes) for f in manifest.fragments]
+    return block_tensors(pieces, key)
+
+
+def stored_tensors(store: StoreClient, model: str, generation: int, key: str) -> Tensors:
+    """:data:`Tensors` of ``key`` by ``generation``'s manifest, read only when a refusal
+    names them; an unreadable manifest names none (the refusal stands without names)."""
+
+    def tensors(start: int, end: int) -> Sequence[str]:
+        try:
+            data = store.get_bytes(manifest_key(group_id(model, generation)))
+            return manifest_tensors(WeightManifest.from_json(data), key)(start, end)
+        except (MooncakeRLError, ValueError):
+            return ()
+
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -229,7 +382,9 @@ class Chain:
 
 def delta_problems(store: StoreClient, manifest: WeightManifest, table: DeltaTable) -> list[str]:
     """What keeps a delta generation from being announced: its table must cover exactly the
-    manifest's objects at their sizes, and the Store hold every delta object whole."""
+    manifest's objects at their sizes, declare no change outside a block
+    (:meth:`ObjectDelta.problems`: the entries themselves are read at load only), and the
+    Store hold every delta object whole."""
     objects = object_extents(manifest, {k: r.nbytes for k, r in table.objects.items()})
     problems = [f"no delta for {key}" for key in objects if key not in table.objects]
     problems += [
@@ -239,6 +394,7 @@ def delta_problems(store: StoreClient, manifest: WeightManifest, table: DeltaTab
     ]
     keys = sorted(set(objects) & set(table.objects))
     sizes = store.complete_sizes([delta_key(k) for k in keys])
+    outside: list[tuple[str, int, str]] = []
     for key, size in zip(keys, sizes, strict=True):
         row = table.objects[key]
         if objects[key].nbytes != row.nbytes:
@@ -246,11 +402,21 @@ def delta_problems(store: StoreClient, manifest: WeightManifest, table: DeltaTab
                 f"the delta of {key} is for {row.nbytes} bytes, the object has "
                 f"{objects[key].nbytes}"
             )
-        elif size is None:
+            continue
+        outside += [(key, block, why) for block, why in row.problems()]
+        if size is None:
             problems.append(f"missing {delta_key(key)}")
         elif size != row.delta_bytes:
             problems.append(f"{delta_key(key)} holds {size} bytes, expected {row.delta_bytes}")
-    return problems
+    refused = []
+    for key, block, why in outside:
+        start, end = table.objects[key].spans()[block]
+        refused.append(
+            f"the delta table's block {block} of {key} (bytes {start}..{end}, "
+            f"{named(manifest_tensors(manifest, key)(start, end))}) {why}: the publisher wrote "
+            "a malformed delta; republish this generation as a keyframe (a full generation)"
+        )
+    return [*refused, *problems]  # first: an announce names the first problem
 
 
 def load_delta_table(store: StoreClient, model: str, generation: int) -> DeltaTable | None:
@@ -292,14 +458,16 @@ def object_bytes(store: StoreClient, model: str, chain: Chain, key: str) -> byte
         own = payload_prefix(group_id(model, generation)) + name
         if own not in table.objects:
             raise ObjectNotFound(0, "delta", f"generation {generation} has no object {name}")
-        rows.append((own, table.objects[own]))
-    start = max((i for i, (_, row) in enumerate(rows) if row.fresh), default=None)
+        rows.append((generation, own, table.objects[own]))
+    start = max((i for i, (_, _, row) in enumerate(rows) if row.fresh), default=None)
     if start is None:  # the newest full ancestor's object is the base of every delta
         data = bytearray(store.get_bytes(payload_prefix(group_id(model, chain.full)) + name))
     else:  # new (or resized) there: nothing before it is read
-        rows, data = rows[start:], bytearray(rows[start][1].nbytes)
-    for own, row in rows:
-        apply_object(np.frombuffer(data, np.uint8), store.get_bytes(delta_key(own)), row, own)
+        rows, data = rows[start:], bytearray(rows[start][2].nbytes)
+    for generation, own, row in rows:
+        delta = store.get_bytes(delta_key(own))
+        tensors = stored_tensors(store, model, generation, own)
+        apply_object(np.frombuffer(data, np.uint8), delta, row, own, tensors)
     return data
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 """An element's raw bits, by itemsize."""
 MAGIC = b"MRLDELT\0"
 HEADER = struct.Struct("<8sBBxxQQ")  # magic, encoding, itemsize, numel, changed
+Count = TypeVar("Count", int, np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,29 @@ class TensorDelta:
         return HEADER.size + len(self.positions) + len(self.values)
 
 
-def positions_bytes(encoding: Encoding, numel: int, changed: int) -> int:
-    """Bytes of the positions of ``changed`` changes among ``numel`` elements."""
+def positions_bytes(encoding: Encoding, numel: Count, changed: Count) -> Count:
+    """Bytes of the positions of ``changed`` changes among ``numel`` elements (per element
+    of arrays of them, too)."""
     return {
         "gaps16": 2 * changed,
         "gaps32": 4 * changed,
         "bitmask": -(-numel // 8),
         "whole": 0,
     }[encoding]
+
+
+def entry_holds(
+    size: np.ndarray, numel: np.ndarray, writes: np.ndarray, itemsize: int
+) -> np.ndarray:
+    """Per entry, whether ``size`` bytes can be an entry that writes ``writes`` of its
+    ``numel`` elements of ``itemsize`` bytes in some encoding (``whole`` writes them all):
+    an entry's size checked against its declared extent without reading it."""
+    sparse = [
+        HEADER.size + positions_bytes(encoding, numel, writes) + writes * itemsize
+        for encoding in ("gaps16", "gaps32", "bitmask")
+    ]
+    whole = (writes == numel) & (size == HEADER.size + numel * itemsize)
+    return whole | np.any([size == s for s in sparse], axis=0)
 
 
 def diff(base: np.ndarray, new: np.ndarray) -> TensorDelta:
