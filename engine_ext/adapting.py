@@ -114,14 +114,21 @@ class AdaptingWorker(WorkerBase):
         """Make generation ``generation`` (None: the Store's active one) of adapter ``model``
         resident and check it, outside any session: an engine starting, or an operator."""
         store = self.store(engine_id)
+        fence = 0
         if generation is None:
             try:
-                generation = require_active(store, model, "no adapter to load").generation
+                active = require_active(store, model, "no adapter to load")
             except ConfigurationError as refused:
                 raise RequestRefused(409, "adapter_refused", str(refused)) from refused
+            generation, fence = active.generation, active.fence
         built = self._built(store, model, generation)
         self._land_checked(built)
-        return {"adapter": model, "generation": generation, "adapter_bytes": built.nbytes}
+        return {
+            "adapter": model,
+            "generation": generation,
+            "fence": fence,
+            "adapter_bytes": built.nbytes,
+        }
 
     def _evict_adapter(self, engine_id: str, generation: int) -> dict[str, Any]:
         return {"resident": self.evict_adapter(generation)}

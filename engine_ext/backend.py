@@ -175,6 +175,15 @@ class WorkerBackend(ABC):
         await self._timed_part(parts, "resume_s", self.resume())
         return {"workers": committed, "landing": parts}
 
+    async def commit_adapter(self, generation: int) -> dict[str, Any]:
+        """Land and check an adapter generation on every rank, resume; the base's caches
+        and weight version stay (its weights did not change)."""
+        started = time.perf_counter()
+        committed = await self._rpc("commit", generation)
+        parts = {"land_and_check_s": time.perf_counter() - started}
+        await self._timed_part(parts, "resume_s", self.resume())
+        return {"workers": committed, "landing": parts}
+
     @staticmethod
     async def _timed_part(parts: dict[str, float], name: str, step: Any) -> None:
         started = time.perf_counter()

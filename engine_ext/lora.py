@@ -1,14 +1,17 @@
 """The adapter generations an engine keeps beside its base, and the names requests use.
 
-    POST /mooncake/adapter {generation?} (the coordinator; at start, the Store's active one)
-    --every rank: worker ``adapter`` (read from the Store, checked, resident, pinned)-->
-    names: ``POLICY@G`` for every resident generation, ``POLICY`` for the newest loaded
+    an update session (the coordinator: drain, prepare, commit) or, at start and for an
+    operator, POST /mooncake/adapter {generation?} (default: the Store's active one)
+    --every rank: worker ``prepare``/``commit`` or ``adapter`` (read from the Store,
+    checked, resident, compared with a fresh build, :mod:`engine_ext.adapting`)-->
+    names: ``POLICY@G`` for every resident generation, ``POLICY`` for the newest landed
     --oldest beyond ``versions``: worker ``evict_adapter``, its name dropped
 
 Why both names: an async trainer finishes old rollouts on their own policy (``POLICY@G``)
-while new ones take the plain name. Loading touches neither the base nor a resident
+while new ones take the plain name. Landing touches neither the base nor a resident
 adapter, and the plain name moves in one assignment once every rank holds the new one, so
-no request ever sees a half-loaded adapter: this needs no pause.
+no request ever sees a half-loaded adapter; the session's pause (at commit, short) is what
+makes an update's switch a point that requests in flight see whole.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine_ext.backend import WorkerBackend
+from engine_ext.served import ServedRecord
 from engine_ext.sessions import ReceiverError
 
 
@@ -36,7 +40,8 @@ def versioned(policy: str, generation: int) -> str:
 
 
 class ResidentAdapters:
-    """Up to ``versions`` generations of adapter ``policy`` resident on every rank."""
+    """Up to ``versions`` generations of adapter ``policy`` resident on every rank, and the
+    record of the newest (what an adapter update must supersede)."""
 
     def __init__(
         self, backend: WorkerBackend, policy: str, versions: int, names: AdapterNames
@@ -45,28 +50,52 @@ class ResidentAdapters:
             raise ValueError(f"lora_versions must be an integer >= 1, got {versions!r}")
         self.backend, self.policy, self.versions, self.names = backend, policy, versions, names
         self.generations: list[int] = []  # resident, oldest first
+        self.served = ServedRecord()
+
+    def status(self) -> dict[str, Any]:
+        """The adapter's name, the newest generation landed (its fence) and every resident
+        name: what the coordinator skips or supersedes."""
+        return {
+            "model": self.policy,
+            "generation": self.served.generation,
+            "fence": self.served.fence,
+            "resident": self.names.resident(),
+        }
 
     async def load(self, generation: int | None = None) -> dict[str, Any]:
         """Make ``generation`` (default: the Store's active one) resident and the plain
-        name's; a refusal on any rank changes no name and evicts nothing."""
+        name's, outside any session (an engine starting); a refusal on any rank changes no
+        name and evicts nothing."""
         replies = await self.backend.call_workers("adapter", self.policy, generation)
         failed = [r for r in replies if not r.get("ok")]
         if failed:
             refused = failed[0].get("refused") or {"status": 502, "code": "adapter_failed"}
             raise ReceiverError(refused["status"], refused["code"], failed[0].get("error", ""))
-        loaded = int(replies[0]["generation"])
+        loaded = ServedRecord(int(replies[0]["generation"]), int(replies[0].get("fence", 0)))
+        return {
+            **await self.landed(loaded),
+            "adapter_bytes": sum(r.get("adapter_bytes", 0) for r in replies),
+        }
+
+    async def landed(self, record: ServedRecord) -> dict[str, Any]:
+        """``record``'s generation is resident on every rank: name it, move the plain name
+        to it (one assignment: no request sees a half-loaded adapter), evict the oldest
+        beyond ``versions``."""
+        loaded = record.generation
         if loaded in self.generations:
             self.generations.remove(loaded)
         self.generations.append(loaded)
         self.names.register(versioned(self.policy, loaded), loaded)
         self.names.register(self.policy, loaded)
+        self.served = record
         while len(self.generations) > self.versions:
             oldest = self.generations.pop(0)
             self.names.drop(versioned(self.policy, oldest))
             await self.backend.call_workers("evict_adapter", oldest)
-        return {
-            "adapter": self.policy,
-            "generation": loaded,
-            "adapter_bytes": sum(r.get("adapter_bytes", 0) for r in replies),
-            "resident": self.names.resident(),
-        }
+        return {"adapter": self.policy, "generation": loaded, "resident": self.names.resident()}
+
+    async def discard(self, generation: int) -> None:
+        """A commit that failed on some rank: drop what the others made resident (never
+        named, never served)."""
+        if generation not in self.generations:
+            await self.backend.call_workers("evict_adapter", generation)

@@ -49,6 +49,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from engine_ext.lora import ResidentAdapters
 from engine_ext.served import ServedRecord, weight_version
 from engine_ext.sessions import HELD, ReceiverError, ReceiverState, Session, SessionKeeper
 from mooncake_rl.protocol import (
@@ -99,6 +100,10 @@ class EngineBackend(Protocol):
         ...
 
     async def commit(self, generation: int, weight_version: str) -> dict[str, Any]: ...
+    async def commit_adapter(self, generation: int) -> dict[str, Any]:
+        """Land and check an adapter generation on every rank, then resume."""
+        ...
+
     async def abort(self) -> None: ...
     async def rebuild(self, model: str) -> ServedRecord:
         """Load the Store's active generation into the live model and serve it again."""
@@ -184,7 +189,17 @@ class Receiver(SessionKeeper):
             )
 
     def _require_newer(self, target: UpdateTarget | PrepareRequest) -> None:
-        """Refuse a record of another model, or one this engine already serves or passed."""
+        """Refuse a record of another model, or one this engine already serves or passed
+        (for its LoRA adapter's name: the newest adapter generation landed)."""
+        if self.adapters is not None and target.model == self.adapters.policy:
+            if not self.adapters.served.superseded_by(target):
+                raise ReceiverError(
+                    409,
+                    "stale_generation",
+                    f"adapter generation {target.generation} (fence {target.fence}) is not "
+                    f"newer than resident generation {self.adapters.served.generation}",
+                )
+            return
         if target.model != self.model:
             raise ReceiverError(
                 409, "wrong_model", f"engine serves {self.model!r}, not {target.model!r}"
@@ -242,6 +257,8 @@ class Receiver(SessionKeeper):
         async with self._lock:
             session = await self._own(request.session)
             self._require(ReceiverState.OPEN, ReceiverState.PREPARED)
+            if request.adapter:
+                self._require_adapters()
             self._require_newer(request)
             # Re-planned: drop the previous staging. Bytes already received in place are
             # rewritten by the new plan's stages, which cover every parameter again.
@@ -272,9 +289,11 @@ class Receiver(SessionKeeper):
                     self.pending = self._pending_record = None
                     raise
             self.exposed_bytes = int(prepared.get("in_place_bytes", 0))
+            session.adapter = request.adapter
             session.stages, session.stages_done, session.apply_s = request.stages, 0, 0.0
             session.landing = (self.exposed_bytes, int(prepared.get("staged_bytes", 0)))
-            self.state = ReceiverState.PREPARED
+            # An adapter has no stage to apply: prepared is all it needs to commit.
+            self.state = ReceiverState.APPLIED if request.adapter else ReceiverState.PREPARED
             return {**self.status(), **prepared}
 
     @_counted
@@ -340,6 +359,8 @@ class Receiver(SessionKeeper):
                     f"{session.stages_done} of {session.stages} stages ran; apply the rest first",
                 )
             assert self._pending_record is not None
+            if session.adapter:
+                return await self._commit_adapter(session, self._pending_record)
             try:  # while the engine still serves (unless it received in place)
                 reference = await self._timed(
                     "check_reference", self.backend.expect(request.generation)
@@ -451,6 +472,10 @@ class Receiver(SessionKeeper):
     async def load_adapter(self, request: AdapterRequest) -> dict[str, Any]:
         """A generation of the engine's LoRA adapter made resident (``engine_ext.lora``):
         the base and the serving state are untouched, so it runs beside any session."""
+        adapters = self._require_adapters()
+        return {**self.status(), **await adapters.load(request.generation)}
+
+    def _require_adapters(self) -> ResidentAdapters:
         if self.adapters is None:
             raise ReceiverError(
                 409,
@@ -458,7 +483,37 @@ class Receiver(SessionKeeper):
                 'this engine keeps no LoRA adapter: start it with --enable-lora and "lora": '
                 "<adapter name> in --model-loader-extra-config (docs/lora.md)",
             )
-        return {**self.status(), **await self.adapters.load(request.generation)}
+        return self.adapters
+
+    async def _commit_adapter(self, session: Session, record: ServedRecord) -> dict[str, Any]:
+        """Commit of an adapter generation (called under the lock): pause (short: nothing
+        is copied but the adapter), every rank makes it resident and compares it with a
+        fresh build, the names move, resume. A failure costs the adapter alone: the base
+        was never touched, so the engine resumes serving with the adapters it had."""
+        adapters = self._require_adapters()
+        pause_s = await self._pause(session)
+        self.state = ReceiverState.COMMITTING
+        try:
+            committed = await self._timed("commit", self.backend.commit_adapter(record.generation))
+        except TimeoutError as error:
+            self._out_of_step(f"commit of adapter generation {record.generation}: {error}")
+            raise ReceiverError(504, "worker_timeout", self.last_error or "") from error
+        except Exception as error:
+            with contextlib.suppress(Exception):
+                await adapters.discard(record.generation)
+            await self._release("failed", f"adapter commit failed: {error}")
+            code = error.code if isinstance(error, ReceiverError) else "commit_failed"
+            raise ReceiverError(
+                502,
+                code,
+                f"{error}; the adapter was dropped and the engine serves the adapters it had",
+            ) from error
+        landed = await adapters.landed(record)
+        self._end_session("committed")
+        self.state = ReceiverState.SERVING
+        self.last_error = None
+        landing = {**committed.get("landing", {}), "pause_s": pause_s}
+        return {**self.status(), **committed, **landed, "landing": landing}
 
     @_counted
     async def rebuild(self) -> dict[str, Any]:

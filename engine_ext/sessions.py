@@ -78,6 +78,8 @@ class Session:
     pause: DrainRequest
     """How the engine pauses when it must (to land; before an in-place apply)."""
     paused: bool = False
+    adapter: bool = False
+    """It brings a LoRA adapter generation (``engine_ext.adapting``), not weights."""
     stages: int = 0
     stages_done: int = 0
     # For the figures: seconds its apply stages took, and the bytes its prepare said land
@@ -188,6 +190,7 @@ class SessionKeeper(ABC):
             "last_error": self.last_error,
             "rebuilds": self.figures.rebuilds,
             "exposed_bytes": self.exposed_bytes,
+            "adapter": None if self.adapters is None else self.adapters.status(),
         }
 
     # -- the session holding the engine ---------------------------------------------------

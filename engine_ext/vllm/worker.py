@@ -263,7 +263,9 @@ class VllmUpdateWorker(UpdateWorker):
         manager = self._lora_manager()
         record, tensors = read_adapter_generation(store, model, generation, serves)
         lora = adapter_model(manager, record, tensors, adapter_id(generation))
-        fresh = adapter_model(manager, record, tensors, adapter_id(generation))
+        # Its own tensors: a LoRAModel holds what it is given, and merging scales in place.
+        copies = {name: t.clone() for name, t in tensors.items()}
+        fresh = adapter_model(manager, record, copies, adapter_id(generation))
         return BuiltAdapter(
             generation,
             lora,

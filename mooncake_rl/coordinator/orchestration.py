@@ -17,14 +17,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mooncake_rl.coordinator.adapter import sync_adapter
 from mooncake_rl.coordinator.client import Body, EngineClient
 from mooncake_rl.coordinator.result import (
     ReadmitFailed,
     UpdateFailed,
     UpdateResult,
-    left_out,
     planned,
-    require_enough,
 )
 from mooncake_rl.coordinator.session import SessionLease, advertised_peers
 from mooncake_rl.coordinator.survey import (
@@ -177,7 +176,7 @@ class Coordinator(EngineClient):
             rotation = Rotation(router, self.store, holder=self.holder)
         record = require_active(self.store, model, "cannot update engines")
         if load_adapter_record(self.store, model, record.generation) is not None:
-            return self._update_adapter(record, needed)
+            return sync_adapter(self, record, needed, drain_mode)
         batch = self.store.settings.batch_bytes if batch_bytes is None else batch_bytes
         options = Options(
             mode, drain_mode, batch, direct_fallback, chosen, train_pool, sender, in_place, pull
@@ -211,21 +210,6 @@ class Coordinator(EngineClient):
             total.absorb(result)
             spare -= len(group) - len(result.committed) - len(result.skipped)
         return total
-
-    def _update_adapter(self, record: ActiveRecord, needed: int) -> UpdateResult:
-        """A LoRA generation (``generations.lora``): every engine makes it resident beside
-        its base and its resident versions (``POST /mooncake/adapter``); the base is never
-        touched and nothing pauses (``engine_ext.lora``)."""
-        result = UpdateResult(record.model, record.generation, "lora", list(self.engines))
-        body = {"generation": record.generation}
-        loaded, failed = self._all(
-            self.engines, "POST", "adapter", dict.fromkeys(self.engines, body)
-        )
-        result.committed = [u for u in self.engines if u in loaded]
-        result.store_read_bytes = sum(r.get("adapter_bytes", 0) for r in loaded.values())
-        left_out(result, failed)
-        require_enough(result, result.committed, needed, "adapter")
-        return result
 
     def _probe(
         self, router: Router, chosen: TransportMode, train_pool: Sequence[str] | None

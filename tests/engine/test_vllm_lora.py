@@ -75,6 +75,16 @@ def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(
             with Coordinator(store, [server.url]) as coordinator:
                 result = coordinator.update(policy)
             assert (result.mode, result.committed) == ("lora", [server.url])
+            # The session's steps ran, and its one pause was the commit's.
+            assert result.session is not None
+            assert {"drain", "prepare", "commit"} <= set(result.phase_seconds)
+            assert result.landing[server.url]["pause_s"] >= 0
+            status = httpx.get(f"{server.url}/mooncake/status").json()
+            assert status["last_session"]["outcome"] == "committed"
+            assert (status["generation"], status["adapter"]["generation"]) == (
+                base.generation,
+                second.generation,
+            )
             adapter_bytes = sum(t.nbytes for t in read_adapter(dirs[1]).tensors.values())
             assert result.store_read_bytes == adapter_bytes  # the adapter, not the base
             assert server.complete(PROMPT, model=policy) == reference[1]
@@ -82,9 +92,16 @@ def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(
             assert server.complete(PROMPT, model=f"{policy}@{first.generation}") == reference[0]
 
             other = publish_checkpoint(store, "lora-srv-other", base_dir, "float32")
-            for adapter, base_of, why in (
-                (wide, bound, "cannot serve the adapter"),  # rank 16 > --max-lora-rank 8
-                (dirs[0], AdapterBase(other.model, other.generation), "applies to generation"),
+            for adapter, base_of, why, drained in (
+                # rank 16 > --max-lora-rank 8: refused by every rank at prepare, unpaused
+                (wide, bound, "cannot serve the adapter", True),
+                # another base: refused from the engine's status, before any drain
+                (
+                    dirs[0],
+                    AdapterBase(other.model, other.generation),
+                    "applies to generation",
+                    False,
+                ),
             ):
                 publish_adapter(store, policy, read_adapter(adapter), base_of)
                 with (
@@ -92,7 +109,14 @@ def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(
                     pytest.raises(UpdateFailed) as refused,
                 ):
                     coordinator.update(policy)
-                assert why in str(refused.value.result.failed)
+                failed = refused.value.result
+                assert why in f"{failed.error} {failed.failed}"
+                assert (failed.session is not None) is drained
+                status = httpx.get(f"{server.url}/mooncake/status").json()
+                assert (status["state"], status["adapter"]["generation"]) == (
+                    "serving",
+                    second.generation,
+                )
                 assert server.complete(PROMPT, model=policy) == reference[1]
             # A corrupted object of the adapter in the Store: refused naming it.
             record = publish_adapter(store, policy, read_adapter(dirs[0]), bound)
