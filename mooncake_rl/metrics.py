@@ -127,7 +127,15 @@ def receiver_families(
         "mooncake_rl_served_generation", "The generation the engine serves", labels=["model"]
     )
     served.add_metric([str(status["model"])], status["generation"])
-    return [state, served, *update_families(ENGINE, figures)]
+    adapters = GaugeMetricFamily(
+        "mooncake_rl_resident_adapter_generation",
+        "The adapter generation each request name selects (POLICY@G, and POLICY: the newest)",
+        labels=["adapter", "name"],
+    )
+    kept = status.get("adapter") or {}
+    for name, generation in kept.get("resident", {}).items():
+        adapters.add_metric([str(kept["model"]), name], generation)
+    return [state, served, adapters, *update_families(ENGINE, figures)]
 
 
 # -- a coordinator process -------------------------------------------------------------------

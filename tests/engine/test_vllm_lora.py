@@ -90,6 +90,14 @@ def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(
             assert server.complete(PROMPT, model=policy) == reference[1]
             assert server.complete(PROMPT, model=f"{policy}@{second.generation}") == reference[1]
             assert server.complete(PROMPT, model=f"{policy}@{first.generation}") == reference[0]
+            scraped = httpx.get(f"{server.url}/metrics").text
+            for name, generation in (
+                (policy, second.generation),
+                (f"{policy}@{second.generation}", second.generation),
+                (f"{policy}@{first.generation}", first.generation),
+            ):
+                row = f'mooncake_rl_resident_adapter_generation{{adapter="{policy}",name="{name}"}}'
+                assert f"{row} {float(generation)}" in scraped
 
             other = publish_checkpoint(store, "lora-srv-other", base_dir, "float32")
             for adapter, base_of, why, drained in (
