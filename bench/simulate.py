@@ -19,6 +19,7 @@ what crosses every NIC, and it runs here at full 1T scale.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -49,6 +50,7 @@ from mooncake_rl.plan import (
     grid,
     plan_routing,
 )
+from mooncake_rl.plan.delta import choose_readers
 from mooncake_rl.plan.merge import merge_demands
 from mooncake_rl.plan.shapes import (
     DTYPES,
@@ -239,6 +241,10 @@ class Traffic:
     def node_nic_bytes(self) -> np.ndarray:
         """Per rollout node: Store reads by its GPUs + bytes they pushed to other nodes."""
         return np.bincount(self.gpu_node, self.reads_per_gpu + self.gpu_nic_out).astype(I64)
+
+    def received_per_gpu(self) -> np.ndarray:
+        """Per rollout GPU: the bytes landing in it, read from the Store or pushed to it."""
+        return self.gpu_nic_in + self.nvlink_in + self.stage2_nvlink_in
 
 
 @dataclass(frozen=True, eq=False)
@@ -481,33 +487,62 @@ def publish_layout(
 
 def ours_traffic(table: RoutingTable, trainer_of_object: np.ndarray, trainer_nodes: int) -> Traffic:
     """This design: every read and push record of the routing table, stage by stage."""
-    n = len(table.workers)
-    node = np.asarray(table.worker_node, I64)
     reads, pushes = table.reads, remote_pushes(table.pushes)
     read_bytes = reads["length"].astype(I64) * reads["count"]
-    push_bytes = pushes["length"].astype(I64) * pushes["count"]
-    sender, peer = pushes["worker"].astype(I64), pushes["peer"].astype(I64)
-    cross = node[sender] != node[peer]
-    stage1 = pushes["stage"] == 1
-    if (cross & ~stage1).any():
-        raise ValueError("stage-2 pushes must stay inside a node")
-    reads_per_gpu = _bincount(reads["worker"].astype(I64), read_bytes, n)
-    gpu_nic_in = reads_per_gpu + _bincount(peer[cross], push_bytes[cross], n)
-    local1, local2 = ~cross & stage1, ~stage1
     staging = table.region_sizes[table.region_sizes["region"] == 0]["size"]
     extra = int(staging.max()) if len(staging) else 0
     if table.compat is not None:
         extra += int(table.compat.total_bytes)  # the compat region holds every full tensor
-    return Traffic(
-        store_read_bytes=int(read_bytes.sum()),
-        pushed_bytes=int(push_bytes.sum()),
-        cross_node_pushed_bytes=int(push_bytes[cross].sum()),
-        delivered_bytes=int(table.totals.delivered_bytes.sum()),
-        trainer_node_out=_bincount(
-            trainer_of_object[reads["object"].astype(I64)], read_bytes, trainer_nodes
+    return _read_push_traffic(
+        np.asarray(table.worker_node, I64),
+        trainer_nodes,
+        reads=(
+            reads["worker"].astype(I64),
+            trainer_of_object[reads["object"].astype(I64)],
+            read_bytes,
         ),
+        pushes=(
+            pushes["worker"].astype(I64),
+            pushes["peer"].astype(I64),
+            pushes["length"].astype(I64) * pushes["count"],
+            pushes["stage"] == 1,
+        ),
+        delivered_bytes=int(table.totals.delivered_bytes.sum()),
+        batch_bytes=table.params.batch_bytes,
+        extra=extra,
+    )
+
+
+def _read_push_traffic(
+    node: np.ndarray,
+    trainer_nodes: int,
+    *,
+    reads: tuple[np.ndarray, np.ndarray, np.ndarray],
+    pushes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    delivered_bytes: int,
+    batch_bytes: int,
+    extra: int,
+) -> Traffic:
+    """A read-then-push update from its Store reads (reading GPU, serving trainer node,
+    bytes) and pushes (sender, peer, bytes, whether stage 1), ``node`` each GPU's rollout
+    node: pushes between nodes cross both NICs, the others NVLink. Shared by every planned
+    approach (routing tables, the delta fetch), so they are charged alike."""
+    n = len(node)
+    reader, source, read_bytes = reads
+    sender, peer, push_bytes, stage1 = pushes
+    cross = node[sender] != node[peer]
+    if (cross & ~stage1).any():
+        raise ValueError("stage-2 pushes must stay inside a node")
+    reads_per_gpu = _bincount(reader, read_bytes, n)
+    local1, local2 = ~cross & stage1, ~stage1
+    return Traffic(
+        store_read_bytes=round(float(read_bytes.sum())),
+        pushed_bytes=round(float(push_bytes.sum())),
+        cross_node_pushed_bytes=round(float(push_bytes[cross].sum())),
+        delivered_bytes=delivered_bytes,
+        trainer_node_out=_bincount(source, read_bytes, trainer_nodes),
         trainer_gpu_out=0,
-        gpu_nic_in=gpu_nic_in,
+        gpu_nic_in=reads_per_gpu + _bincount(peer[cross], push_bytes[cross], n),
         gpu_nic_out=_bincount(sender[cross], push_bytes[cross], n),
         nvlink_in=_bincount(peer[local1], push_bytes[local1], n),
         nvlink_out=_bincount(sender[local1], push_bytes[local1], n),
@@ -515,7 +550,7 @@ def ours_traffic(table: RoutingTable, trainer_of_object: np.ndarray, trainer_nod
         stage2_nvlink_out=_bincount(sender[local2], push_bytes[local2], n),
         gpu_node=node,
         hops=2,  # a batch is read, then pushed
-        batch_bytes=int(min(table.params.batch_bytes, reads_per_gpu.max())),
+        batch_bytes=int(min(batch_bytes, reads_per_gpu.max())),
         extra_receive_bytes_per_gpu=extra,
         reads_per_gpu=reads_per_gpu,
     )
@@ -718,28 +753,77 @@ def touched_blocks(records: np.ndarray, blocks: DeltaBlocks) -> tuple[np.ndarray
 def delta_traffic(
     table: RoutingTable, blocks: DeltaBlocks, trainer_of_object: np.ndarray, trainer_nodes: int
 ) -> tuple[Traffic, Ops, np.ndarray]:
-    """An N-1 -> N delta update in direct mode (pure): each GPU reads from the Store, in one
-    call, the entries of every block its demand records overlap (every byte it holds; no
-    pushes: each decodes its own), adjacent blocks of one object as one range, each block
-    once; a trainer node serves the entries of the objects it holds. Returns the traffic,
-    the operations and each GPU's block count."""
-    n = len(table.workers)
-    worker, block = touched_blocks(table.demands, blocks)
-    entry, obj = blocks.entry_bytes[block], blocks.obj[block]
-    new_key = np.r_[True, (worker[1:] != worker[:-1]) | (obj[1:] != obj[:-1])]
-    new_range = new_key | np.r_[False, block[1:] != block[:-1] + 1]
-    traffic = _reads_only(
-        _bincount(worker, entry, n),
-        _bincount(trainer_of_object[obj], entry, trainer_nodes),
-        np.asarray(table.worker_node, I64),
-        0,
+    """An N-1 -> N delta update in direct mode (pure), fetched as ``plan.delta`` plans it:
+    every GPU needs the entries of the blocks its demand records overlap (every byte it
+    holds); each distinct entry is read from the Store once, by the GPU the planner's own
+    :func:`~mooncake_rl.plan.delta.choose_readers` picks, and pushed to every other GPU
+    that needs it (NVLink inside a node, NICs across); a trainer node serves the entries of
+    the objects it holds. Returns the traffic, the operations and each GPU's block count.
+
+    The planner orders entries by (object key, block) and breaks ties by worker name: the
+    table's objects (``source_layout``) and workers (``Topology``) are sorted so, which
+    makes block and GPU indices the planner's. Each GPU's buffer lays its blocks out back
+    to back in that order, so operations merge as ``apply.coalesce`` merges them: a reader's
+    consecutive blocks of one object are one range, and pushes to one peer of blocks
+    adjacent in both buffers one write. Counted as one batch per reader: exact while its
+    reads fit ``batch_bytes`` (Kimi-K2 at 1 %: under 250 MB a reader), else each further
+    batch's edge may cut a run.
+    """
+    if list(table.objects) != sorted(table.objects) or list(table.workers) != sorted(table.workers):
+        raise ValueError("the delta fetch needs a table's objects and workers sorted by name")
+    n, nb = len(table.workers), len(blocks.start)
+    node = np.asarray(table.worker_node, I64)
+    worker, block = touched_blocks(table.demands, blocks)  # by worker, then block
+    pair, first = worker * nb + block, np.searchsorted(worker, np.arange(n))
+
+    def slot(w: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Where block ``b`` lies in worker ``w``'s buffer, in blocks."""
+        return np.searchsorted(pair, w * nb + b) - first[w]
+
+    by_block = np.lexsort((worker, block))
+    needer, needed = worker[by_block], block[by_block]
+    bounds = np.flatnonzero(np.r_[True, needed[1:] != needed[:-1], True])
+    read = needed[bounds[:-1]]
+    needers, cuts = needer.tolist(), bounds.tolist()
+    reader = np.array(
+        choose_readers(
+            blocks.entry_bytes[read].tolist(),
+            [needers[i:j] for i, j in itertools.pairwise(cuts)],
+            node.tolist(),
+        ),
+        I64,
     )
-    zeros = np.zeros(n, I64)
+    source = np.repeat(reader, np.diff(bounds))  # the reader of each pair's block
+    pushed = needer != source
+    sender, peer, sent = source[pushed], needer[pushed], needed[pushed]
+    entry, obj = blocks.entry_bytes, blocks.obj
+    traffic = _read_push_traffic(
+        node,
+        trainer_nodes,
+        reads=(reader, trainer_of_object[obj[read]], entry[read]),
+        pushes=(sender, peer, entry[sent], np.ones(len(sent), bool)),
+        delivered_bytes=round(float(entry[block].sum())),
+        batch_bytes=table.params.batch_bytes,
+        extra=0,
+    )
+    keys = np.unique(reader * len(blocks.base) + obj[read]) // len(blocks.base)
     ops = Ops(
-        np.bincount(worker[new_key], minlength=n), np.bincount(worker[new_range], minlength=n),
-        zeros, zeros,
-    )  # fmt: skip
+        np.bincount(keys, minlength=n),
+        _block_runs((reader, obj[read]), read, slot(reader, read), n),
+        _block_runs((sender, peer), slot(sender, sent), (by_block - first[needer])[pushed], n),
+        np.zeros(n, I64),
+    )
     return traffic, ops, np.bincount(worker, minlength=n)
+
+
+def _block_runs(
+    calls: Sequence[np.ndarray], src: np.ndarray, dst: np.ndarray, workers: int
+) -> np.ndarray:
+    """Per worker (``calls[0]``): the native operations its whole-block ranges issue, at
+    block ``src`` and ``dst`` of their sides (each side's blocks back to back), merged as
+    :func:`_merged` merges ranges."""
+    order, starts = _merged(calls, (), src, dst, np.ones(len(src), I64))
+    return np.bincount(calls[0][order][starts], minlength=workers)
 
 
 @dataclass(frozen=True)
@@ -980,9 +1064,10 @@ def delta_section(
     full: tuple[Traffic, Ops],
 ) -> dict[str, Any]:
     """The delta update of the direct ``table`` at change ``rate`` against the full update
-    of the same table (``full``: its traffic and operations): entry bytes per block, bytes
-    and read operations per GPU, seconds with per-operation costs charged. Full bytes per
-    GPU: the bytes it holds, which a full update lands."""
+    of the same table (``full``: its traffic and operations): entry bytes per block, the
+    planned fetch's Store reads and pushes, bytes each GPU receives (read or pushed) and its
+    operations, seconds with per-operation costs charged. Full bytes per GPU: the bytes it
+    holds, which a full update lands."""
     dtypes = [layout.dtype_of_object[name] for name in table.objects]
     blocks = delta_blocks(
         np.asarray(table.object_sizes, I64),
@@ -992,6 +1077,7 @@ def delta_section(
     )
     traffic, ops, gpu_blocks = delta_traffic(table, blocks, trainer_of_object, c.trainer_nodes)
     full_bytes = np.asarray(table.totals.demanded_bytes, I64)
+    received = traffic.received_per_gpu()
 
     def seconds(cluster: Cluster) -> dict[str, float]:
         charged = estimate(traffic, cluster, ops=ops).update_seconds
@@ -1016,13 +1102,20 @@ def delta_section(
         },
         "stored_bytes": round(float(blocks.entry_bytes.sum())),
         "stored_vs_model": round(float(blocks.entry_bytes.sum() / blocks.end[-1]), 4),
+        "store_read_bytes": traffic.store_read_bytes,
+        "pushed_bytes": traffic.pushed_bytes,
+        "cross_node_pushed_bytes": traffic.cross_node_pushed_bytes,
+        "delivered_bytes": traffic.delivered_bytes,
         "blocks_per_gpu": _spread(gpu_blocks),
-        "delta_bytes_per_gpu": _spread(traffic.reads_per_gpu),
+        "delta_bytes_per_gpu": _spread(received),
+        "store_reads_per_gpu": _spread(traffic.reads_per_gpu),
         "full_bytes_per_gpu": _spread(full_bytes),
-        "bytes_ratio_per_gpu": _spread(traffic.reads_per_gpu / full_bytes, 4),
+        "bytes_ratio_per_gpu": _spread(received / full_bytes, 4),
         "read_keys_per_gpu": _spread(ops.read_keys),
         "read_ranges_per_gpu": _spread(ops.read_ranges),
         "read_op_seconds_per_gpu": _spread(ops.read_seconds(c), 4),
+        "pushes_per_gpu": _spread(ops.pushes),
+        "push_op_seconds_per_gpu": _spread(ops.push_seconds(c), 4),
         "max_trainer_node_nic_out_bytes": int(traffic.trainer_node_out.max()),
         "full_max_trainer_node_nic_out_bytes": int(full[0].trainer_node_out.max()),
         "bottleneck": chosen.bottleneck,
@@ -1182,9 +1275,13 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
                 "elements changed, at uniformly random positions: one delta object per "
                 "payload object, one entry per checksum block (4 MiB, cut at rank runs) of "
                 "its expected size (delta.diff's encoding by expected sizes; gaps16 when "
-                "bench.simulate.gaps16_fits); each GPU reads in one call the entries of every "
-                "block its demand records overlap (all it holds, no pushes), adjacent blocks "
-                "of an object as one range, from the trainer nodes holding the objects; "
+                "bench.simulate.gaps16_fits); each GPU needs the entries of every block its "
+                "demand records overlap (all it holds), fetched as plan.delta plans it: each "
+                "distinct entry read from the Store once (from the trainer node holding its "
+                "object) by the needing GPU plan.delta.choose_readers picks (the node that has "
+                "moved the fewest bytes), and pushed to every other GPU needing it (NVLink in "
+                "a node, NICs across); a reader's consecutive blocks of an object are one "
+                "range, its pushes to a peer of blocks adjacent in both buffers one write; "
                 "decoding and applying excluded"
             }
             if scenario.delta_change_rate is not None
@@ -1272,7 +1369,7 @@ def simulate(scenario: Scenario, progress: Callable[[str], None] | None = None) 
             )
             gpu_node = np.asarray(table.worker_node, I64)
             if scenario.delta_change_rate is not None:
-                say("price delta entries per checksum block, count their reads")
+                say("price delta entries per checksum block, plan their fetch")
                 delta_figures = delta_section(
                     table,
                     layout,
