@@ -788,8 +788,9 @@ def delta_traffic(
     reader = np.array(
         choose_readers(
             blocks.entry_bytes[read].tolist(),
-            [needers[i:j] for i, j in itertools.pairwise(cuts)],
+            [tuple(needers[i:j]) for i, j in itertools.pairwise(cuts)],
             node.tolist(),
+            blocks.obj[read].tolist(),
         ),
         I64,
     )
@@ -1278,8 +1279,9 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
                 "bench.simulate.gaps16_fits); each GPU needs the entries of every block its "
                 "demand records overlap (all it holds), fetched as plan.delta plans it: each "
                 "distinct entry read from the Store once (from the trainer node holding its "
-                "object) by the needing GPU plan.delta.choose_readers picks (the node that has "
-                "moved the fewest bytes), and pushed to every other GPU needing it (NVLink in "
+                "object) by the needing GPU plan.delta.choose_readers picks for its run "
+                "(consecutive entries of one object the same GPUs need, up to "
+                "plan.delta.RUN_BYTES; the node that has moved the fewest bytes), and pushed to every other GPU needing it (NVLink in "
                 "a node, NICs across); a reader's consecutive blocks of an object are one "
                 "range, its pushes to a peer of blocks adjacent in both buffers one write; "
                 "decoding and applying excluded"

@@ -81,7 +81,7 @@ class AdaptingWorker(WorkerBase):
         check_generation(state.apply.store, call)
         state.lease_update(engine_id, call)
         try:
-            built = self._built(state.apply.store, call.model, call.generation)
+            built, serves = self._built(state.apply.store, call.model, call.generation)
         except RequestRefused:
             state.end_lease()
             raise
@@ -93,6 +93,7 @@ class AdaptingWorker(WorkerBase):
         return {
             "worker_id": state.apply.worker_id,
             "adapter_bytes": built.nbytes,
+            "base": list(serves),
             "direct_bytes": 0,
             "fallback_bytes": 0,
             "in_place_bytes": 0,
@@ -121,22 +122,27 @@ class AdaptingWorker(WorkerBase):
             except ConfigurationError as refused:
                 raise RequestRefused(409, "adapter_refused", str(refused)) from refused
             generation, fence = active.generation, active.fence
-        built = self._built(store, model, generation)
+        built, serves = self._built(store, model, generation)
         self._land_checked(built)
         return {
             "adapter": model,
             "generation": generation,
             "fence": fence,
+            "base": list(serves),
             "adapter_bytes": built.nbytes,
         }
 
     def _evict_adapter(self, engine_id: str, generation: int) -> dict[str, Any]:
         return {"resident": self.evict_adapter(generation)}
 
-    def _built(self, store: StoreClient, model: str, generation: int) -> BuiltAdapter:
+    def _built(
+        self, store: StoreClient, model: str, generation: int
+    ) -> tuple[BuiltAdapter, tuple[str, int]]:
+        """The adapter built, and the base it is bound to: the one this worker serves."""
         served, name = served_by(self.model())
+        serves = (name or "", served.generation)
         try:
-            return self.build_adapter(store, model, generation, (name or "", served.generation))
+            return self.build_adapter(store, model, generation, serves), serves
         except ConfigurationError as refused:
             raise RequestRefused(409, "adapter_refused", str(refused)) from refused
 

@@ -39,6 +39,12 @@ def versioned(policy: str, generation: int) -> str:
     return f"{policy}@{generation}"
 
 
+def bound_to(replies: list[dict[str, Any]]) -> tuple[str, int]:
+    """The base an adapter was built against, as its ranks' replies name it."""
+    name, generation = replies[0]["base"]
+    return str(name), int(generation)
+
+
 class ResidentAdapters:
     """Up to ``versions`` generations of adapter ``policy`` resident on every rank, and the
     record of the newest (what an adapter update must supersede)."""
@@ -50,6 +56,7 @@ class ResidentAdapters:
             raise ValueError(f"lora_versions must be an integer >= 1, got {versions!r}")
         self.backend, self.policy, self.versions, self.names = backend, policy, versions, names
         self.generations: list[int] = []  # resident, oldest first
+        self.bases: dict[int, tuple[str, int]] = {}  # each resident one's base
         self.served = ServedRecord()
 
     def status(self) -> dict[str, Any]:
@@ -73,26 +80,44 @@ class ResidentAdapters:
             raise ReceiverError(refused["status"], refused["code"], failed[0].get("error", ""))
         loaded = ServedRecord(int(replies[0]["generation"]), int(replies[0].get("fence", 0)))
         return {
-            **await self.landed(loaded),
+            **await self.landed(loaded, bound_to(replies)),
             "adapter_bytes": sum(r.get("adapter_bytes", 0) for r in replies),
         }
 
-    async def landed(self, record: ServedRecord) -> dict[str, Any]:
-        """``record``'s generation is resident on every rank: name it, move the plain name
-        to it (one assignment: no request sees a half-loaded adapter), evict the oldest
-        beyond ``versions``."""
+    async def landed(self, record: ServedRecord, base: tuple[str, int]) -> dict[str, Any]:
+        """``record``'s generation (bound to ``base``) is resident on every rank: name it,
+        move the plain name to it (one assignment: no request sees a half-loaded adapter),
+        evict the oldest beyond ``versions``."""
         loaded = record.generation
         if loaded in self.generations:
             self.generations.remove(loaded)
         self.generations.append(loaded)
+        self.bases[loaded] = base
         self.names.register(versioned(self.policy, loaded), loaded)
         self.names.register(self.policy, loaded)
         self.served = record
         while len(self.generations) > self.versions:
-            oldest = self.generations.pop(0)
-            self.names.drop(versioned(self.policy, oldest))
-            await self.backend.call_workers("evict_adapter", oldest)
+            await self._evict(self.generations[0])
         return {"adapter": self.policy, "generation": loaded, "resident": self.names.resident()}
+
+    async def rebased(self, base: tuple[str, int]) -> list[int]:
+        """The engine now serves ``base``: evict every resident generation bound to another
+        (an adapter applies to the weights it was trained on, so it would serve a model
+        nobody trained), its names with it; the generations evicted."""
+        stale = [g for g in self.generations if self.bases[g] != base]
+        for generation in stale:
+            await self._evict(generation)
+        if stale and self.generations:  # the plain name: the newest left
+            self.names.register(self.policy, self.generations[-1])
+        return stale
+
+    async def _evict(self, generation: int) -> None:
+        self.generations.remove(generation)
+        del self.bases[generation]
+        self.names.drop(versioned(self.policy, generation))
+        if self.names.resident().get(self.policy) == generation:
+            self.names.drop(self.policy)
+        await self.backend.call_workers("evict_adapter", generation)
 
     async def discard(self, generation: int) -> None:
         """A commit that failed on some rank: drop what the others made resident (never

@@ -49,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from engine_ext.lora import ResidentAdapters
+from engine_ext.lora import ResidentAdapters, bound_to
 from engine_ext.served import ServedRecord, weight_version
 from engine_ext.sessions import HELD, ReceiverError, ReceiverState, Session, SessionKeeper
 from mooncake_rl.protocol import (
@@ -289,7 +289,7 @@ class Receiver(SessionKeeper):
                     self.pending = self._pending_record = None
                     raise
             self.exposed_bytes = int(prepared.get("in_place_bytes", 0))
-            session.adapter = request.adapter
+            session.adapter_base = bound_to(prepared["workers"]) if request.adapter else None
             session.stages, session.stages_done, session.apply_s = request.stages, 0, 0.0
             session.landing = (self.exposed_bytes, int(prepared.get("staged_bytes", 0)))
             # An adapter has no stage to apply: prepared is all it needs to commit.
@@ -359,7 +359,7 @@ class Receiver(SessionKeeper):
                     f"{session.stages_done} of {session.stages} stages ran; apply the rest first",
                 )
             assert self._pending_record is not None
-            if session.adapter:
+            if session.adapter_base is not None:
                 return await self._commit_adapter(session, self._pending_record)
             try:  # while the engine still serves (unless it received in place)
                 reference = await self._timed(
@@ -389,6 +389,8 @@ class Receiver(SessionKeeper):
                     f"{refused.detail}; the staged generation was dropped and the engine serves "
                     f"generation {served} again",
                 ) from refused
+            # Adapters bound to the base this commit replaces go before the engine resumes.
+            dropped = await self._rebase_adapters(self._pending_record)
             self.state = ReceiverState.COMMITTING
             version = weight_version(self.model, self._pending_record)
             try:
@@ -421,7 +423,7 @@ class Receiver(SessionKeeper):
                 "pause_s": pause_s,
                 **committed.get("landing", {}),
             }
-            return {**self.status(), **committed, "landing": landing}
+            return {**self.status(), **committed, "landing": landing, "adapters_dropped": dropped}
 
     @_counted
     async def abort(self, request: SessionRequest) -> dict[str, Any]:
@@ -485,6 +487,26 @@ class Receiver(SessionKeeper):
             )
         return self.adapters
 
+    async def _rebase_adapters(self, record: ServedRecord) -> list[int]:
+        """The engine is about to serve ``record`` of its model: resident adapters bound to
+        any other base are evicted, and their names dropped (``ResidentAdapters.rebased``)."""
+        if self.adapters is None or not self.adapters.generations:
+            return []
+        try:
+            dropped = await self.adapters.rebased((self.model, record.generation))
+        except Exception as error:  # names go first: a failed eviction leaves none to select
+            logger.warning("mooncake: evicting adapters of another base failed: %s", error)
+            return []
+        if dropped:
+            logger.warning(
+                "mooncake: adapter generations %s of %s were bound to another base than "
+                "generation %d: evicted; publish adapters bound to it",
+                dropped,
+                self.adapters.policy,
+                record.generation,
+            )
+        return dropped
+
     async def _commit_adapter(self, session: Session, record: ServedRecord) -> dict[str, Any]:
         """Commit of an adapter generation (called under the lock): pause (short: nothing
         is copied but the adapter), every rank makes it resident and compares it with a
@@ -508,7 +530,8 @@ class Receiver(SessionKeeper):
                 code,
                 f"{error}; the adapter was dropped and the engine serves the adapters it had",
             ) from error
-        landed = await adapters.landed(record)
+        assert session.adapter_base is not None
+        landed = await adapters.landed(record, session.adapter_base)
         self._end_session("committed")
         self.state = ReceiverState.SERVING
         self.last_error = None
@@ -528,6 +551,7 @@ class Receiver(SessionKeeper):
                 self.last_error = f"rebuild failed: {error}"
                 logger.warning("mooncake: %s", self.last_error)
                 raise ReceiverError(502, "rebuild_failed", self.last_error) from error
+            await self._rebase_adapters(self.served)
             self.figures.rebuilds += 1
             self.state = ReceiverState.SERVING
             self.last_error = None

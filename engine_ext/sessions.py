@@ -78,8 +78,9 @@ class Session:
     pause: DrainRequest
     """How the engine pauses when it must (to land; before an in-place apply)."""
     paused: bool = False
-    adapter: bool = False
-    """It brings a LoRA adapter generation (``engine_ext.adapting``), not weights."""
+    adapter_base: tuple[str, int] | None = None
+    """It brings a LoRA adapter generation (``engine_ext.adapting``), not weights: the base
+    its ranks bound it to."""
     stages: int = 0
     stages_done: int = 0
     # For the figures: seconds its apply stages took, and the bytes its prepare said land

@@ -143,3 +143,20 @@ def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(
                 corrupted.value.result.failed
             )
             assert server.complete(PROMPT, model=policy) == reference[1]
+
+            # A new base generation: the adapters bound to the old one leave with it (their
+            # names too), and one bound to the new base is taken and served.
+            rebased = publish_checkpoint(store, base.model, base_dir, "float32")
+            with Coordinator(store, [server.url]) as coordinator:
+                coordinator.update(base.model)
+            status = httpx.get(f"{server.url}/mooncake/status").json()
+            assert (status["generation"], status["adapter"]["resident"]) == (rebased.generation, {})
+            served = {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+            assert not {n for n in served if n.startswith(policy)}
+            third = publish_adapter(
+                store, policy, read_adapter(dirs[0]), AdapterBase(base.model, rebased.generation)
+            )
+            with Coordinator(store, [server.url]) as coordinator:
+                coordinator.update(policy)
+            assert server.complete(PROMPT, model=policy) == reference[0]
+            assert server.complete(PROMPT, model=f"{policy}@{third.generation}") == reference[0]

@@ -11,16 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mooncake_rl.apply.coalesce import coalesced_reads, coalesced_writes
+from mooncake_rl.engine import Write
 from mooncake_rl.errors import InvariantViolation
 from mooncake_rl.generations.chain import DeltaTable, ObjectDelta, delta_key
 from mooncake_rl.plan.delta import (
     DELTA_REGION,
+    RUN_BYTES,
     DeltaDemand,
     EntryBlock,
     entry_blocks,
     entry_offsets,
     plan_delta_fetch,
 )
+from mooncake_rl.store import RangeRead
 
 
 def _table(sizes: list[int]) -> DeltaTable:
@@ -96,14 +100,29 @@ def test_every_entry_is_read_once_and_lands_once_where_each_buffer_wants_it(
         assert sorted(landed[worker]) == expected  # every byte of its buffer, once
 
 
-def test_readers_spread_over_nodes() -> None:
-    """Four engines on two nodes share every entry: each node reads about half the bytes."""
-    blocks = tuple(EntryBlock("g/payload/obj", b, 100 * b, 100 * b + 100) for b in range(40))
+def test_readers_take_runs_and_spread_them_over_nodes() -> None:
+    """Four engines on two nodes share every entry of one object: readers take runs of
+    RUN_BYTES of consecutive entries (each run one read and, per peer, one write once
+    merged), and each node reads half the bytes."""
+    mib = 1 << 20
+    blocks = tuple(EntryBlock("g/payload/obj", b, b * mib, (b + 1) * mib) for b in range(64))
     nodes = {"a0": "a", "a1": "a", "b0": "b", "b1": "b"}
-    slices = plan_delta_fetch(DeltaDemand(nodes, dict.fromkeys(nodes, blocks)), 1 << 20)
+    slices = plan_delta_fetch(DeltaDemand(nodes, dict.fromkeys(nodes, blocks)), 1 << 30)
     read = {w: s.read_bytes for w, s in slices.items()}
-    assert read["a0"] + read["a1"] == read["b0"] + read["b1"] == 2000
-    assert sum(read.values()) == 4000  # once: 40 entries of 100 bytes
+    assert read["a0"] + read["a1"] == read["b0"] + read["b1"] == 32 * mib
+    assert sum(read.values()) == 64 * mib  # once
+    for worker, found in slices.items():
+        reads = [r for batch in found.stages[0] for r in batch.reads]
+        ranges = coalesced_reads(
+            [RangeRead(r.key, r.src_offset, r.dst_offset, r.length) for r in reads]
+        )
+        assert len(ranges) == len(reads) * mib // RUN_BYTES  # one range per run
+        for peer in set(nodes) - {worker}:
+            pushes = [p for batch in found.stages[0] for p in batch.pushes if p.peer == peer]
+            writes = coalesced_writes(
+                [Write(1 + p.src_offset, 1 + p.dst_offset, p.length) for p in pushes]
+            )
+            assert len(writes) == len(ranges)  # one write per run to every peer
 
 
 def test_entry_blocks_are_the_blocks_a_read_touches() -> None:
