@@ -185,8 +185,9 @@ def decode(
     what the table says: corrupt in the Store, or never delivered), keeping the changes
     that fall inside each read."""
     pieces = [(r.tensor, r.key, r.offset, r.length) for r in reads]
-    # Per object: the changed elements' byte offsets and their bytes, in object order.
-    changed: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = defaultdict(list)
+    # Per object and element size, block by block: changed elements' indices in the object,
+    # and their new elements as raw words.
+    changed: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
     spans = {key: table.objects[key].spans() for key in {b.key for b in blocks}}
     for block, at in zip(blocks, entry_offsets(blocks)[:-1], strict=True):
         row = table.objects[block.key]
@@ -194,27 +195,36 @@ def decode(
         entry = buffer[at : at + block.length]
         tensors = block_tensors(pieces, block.key)
         delta, positions = checked_entry(entry, block.key, row, block.block, span, tensors)
-        values = np.frombuffer(delta.values, np.uint8).reshape(-1, delta.itemsize)
+        words = np.frombuffer(delta.values, f"u{delta.itemsize}")
         if delta.encoding == "whole":
-            values = values[positions]
-        starts = span[0] + positions * delta.itemsize
-        changed[block.key].append((starts, values, delta.itemsize))
+            words = words[positions]
+        changed[block.key, delta.itemsize].append((span[0] // delta.itemsize + positions, words))
+    # One sorted array per object (blocks come in object order): one search per read, not
+    # one per block of the object (a pack's reads would cost reads x blocks).
+    merged: dict[str, list[tuple[int, np.ndarray, np.ndarray]]] = defaultdict(list)
+    for (key, itemsize), parts in changed.items():
+        merged[key].append(
+            (itemsize, np.concatenate([p for p, _ in parts]), np.concatenate([w for _, w in parts]))
+        )
     positions: dict[tuple[str, int], list[np.ndarray]] = defaultdict(list)
     values: dict[tuple[str, int], list[np.ndarray]] = defaultdict(list)
     for read in reads:
-        end = read.offset + read.length
-        for starts, bytes_, itemsize in changed[read.key]:
-            if not len(starts) or starts[0] >= end or starts[-1] < read.offset:
-                continue  # a block outside this read
-            lo, hi = np.searchsorted(starts, (read.offset, end))
-            first = starts[lo:hi] - read.offset + read.dst_offset
-            if (read.dst_offset - read.offset) % itemsize == 0:  # whole elements: words
-                positions[read.region, itemsize].append(first // itemsize)
-                values[read.region, itemsize].append(bytes_[lo:hi].view(f"u{itemsize}")[:, 0])
-            else:
-                spread = (first[:, None] + np.arange(itemsize)).reshape(-1)
-                positions[read.region, 1].append(spread)
-                values[read.region, 1].append(bytes_[lo:hi].reshape(-1))
+        end, shift = read.offset + read.length, read.dst_offset - read.offset
+        for itemsize, elements, words in merged[read.key]:
+            # The elements the read overlaps (whole ones, where it is element-aligned).
+            lo, hi = np.searchsorted(elements, (read.offset // itemsize, -(-end // itemsize)))
+            if lo == hi:
+                continue
+            if read.offset % itemsize == 0 == end % itemsize == shift % itemsize:  # words
+                positions[read.region, itemsize].append(elements[lo:hi] + shift // itemsize)
+                values[read.region, itemsize].append(words[lo:hi])
+            else:  # bytes, those inside the read: it cuts elements (never a box's read)
+                at = elements[lo:hi, None] * itemsize + np.arange(itemsize)
+                inside = (at >= read.offset) & (at < end)
+                positions[read.region, 1].append((at + shift)[inside])
+                values[read.region, 1].append(
+                    words[lo:hi].view(np.uint8).reshape(-1, itemsize)[inside]
+                )
     return DeltaChanges(
         {r: np.concatenate(p) for r, p in positions.items()},
         {r: np.concatenate(v) for r, v in values.items()},
