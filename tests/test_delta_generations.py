@@ -62,6 +62,22 @@ def store(master: EmbeddedMaster) -> Iterator[StoreClient]:
         yield client
 
 
+def delta_attempt(store: StoreClient, model: str) -> GenerationPublisher:
+    """A publisher of ``model``'s next generation as a delta against generation 1, by hand:
+    what the announce then sees is the test's to shape."""
+    generation, attempt = start_attempt(store, model)
+    return GenerationPublisher(
+        store,
+        model,
+        generation,
+        0,
+        TrainerTopology.single("node0"),
+        attempt=attempt,
+        pack_bytes=SMALL_PACKS,
+        delta_base=(1, 1),
+    )
+
+
 def policy_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     """Large tensors stored alone and small ones that share packs, fp32 master weights."""
     g = torch.Generator().manual_seed(seed)
@@ -176,20 +192,10 @@ def test_a_delta_against_a_base_that_is_not_the_newest_is_refused_naming_both(
     model = "delta-stale-base"
     for seed in range(2):
         publish_local(store, model, policy_weights(seed).items(), pack_bytes=SMALL_PACKS)
-    generation, attempt = start_attempt(store, model)
-    publisher = GenerationPublisher(
-        store,
-        model,
-        generation,
-        0,
-        TrainerTopology.single("node0"),
-        attempt=attempt,
-        pack_bytes=SMALL_PACKS,
-        delta_base=(1, 1),
-    )
-    report = publisher.publish(policy_weights(2).items())
+    writer = delta_attempt(store, model)
+    report = writer.publish(policy_weights(2).items())
     with pytest.raises(InvariantViolation, match=r"delta against generation 1.*before it is 2"):
-        finalize_generation(publisher, report)
+        finalize_generation(writer, report)
     assert GenerationRegistry(store, model).active().generation == 2  # type: ignore[union-attr]
     written = [delta_key(key) for key, _ in report.deltas]
     assert written and store.complete_sizes(written) == [None] * len(written)
@@ -232,17 +238,7 @@ def test_a_delta_table_declaring_a_change_outside_a_block_is_refused_at_announce
     attempt's abort then removes the delta objects."""
     model, policy = "delta-extent-announce", DeltaPolicy()
     publish_local(store, model, policy_weights(11).items(), delta=policy, pack_bytes=SMALL_PACKS)
-    generation, attempt = start_attempt(store, model)
-    writer = GenerationPublisher(
-        store,
-        model,
-        generation,
-        0,
-        TrainerTopology.single("node0"),
-        attempt=attempt,
-        pack_bytes=SMALL_PACKS,
-        delta_base=(1, 1),
-    )
+    writer = delta_attempt(store, model)
     report = writer.publish(step(policy_weights(11), 1e-6, 12).items())
     key = payload_prefix(writer.group) + "mlp.weight"  # stored alone: one 192 KiB block
     rows = dict(report.deltas)
@@ -267,7 +263,7 @@ def test_a_delta_table_declaring_a_change_outside_a_block_is_refused_at_announce
     assert (
         store.exists([manifest_key(group), checksums_key(group), deltas_key(group)]) == [False] * 3
     )
-    abort_generation(store, model, generation, attempt)
+    abort_generation(store, model, writer.generation, writer.attempt)
     written = [delta_key(k) for k in rows]
     assert store.exists(written) == [False] * len(written)
 

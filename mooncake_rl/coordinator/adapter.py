@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mooncake_rl.coordinator.result import UpdateFailed, UpdateResult, left_out, require_enough
-from mooncake_rl.coordinator.session import SessionLease
+from mooncake_rl.coordinator.session import SessionLease, prepare_body
 from mooncake_rl.coordinator.survey import Phases, target_of
 from mooncake_rl.generations.lora import AdapterRecord, load_adapter_record
 from mooncake_rl.generations.registry import ActiveRecord
@@ -78,15 +78,7 @@ def sync_adapter(
         return result
     session = SessionLease(coordinator, coordinator.session_ttl_s)
     result.session = session.id
-    body = {
-        "session": session.id,
-        **target_of(record),
-        "manifest_digest": record.manifest_digest,
-        "mode": "compat",
-        "stages": 0,
-        "workers": {},
-        "adapter": True,
-    }
+    body = prepare_body(session, record, mode="compat", stages=0, workers={}, adapter=True)
     with session.holding(result):
         still = max(1, needed - len(result.skipped))
         members = session.drain(targets, drain_mode, still, result, target_of(record))

@@ -25,7 +25,7 @@ from mooncake_rl.coordinator.result import (
     UpdateResult,
     planned,
 )
-from mooncake_rl.coordinator.session import SessionLease, advertised_peers
+from mooncake_rl.coordinator.session import SessionLease, advertised_peers, prepare_body
 from mooncake_rl.coordinator.survey import (
     BARE_PLACEMENT,
     Options,
@@ -268,15 +268,9 @@ class Coordinator(EngineClient):
         phase.restart()
         session = SessionLease(self, self.session_ttl_s)
         result.session = session.id
-        body = {
-            "session": session.id,
-            **target_of(record),
-            "manifest_digest": record.manifest_digest,
-            "mode": "direct",
-            "in_place": True,
-            "stages": 1,
-            "delta": {"base": record.base},
-        }
+        body = prepare_body(
+            session, record, mode="direct", in_place=True, stages=1, delta={"base": record.base}
+        )
         with session.holding(result):
             members = session.drain(
                 survey.delta.engines, options.drain_mode, needed, result, target_of(record)
@@ -319,13 +313,7 @@ class Coordinator(EngineClient):
         session = SessionLease(self, self.session_ttl_s)
         result.session = session.id
         # What every prepare body names, on the Store transport or the legs.
-        base = {
-            "session": session.id,
-            **target_of(record),
-            "manifest_digest": record.manifest_digest,
-            "mode": options.mode,
-            "in_place": options.in_place,
-        }
+        base = prepare_body(session, record, mode=options.mode, in_place=options.in_place)
 
         with session.holding(result):
             members = session.drain(members, options.drain_mode, needed, result, target_of(record))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mooncake_rl.coordinator.client import encode_body
 from mooncake_rl.coordinator.result import UpdateFailed, UpdateResult, left_out, require_enough
+from mooncake_rl.coordinator.survey import target_of
 from mooncake_rl.generations.registry import ActiveRecord
 from mooncake_rl.plan.update import UpdatePlan
 from mooncake_rl.transport.legs import LegFailed, LegFigures, TransportLegs
@@ -316,6 +317,17 @@ class SessionLease:
         except UpdateFailed:
             self.release(sorted(self.held))
             raise
+
+
+def prepare_body(session: SessionLease, record: ActiveRecord, **fields: Any) -> dict[str, Any]:
+    """What every prepare of ``session`` names: the session, the record it brings and the
+    manifest's digest; ``fields``: the kind of update's own (mode, stages, delta, adapter)."""
+    return {
+        "session": session.id,
+        **target_of(record),
+        "manifest_digest": record.manifest_digest,
+        **fields,
+    }
 
 
 def advertised_peers(prepared: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
