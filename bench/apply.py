@@ -44,6 +44,7 @@ import torch
 from mooncake.reshard.weight import WeightManifest
 
 from bench.common import get_into_gbps, parse_size, store_services, synthetic_model
+from bench.delta import adam_steps
 from bench.ops import host
 from mooncake_rl.apply.delta import DeltaRead, delta_reads
 from mooncake_rl.apply.executor import Batch, PushOp, ReadOp
@@ -586,12 +587,28 @@ def publish_delta(store: StoreClient, name: str, base: Model, new: Model) -> Del
     return DeltaPublished(keyframe, published, table, time.perf_counter() - started)
 
 
-def run_delta(args: argparse.Namespace, size: int, batch_bytes: int) -> dict[str, Any]:
-    """Publish a keyframe of the synthetic model, then N with ``args.delta_rate`` of its
-    elements changed as a delta; then compare N's full update with the in-place delta
-    update of workers at the keyframe (one TP=1 engine per worker, direct mode)."""
+def delta_policies(size: int, args: argparse.Namespace) -> tuple[Model, Model]:
+    """Two consecutive bf16 policies of the synthetic model's shapes: with ``--delta-lr``,
+    fp32 masters (std 0.02, as trained weights) before and after one Adam step at that
+    learning rate (``bench.delta.adam_steps``, random gradients, three warm-up steps);
+    else the model and a copy with ``--delta-rate`` of its elements flipped."""
     base = synthetic_model(size, args.tensors)
-    new = with_changes(base, args.delta_rate)
+    if args.delta_lr is None:
+        return base, with_changes(base, args.delta_rate)
+    generator = torch.Generator().manual_seed(DELTA_SEED)
+    master = {n: torch.randn(t.shape, generator=generator) * 0.02 for n, t in base}
+    before, after = adam_steps(master, args.delta_lr, 3, generator)
+    return (
+        [(n, before[n].to(torch.bfloat16)) for n, _ in base],
+        [(n, after[n].to(torch.bfloat16)) for n, _ in base],
+    )
+
+
+def run_delta(args: argparse.Namespace, size: int, batch_bytes: int) -> dict[str, Any]:
+    """Publish a keyframe of the synthetic model, then the next policy
+    (:func:`delta_policies`) as a delta; then compare N's full update with the in-place delta
+    update of workers at the keyframe (one TP=1 engine per worker, direct mode)."""
+    base, new = delta_policies(size, args)
     # The keyframe, N's delta objects and N realized, with room to spare.
     with store_services(int(size * 2.4) + (64 << 20)) as (_, _, settings):
         with StoreClient(settings) as store:
@@ -630,6 +647,7 @@ def run_delta(args: argparse.Namespace, size: int, batch_bytes: int) -> dict[str
         "tensors": args.tensors,
         "model_bytes": generation.model_bytes,
         "delta_rate": args.delta_rate,
+        "delta_lr": args.delta_lr,
         "changed_elements_fraction": round(changed_fraction(base, new), 5),
         "repeats": args.repeats,
         "torch_threads_per_worker": int(os.environ["OMP_NUM_THREADS"]),
@@ -657,8 +675,13 @@ def run_delta(args: argparse.Namespace, size: int, batch_bytes: int) -> dict[str
             "the Store once, pushed to the workers that share it), a barrier, then decode "
             "(hash-checked), scatter and check each box against N's checksums; seconds: the "
             "wall time of all workers; moved: Store reads + TE pushes",
-            "changes": "each bf16 element changed with probability delta_rate (seeded "
-            f"{DELTA_SEED}): its lowest bit flipped",
+            "changes": (
+                "each bf16 element changed with probability delta_rate (seeded "
+                f"{DELTA_SEED}): its lowest bit flipped"
+                if args.delta_lr is None
+                else "fp32 masters (std 0.02, seeded) after 3 Adam steps at delta_lr and "
+                "after a fourth (random gradients), each cast to bf16"
+            ),
             "threads": "each worker process runs torch with OMP_NUM_THREADS threads (its "
             "share of the cores unless set), for both updates",
             "exact": "each run starts from regions holding the keyframe; after it every "
@@ -683,9 +706,22 @@ def main() -> None:
         help="instead: the full update of a generation with this fraction of elements "
         "changed against its in-place delta update (direct mode), e.g. 0.01",
     )
+    parser.add_argument(
+        "--delta-lr",
+        type=float,
+        help="instead: as --delta-rate, with the next policy one Adam step at this learning "
+        "rate from fp32 masters (bench.delta), e.g. 1e-6",
+    )
     args = parser.parse_args()
     batch_bytes = parse_size(args.batch)
     size = parse_size(args.size)
+    if args.delta_rate is not None and args.delta_lr is not None:
+        parser.error("--delta-rate and --delta-lr each make the next policy: give one")
+    if args.delta_lr is not None and (args.mode != "direct" or not 0 < args.delta_lr < 1):
+        parser.error("--delta-lr takes a learning rate in (0, 1) and --mode direct")
+    if args.delta_lr is not None:
+        print(json.dumps(run_delta(args, size, batch_bytes)))
+        return
     if args.delta_rate is not None:
         if args.mode != "direct" or not 0 < args.delta_rate <= 1:
             parser.error("--delta-rate takes a rate in (0, 1] and --mode direct")

@@ -129,6 +129,24 @@ def step_rows(
     }
 
 
+def adam_steps(
+    master: dict[str, torch.Tensor], lr: float, warmup: int, generator: torch.Generator
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """fp32 ``master`` weights (stepped in place) after ``warmup`` Adam steps at ``lr``
+    (random gradients), and after one more: two consecutive policies as a trainer holds
+    them."""
+    params = [torch.nn.Parameter(t) for t in master.values()]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    snapshots = []
+    for step in range(warmup + 2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+        if step >= warmup:
+            snapshots.append({n: p.detach().clone() for n, p in zip(master, params, strict=True)})
+    return snapshots[0], snapshots[1]
+
+
 def measure(
     hidden: int, layers: int, vocab: int, lrs: Sequence[float], warmup: int, seed: int
 ) -> list[dict[str, Any]]:
@@ -142,17 +160,7 @@ def measure(
             n: (torch.randn(s, generator=generator) * 0.02 + (1.0 if len(s) == 1 else 0.0))
             for n, s in shapes.items()
         }
-        params = [torch.nn.Parameter(t) for t in master.values()]
-        optimizer = torch.optim.Adam(params, lr=lr)
-        snapshots = []
-        for step in range(warmup + 2):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=generator)
-            optimizer.step()
-            if step >= warmup:
-                snapshots.append(
-                    {n: p.detach().clone() for n, p in zip(master, params, strict=True)}
-                )
+        snapshots = adam_steps(master, lr, warmup, generator)
         for dtype in ("bf16", "fp8"):
             before, after = (served(s, dtype) for s in snapshots)
             rows.append({"lr": lr, "dtype": dtype, **step_rows(before, after, compressors)})

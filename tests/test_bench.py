@@ -252,12 +252,13 @@ def test_bench_apply_compares_the_two_pulls_on_real_services() -> None:
 
 
 def test_bench_apply_compares_a_delta_update_with_the_full_one_on_real_services() -> None:
-    """``bench.apply --delta-rate`` publishes a keyframe and a delta of it, then updates
-    workers at the keyframe both ways (real Store reads and TE writes): each leaves every
-    region holding N exactly, and the delta moves only its entries, each read once."""
+    """``bench.apply --delta-lr`` publishes a keyframe and, one Adam step later, a delta of
+    it, then updates workers at the keyframe both ways (real Store reads and TE writes):
+    each leaves every region holding N exactly, and the delta moves only its entries, each
+    read once."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.apply", "--size", "4MiB", "--tensors", "6",
-         "--workers", "2", "--nodes", "1", "--mode", "direct", "--delta-rate", "0.01",
+         "--workers", "2", "--nodes", "1", "--mode", "direct", "--delta-lr", "1e-6",
          "--repeats", "1"],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=280,
     )  # fmt: skip
@@ -265,6 +266,7 @@ def test_bench_apply_compares_a_delta_update_with_the_full_one_on_real_services(
     result = json.loads(done.stdout)
     m, full, delta = result["model_bytes"], result["full"], result["delta"]
     assert result["exact"] == {"full": True, "delta": True} and result["goals"]["bit_exact"]
+    assert 0.005 < result["changed_elements_fraction"] < 0.05  # bf16 after an Adam step
     assert (full["store_read_bytes"], full["pushed_bytes"]) == (m, m)  # 2 x TP1 on one node
     # Both TP=1 workers need every entry: the Store serves each once, and it is pushed once.
     stored = delta["stored_bytes"]
