@@ -5,6 +5,8 @@ from local directories, and adapters the engine cannot serve refused."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,43 @@ def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(
             assert f"object {key} does not match its published checksum" in str(
                 corrupted.value.result.failed
             )
+            assert server.complete(PROMPT, model=policy) == reference[1]
+
+            # The coordinator lost after prepare: the session lapses, the prepared adapter
+            # is dropped unnamed, and the engine serves the adapters it had.
+            lost = publish_adapter(store, policy, read_adapter(dirs[0]), bound)
+            active = GenerationRegistry(store, policy).active()
+            assert active is not None and active.generation == lost.generation
+            session, url = uuid.uuid4().hex, f"{server.url}/mooncake"
+            target = {
+                "model": policy,
+                "generation": lost.generation,
+                "fence": active.fence,
+                "incarnation": active.incarnation,
+            }
+            drain = {"session": session, "holder": "lost", "ttl_s": 1.0, "target": target}
+            assert httpx.post(f"{url}/drain", json=drain).status_code == 200
+            prepare = {
+                "session": session,
+                **target,
+                "manifest_digest": active.manifest_digest,
+                "mode": "compat",
+                "stages": 0,
+                "workers": {},
+                "adapter": True,
+            }
+            assert httpx.post(f"{url}/prepare", json=prepare, timeout=60).status_code == 200
+            deadline = time.monotonic() + 15
+            while httpx.get(f"{url}/status").json()["session"] is not None:
+                assert time.monotonic() < deadline, "the lost session never lapsed"
+                time.sleep(0.2)
+            status = httpx.get(f"{url}/status").json()
+            assert status["last_session"]["outcome"] == "expired"
+            assert (status["state"], status["adapter"]["generation"]) == (
+                "serving",
+                second.generation,
+            )
+            assert f"{policy}@{lost.generation}" not in status["adapter"]["resident"]
             assert server.complete(PROMPT, model=policy) == reference[1]
 
             # A new base generation: the adapters bound to the old one leave with it (their
