@@ -18,7 +18,6 @@ while a full update stages.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,9 +39,8 @@ from mooncake_rl.apply.delta import (
     DeltaChanges,
     DeltaRead,
     DeltaUnavailable,
-    check,
     decode,
-    scatter,
+    land,
 )
 from mooncake_rl.apply.delta import delta_reads as plan_reads
 from mooncake_rl.apply.wire import WorkerSlice, decode_slice
@@ -163,18 +161,7 @@ class DeltaWorker(WorkerBase):
         fails the commit and the engine rebuilds from the Store."""
         delta = state.delta
         assert delta is not None and delta.changes is not None
-        started = time.perf_counter()
-        written = scatter(delta.changes, state.buffers)
-        if state.buffers and next(iter(state.buffers.values())).is_cuda:
-            torch.cuda.synchronize()
-        scattered = time.perf_counter()
-        checked = check(delta.reads, state.buffers, delta.checksums)
-        return {
-            "scatter_seconds": scattered - started,
-            "check_seconds": time.perf_counter() - scattered,
-            "written_bytes": written,
-            "checked_bytes": checked,
-        }
+        return land(delta.changes, delta.reads, state.buffers, delta.checksums)
 
 
 def _require_fills(worker_slice: WorkerSlice, blocks: tuple[EntryBlock, ...]) -> None:

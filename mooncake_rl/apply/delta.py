@@ -20,10 +20,11 @@ the worker take the full path: :class:`DeltaUnavailable` says why.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -265,3 +266,25 @@ def check(
         landed = regions[read.region][read.dst_offset : read.dst_offset + read.length]
         checksums[read.checksum_key].check(read.checksum_key, landed.cpu())
     return sum(read.length for read in reads)
+
+
+def land(
+    changes: DeltaChanges,
+    reads: Sequence[DeltaRead],
+    regions: Mapping[str, torch.Tensor],
+    checksums: Mapping[str, ObjectChecksum],
+) -> dict[str, Any]:
+    """The landing of a delta (an engine's pause): :func:`scatter`, then :func:`check` every
+    box against N; the seconds of each, and the bytes written and checked."""
+    started = time.perf_counter()
+    written = scatter(changes, regions)
+    if any(r.is_cuda for r in regions.values()):
+        torch.cuda.synchronize()
+    scattered = time.perf_counter()
+    checked = check(reads, regions, checksums)
+    return {
+        "scatter_seconds": scattered - started,
+        "check_seconds": time.perf_counter() - scattered,
+        "written_bytes": written,
+        "checked_bytes": checked,
+    }

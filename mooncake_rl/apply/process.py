@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import xxhash
 
-from mooncake_rl.apply.delta import DeltaRead, check, decode, scatter
+from mooncake_rl.apply.delta import DeltaRead, decode, land
 from mooncake_rl.apply.executor import Batch
 from mooncake_rl.apply.landing import Landing
 from mooncake_rl.apply.registration import Region
@@ -258,17 +258,12 @@ class DeltaTaker:
         table, reads, blocks = self.prepared
         started = time.perf_counter()
         changes = decode(self.entries.numpy(), blocks, table, reads)
-        decoded = time.perf_counter()
-        scatter(changes, regions)
-        scattered = time.perf_counter()
-        checked = check(reads, regions, checksums)
+        decoded = time.perf_counter() - started
         return {
-            "decode_seconds": decoded - started,
-            "scatter_seconds": scattered - decoded,
-            "check_seconds": time.perf_counter() - scattered,
+            "decode_seconds": decoded,
+            **land(changes, reads, regions, checksums),
             "entry_bytes": changes.entry_bytes,
             "changed_bytes": changes.changed_bytes,
-            "checked_bytes": checked,
         }
 
 
