@@ -237,6 +237,21 @@ async def test_full_update_cycle(make_client) -> None:
             422,
             "invalid_request",
         ),
+        # An adapter generation: no slices, no stages; only on an engine keeping adapters.
+        (
+            UPDATE[:1],
+            "prepare",
+            {**prepare_body(), "adapter": True, "stages": 1},
+            422,
+            "invalid_request",
+        ),
+        (
+            UPDATE[:1],
+            "prepare",
+            {**prepare_body(), "adapter": True, "stages": 0, "workers": {}},
+            409,
+            "lora_disabled",
+        ),
         ([], "commit", commit_body(), 409, "no_session"),
         ([], "renew", {"session": S1}, 409, "no_session"),
         ([("drain", drain_body())], "prepare", prepare_body(1), 409, "stale_generation"),

@@ -38,12 +38,14 @@ from engine_ext.loading import served_by
 from engine_ext.receiver import DrainRequest, Receiver, ServedRecord, weight_version
 from engine_ext.routes import build_router
 from engine_ext.sglang.backend import pause_modes
+from mooncake_rl.apply.wire import WorkerSlice, encode_slice
 from mooncake_rl.coordinator import ADVERTISED, Coordinator, UpdateFailed
 from mooncake_rl.generations.chain import DeltaPolicy
 from mooncake_rl.generations.commands import checkpoint_tensors
 from mooncake_rl.generations.keys import advert_key, group_id
 from mooncake_rl.generations.publisher import publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
+from mooncake_rl.plan.delta import DELTA_REGION
 from mooncake_rl.plan.update import RoutingCache, plan_update
 from mooncake_rl.protocol import (
     PLACEMENT_DIGEST,
@@ -900,6 +902,42 @@ def test_a_delta_lands_in_place_at_its_base_and_whole_elsewhere(world: World) ->
     tensors = checkpoint_tensors(step)
     record = publish_local(world.store, MODEL, tensors, dtype="float32", delta=DeltaPolicy())
     assert (record.base, record.keyframe) == (keyframe, keyframe)
+    # A delta prepare whose slice is not this worker's fetch, or no slice at all: refused
+    # by name, the engine at its base and serving, nothing held.
+    active = GenerationRegistry(world.store, MODEL).active()
+    assert active is not None and active.generation == record.generation
+    session, url = uuid.uuid4().hex, f"{world.single.url}/mooncake"
+    target = {k: getattr(active, k) for k in ("model", "generation", "fence", "incarnation")}
+    drain = {"session": session, "holder": "test", "target": target}
+    assert httpx.post(f"{url}/drain", json=drain, timeout=30).status_code == 200
+    worker = world.single.placement()[0]["worker_id"]
+    wrong = WorkerSlice({DELTA_REGION: 3}, ((),))
+    body = {
+        "session": session,
+        **target,
+        "manifest_digest": active.manifest_digest,
+        "mode": "direct",
+        "stages": 1,
+        "delta": {"base": keyframe},
+    }
+    for workers, status, code in (
+        (
+            {worker: {"slice": encode_slice(wrong), "layout": [], "fallback": []}},
+            409,
+            "placement_mismatch",
+        ),
+        (
+            {worker: {"slice": {"regions": "x"}, "layout": [], "fallback": []}},
+            422,
+            "invalid_request",  # typed at the route, before any worker sees it
+        ),
+        ({}, 422, "no_slice"),
+    ):
+        refused = httpx.post(f"{url}/prepare", json={**body, "workers": workers}, timeout=60)
+        assert (refused.status_code, refused.json()["error"]) == (status, code)
+        assert world.single.status()["generation"] == keyframe
+    assert httpx.post(f"{url}/abort", json={"session": session}, timeout=30).status_code == 200
+    assert (world.single.status()["state"], world.single.status()["session"]) == ("serving", None)
     with Coordinator(world.store, urls) as coordinator:
         result = coordinator.update(MODEL, mode="direct", batch_bytes=64 << 10)
     assert result.delta == [world.single.url]
