@@ -27,6 +27,7 @@ from mooncake_rl.generations.chain import (
     object_reader,
     realize_generation,
 )
+from mooncake_rl.generations.checksums import CorruptObject
 from mooncake_rl.generations.commands import verify_generation
 from mooncake_rl.generations.delta import HEADER, decode_changes
 from mooncake_rl.generations.gc import collect_garbage
@@ -391,6 +392,17 @@ def test_a_worker_at_the_base_takes_only_its_entries_and_lands_the_new_bytes_exa
     assert scatter(changes, regions) == changes.changed_bytes
     assert check(reads, regions, checksums) == record.bytes
     assert {n: r.numpy().tobytes() for n, r in regions.items()} == served(new_weights)
+    # A region that did not hold exactly the base (one byte off, one the delta leaves
+    # alone): after the scatter it is not N, and the check names it: never served.
+    drifted = {n: torch.frombuffer(bytearray(d), dtype=torch.uint8) for n, d in base_bytes.items()}
+    name = next(n for n, r in drifted.items() if r.numel() > 64)
+    untouched = next(  # a byte N shares with the base: the scatter leaves it
+        i for i in range(drifted[name].numel()) if drifted[name][i] == regions[name][i]
+    )
+    drifted[name][untouched] ^= 0x01
+    assert scatter(changes, drifted) == changes.changed_bytes
+    with pytest.raises(CorruptObject, match=name):
+        check(reads, drifted, checksums)
     # A row shard of a tensor stored alone is no checksummed unit: the full path.
     shard = BoxRow("embed.weight", (0, 0), (256, 256), "embed.weight", 0)
     with pytest.raises(DeltaUnavailable, match="no checksum covers alone"):
