@@ -306,7 +306,9 @@ def test_bench_runs_every_approach_on_real_services(tmp_path: Path) -> None:
     assert {"compat", "direct", "naive_store", "broadcast"} <= set(a)
 
     assert a["direct"]["store_read_bytes"] == a["direct"]["unique_demand_bytes"] == m
-    assert a["direct"]["pushed_bytes"] == m  # 2 x TP2: each shard crosses to the other node
+    # 2 x TP2: each shard crosses to the other node once (node_nic_bytes below); a rank
+    # reading a checksum block whole pushes its TP peer the peer's rows inside the node.
+    assert m <= a["direct"]["pushed_bytes"] < 2 * m
     assert a["direct"]["delivered_bytes"] == 2 * m
     assert a["compat"]["store_read_bytes"] == a["compat"]["unique_demand_bytes"] == m
     assert a["compat"]["pushed_bytes"] == 3 * m  # 4 workers each hold the model
@@ -334,7 +336,8 @@ def test_bench_runs_every_approach_on_real_services(tmp_path: Path) -> None:
     # docs/performance.md's table comes from this JSON (python -m bench.tables)
     # (the hottest NIC of direct and compat depends on how tensors split across nodes)
     table = {line.split(" | ")[0]: line.split(" | ")[3:6] for line in render_compare([result])}
-    assert table["| `direct`"][:2] == ["1.00x", "1.00x"]  # Store reads, pushed
+    assert table["| `direct`"][0] == "1.00x"  # Store reads
+    assert 1.0 <= float(table["| `direct`"][1].rstrip("x")) < 2.0  # pushed (as above)
     assert table["| `compat`"][:2] == ["1.00x", "3.00x"]
     assert table["| `naive_store_full`"] == ["4.00x", "0.00x", "2.00x"]  # and hottest NIC
     assert table["| `broadcast`"] == ["0.00x", "3.00x", "2.00x"]

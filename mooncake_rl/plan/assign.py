@@ -37,7 +37,8 @@ term is the bytes the node must receive under any plan. Ranges are chunked so
 ``min_chunk_bytes``; chunks also never exceed ``batch_bytes`` (except a single row wider
 than it). A contiguous range cut in several chunks is cut at its object's 4 MiB checksum
 blocks (whole blocks per chunk, where they fit a batch), so every chunk's reader checks
-what it reads.
+what it reads; whole rows landing contiguously count as one contiguous range. A block that
+several chunks share then goes to one of their readers (:mod:`.blocks`).
 """
 
 from __future__ import annotations
@@ -48,13 +49,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mooncake_rl.generations.checksums import BLOCK_BYTES
-from mooncake_rl.plan import grid
+from mooncake_rl.plan import blocks, grid
 from mooncake_rl.plan.merge import Ranges
 from mooncake_rl.plan.params import PlanParams
 from mooncake_rl.plan.topology import Topology
 
 I64 = np.int64
-READ_BITS = 64  # a worker's key packs (outbound bytes, bytes read) into one int
+READ_BITS = blocks.READ_BITS  # a worker's key packs (outbound bytes, bytes read) into one int
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,11 +81,10 @@ def assign_readers(
     node_of = np.array(topology.worker_node, I64)
     n_nodes = len(topology.nodes)
     n = len(ranges)
-    rows = ranges.r1 - ranges.r0
-    cols = ranges.c1 - ranges.c0
+    cons_range = np.repeat(np.arange(n, dtype=I64), np.diff(ranges.ptr))
+    rows, cols = _contiguous_as_one_row(ranges, cons_range)
     nbytes = rows * cols
 
-    cons_range = np.repeat(np.arange(n, dtype=I64), np.diff(ranges.ptr))
     cons_node = node_of[ranges.worker]
     order = grid.lex_order(cons_range, cons_node, ranges.worker)
     g_first = grid.group_starts(cons_range[order], cons_node[order])
@@ -137,7 +137,7 @@ def assign_readers(
     g_bounds = np.append(g_start, len(order))
     g_workers = ranges.worker[order]
     g_single = np.where(np.diff(g_bounds) == 1, g_workers[g_start], -1)
-    reader = _greedy(
+    reader, out, inbound, worker_load = _greedy(
         _Loop(
             owner=owner.tolist(),
             c_bytes=c_bytes.tolist(),
@@ -155,15 +155,55 @@ def assign_readers(
         ),
         lpt.tolist(),
     )
+    # Where chunks share a checksum block, one of their readers takes all of it (blocks.py),
+    # when a batch can hold a block.
+    single = (c_rows == 1) & (params.batch_bytes >= BLOCK_BYTES)
+    lo = (ranges.r0[owner] + dr) * ranges.pitch[owner] + ranges.c0[owner] + dc
+    group = ranges.obj[owner]
+    if params.pull == "node":  # each node reads its own copy: its blocks are its own
+        group = group * n_nodes + cons_node[ranges.ptr[owner]]
+    piece, p_lo, p_hi = blocks.cut_at_shared_blocks(lo, lo + c_cols, group, single)
+    p_single = single[piece]
+    tied = blocks.tie_readers(
+        owner[piece],
+        p_lo,
+        p_hi,
+        group[piece],
+        np.array(reader, I64)[piece],
+        p_single,
+        blocks.Loads(
+            out=out,
+            inbound=inbound,
+            worker_load=worker_load,
+            bounds=range_groups.tolist(),
+            node=g_node.tolist(),
+            home=range_home.tolist(),
+            worker_node=node_of.tolist(),
+            cost_max=max_cost,
+        ),
+    )
     return Chunks(
-        range_=owner,
-        dr=dr,
-        rows=c_rows,
-        dc=dc,
-        cols=c_cols,
-        reader=np.array(reader, I64),
+        range_=owner[piece],
+        dr=dr[piece],
+        rows=c_rows[piece],
+        dc=dc[piece] + p_lo - lo[piece],
+        cols=np.where(p_single, p_hi - p_lo, c_cols[piece]),
+        reader=tied,
         max_cost=max_cost,
     )
+
+
+def _contiguous_as_one_row(ranges: Ranges, cons_range: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, bytes per row) of each range to chunk, a range of whole rows that every
+    consumer lands contiguously taken as one row: its chunks are then cut at checksum
+    blocks like any contiguous bytes, not at rows."""
+    rows = ranges.r1 - ranges.r0
+    cols = ranges.c1 - ranges.c0
+    strided_dst = np.bincount(cons_range, ranges.dst_pitch != cols[cons_range], len(ranges)).astype(
+        bool
+    )
+    whole = (rows > 1) & (ranges.c0 == 0) & (cols == ranges.pitch) & ~strided_dst
+    return np.where(whole, 1, rows), np.where(whole, rows * cols, cols)
 
 
 def _ceil_div(a, b):
@@ -225,8 +265,9 @@ class _Loop:
     max_cost: int
 
 
-def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
-    """The LPT loop (see the module docstring for the rule and its bound).
+def _greedy(loop: _Loop, lpt: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The LPT loop (see the module docstring for the rule and its bound): each chunk's
+    reader, each node's outbound and inbound NIC bytes, and each worker's key.
 
     A chunk's candidates are its consumer nodes, ordered by the key ``(GPU key, not home,
     node out, node)``; the first that keeps the bound reads. Two ways to find it, with the
@@ -329,4 +370,4 @@ def _greedy(loop: _Loop, lpt: list[int]) -> list[int]:
         if o:
             out[node] += o
             heappush(heap, (out[node], node))
-    return reader
+    return reader, out, inbound, wkey

@@ -1,10 +1,12 @@
 """Emit reads and two-stage pushes for assigned chunks, cut into byte-bounded batches.
 
 For each chunk: one Store read by its reader, landing in the reader's own destination when
-the reader consumes the chunk, else in its ``staging`` region. Stage 1: the reader pushes
-to every other consumer on its node and to ONE *relay* on every other consumer node, so a
-chunk crosses ``consumer nodes - 1`` NICs however many workers need it. Stage 2 (after the
-barrier): each relay copies from its own destination to the other consumers on its node.
+the reader consumes the chunk, else in its ``staging`` region. A reader's reads of one
+checksum block share a batch (:mod:`.blocks`), so it checks the block before any push.
+Stage 1: the reader pushes to every other consumer on its node and to ONE *relay* on every
+other consumer node, so a chunk crosses ``consumer nodes - 1`` NICs however many workers
+need it. Stage 2 (after the barrier): each relay copies from its own destination to the
+other consumers on its node.
 
 **Relays are spread over a node's GPUs**, not one delegate per node (which fanned the whole
 model out of one GPU in compat mode). A node's relayed chunks form *streams*: chunks whose
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mooncake_rl.generations.checksums import BLOCK_BYTES
 from mooncake_rl.plan import grid
 from mooncake_rl.plan.assign import Chunks
 from mooncake_rl.plan.merge import Ranges
@@ -74,12 +77,7 @@ def route(
     dst_pitch = ranges.dst_pitch[c].copy()
     del within, c  # one entry per (chunk, consumer): the largest arrays; free them early
 
-    # Fuse rows when the source and every destination are contiguous.
-    starts = np.flatnonzero(grid.group_starts(owner))
-    all_contiguous = np.minimum.reduceat((dst_pitch == length[owner]).astype(I64), starts) > 0
-    fuse = (count > 1) & (length == pitch) & all_contiguous
-    length = np.where(fuse, length * count, length)
-    count = np.where(fuse, 1, count)
+    # Whole rows landing contiguously arrive as one row (``assign``), so count > 1 is strided.
     src_stride = np.where(count == 1, length, pitch)
     dst_pitch = np.where(count[owner] == 1, length[owner], dst_pitch)
 
@@ -103,7 +101,13 @@ def route(
         reader, _read_walk(ranges.obj[r], node_of[reader], len(topology.nodes), params), src
     )
     read_batch = np.zeros(len(r), I64)
-    read_batch[read_order] = _pack(reader[read_order], (length * count)[read_order], params)
+    joined = _same_block(reader, ranges.obj[r], src, length, count, read_order)
+    read_batch[read_order] = _pack(
+        reader[read_order],
+        (length * count)[read_order],
+        params,
+        joined if params.batch_bytes >= BLOCK_BYTES else None,
+    )
     rank = np.empty(len(r), I64)
     rank[read_order] = np.arange(len(r))
     reads = np.zeros(len(r), READ_DTYPE)
@@ -286,16 +290,51 @@ def _allocate_staging(staged, reader, nbytes, land_off, align, topology, base) -
     return sizes
 
 
-def _pack(worker: np.ndarray, nbytes: np.ndarray, params: PlanParams) -> np.ndarray:
-    """Greedy byte-bounded batches over records already ordered by worker."""
+def _same_block(reader, obj, src, length, count, order) -> np.ndarray:
+    """For reads in ``order``: whether each continues the previous one's checksum block
+    (the same reader, object and block, both contiguous), so the two share a batch and
+    the block is checked (``blocks``)."""
+    w, o, s, n = reader[order], obj[order], src[order], count[order]
+    end = s + length[order]
+    joined = np.zeros(len(order), bool)
+    joined[1:] = (
+        (w[1:] == w[:-1])
+        & (o[1:] == o[:-1])
+        & (n[1:] == 1)
+        & (n[:-1] == 1)
+        & ((end[:-1] - 1) // BLOCK_BYTES == s[1:] // BLOCK_BYTES)
+    )
+    return joined
+
+
+def _pack(
+    worker: np.ndarray, nbytes: np.ndarray, params: PlanParams, joined: np.ndarray | None = None
+) -> np.ndarray:
+    """Greedy byte-bounded batches over records already ordered by worker; a run of
+    ``joined`` records (each joined to the one before) goes whole into one batch, which
+    then starts before the run where the run would overflow it."""
+    if joined is None:
+        joined = np.zeros(len(worker), bool)
+    run_bytes = _run_totals(nbytes, joined)
     out = []
     limit = params.batch_bytes
     current, batch, filled = -1, 0, 0
-    for w, b in zip(worker.tolist(), nbytes.tolist(), strict=True):
+    for w, b, glued, run in zip(
+        worker.tolist(), nbytes.tolist(), joined.tolist(), run_bytes.tolist(), strict=True
+    ):
         if w != current:
             current, batch, filled = w, 0, 0
-        elif filled + b > limit and filled > 0:
+        elif not glued and filled + run > limit and filled > 0:
             batch, filled = batch + 1, 0
         filled += b
         out.append(batch)
     return np.array(out, I64)
+
+
+def _run_totals(nbytes: np.ndarray, joined: np.ndarray) -> np.ndarray:
+    """Per record: the bytes of the joined run it starts (its own bytes inside a run)."""
+    starts = np.flatnonzero(~joined) if len(joined) else np.zeros(0, I64)
+    totals = np.asarray(nbytes, I64).copy()
+    if len(starts):
+        totals[starts] = np.add.reduceat(np.asarray(nbytes, I64), starts)
+    return totals

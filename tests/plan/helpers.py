@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from mooncake.reshard.weight import (
     WeightPlacementPart,
 )
 
-from mooncake_rl.plan import STAGING_REGION, Destinations, RoutingTable, object_key
+from mooncake_rl.plan import STAGING_REGION, CompatDemand, Destinations, RoutingTable, object_key
 from mooncake_rl.protocol import reported_placement
 
 ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float32": 4}
@@ -304,3 +305,25 @@ def run_bench(
 def bench_plan(*flags: str, module: str = "bench.plan") -> dict[str, Any]:
     """The one JSON object ``python -m bench.plan`` (or ``module``) prints for ``flags``."""
     return json.loads(run_bench(*flags, module=module).stdout)
+
+
+def expected_delivery(table, specs, data, demand, part_of, destinations):
+    """What each worker region must hold after ``table`` ran: every fragment of its part
+    (compat: every tensor) where its destinations (or the default regions) put it."""
+    spec = {s.name: s for s in specs}
+    expected = defaultdict(list)
+    for w, worker_id in enumerate(table.workers):
+        if isinstance(demand, CompatDemand):
+            for s in specs:
+                expected[(w, "compat")].append((table.compat.offset(s.name), data[s.name]))
+            continue
+        where = {}
+        if worker_id in destinations:
+            where = landings(destinations[worker_id])
+        for f in part_of[worker_id].fragments:
+            region, base = where.get(f.placement_fragment_id, (f.placement_fragment_id, 0))
+            chunk = fragment_bytes(
+                spec[f.tensor_id], data[f.tensor_id], f.global_offset, f.local_shape
+            )
+            expected[(w, region)].append((base, chunk))
+    return expected

@@ -40,11 +40,11 @@ def test_instances_spanning_two_nodes_are_read_by_their_consumers():
     eight nodes. Counting reads and pushes as one cost, readers that consume nothing took a
     large share of the reads (inbound bytes above each node's own demand: 44 % of Kimi-K2's
     8 x TP16 reads); full duplex, every node receives exactly what it consumes and sends
-    less than that."""
+    less than that. (A reader may stage another rank's bytes of a checksum block it reads
+    whole, ``plan/blocks.py``; its node consumes them, so no node receives more.)"""
     model = MODELS["small"]()
     topology, demand = cluster(model, 4, 4, workers_per_node=2)
     table = plan_routing(weight_manifest(model, 1), topology, demand)
-    assert not (table.reads["dst_region"] == 0).any()  # no staging
     d_node = table.worker_node[table.demands["worker"]]
     own = [demanded_union_bytes(table.demands[d_node == n]) for n in range(len(table.nodes))]
     nic_in, nic_out = table.totals.node_nic_in, table.totals.node_nic_out

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mooncake_rl.errors import InvariantViolation
+from mooncake_rl.generations.checksums import BLOCK_BYTES
 from mooncake_rl.plan import (
     CompatDemand,
     Destinations,
@@ -93,27 +94,36 @@ def test_fused_qkv_gate_up_and_tp_row_and_column_shards():
         {f"w{r}": ps[r] for r in range(2)}, {f"w{r}": fused(ps[r]) for r in range(2)}
     )
     table = plan_routing(m, one_instance(2), demand)
+    reads = {w: reads_of(table, w) for w in ("w0", "w1")}
+    # Each row-split object (at most one checksum block) is read whole by one rank, so that
+    # rank checks it against its hash: its own rows land directly in the fused parameter,
+    # the other rank's rows in staging, pushed on after the check.
+    fused_at = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 2048)}
+    fused_at |= {"v_proj": ("qkv_proj", 2560), "gate_proj": ("gate_up_proj", 0)}
+    fused_at |= {"up_proj": ("gate_up_proj", 1536)}
+    for name, (param, at) in fused_at.items():
+        half = {s.name: s.nbytes for s in LAYER}[name] // 2
+        (reader,) = [w for w in reads if any(x[0] == name for x in reads[w])]
+        r = int(reader[1])
+        got = sorted(x for x in reads[reader] if x[0] == name)
+        assert [(x[1], x[2]) for x in got] == [(0, half), (half, half)]
+        own, other = got[r], got[1 - r]
+        assert own[3:] == (param, at, half, half, 1)
+        assert other[3] == "staging"
+    # column shards (row-parallel o_proj): 32 rows of 64 B at column 64r of 128 B source rows
     for r in range(2):
-        own = [x for x in reads_of(table, f"w{r}") if x[0] != "norm"]
-        assert own == [
-            # column shards land directly in the fused parameter (no staging, no push)
-            ("gate_proj", 1536 * r, 1536, "gate_up_proj", 0, 1536, 1536, 1),
-            ("k_proj", 512 * r, 512, "qkv_proj", 2048, 512, 512, 1),
-            # row shard: 32 rows of 64 B at column 64r of 128 B source rows
-            ("o_proj", 64 * r, 128, "o_proj", 0, 64, 64, 32),
-            ("q_proj", 2048 * r, 2048, "qkv_proj", 0, 2048, 2048, 1),
-            ("up_proj", 1536 * r, 1536, "gate_up_proj", 1536, 1536, 1536, 1),
-            ("v_proj", 512 * r, 512, "qkv_proj", 2560, 512, 512, 1),
+        assert [x for x in reads[f"w{r}"] if x[0] == "o_proj"] == [
+            ("o_proj", 64 * r, 128, "o_proj", 0, 64, 64, 32)
         ]
     # The replicated norm: one read of 64 B, one free intra-node push to the other rank.
     norm_reads = [x for w in ("w0", "w1") for x in reads_of(table, w) if x[0] == "norm"]
     assert [(x[1], x[6], x[7]) for x in norm_reads] == [(0, 64, 1)]
-    assert len(table.pushes) == 1
-    push = table.pushes[0]
-    assert (int(push["stage"]), int(push["length"]), int(push["count"])) == (1, 64, 1)
+    assert len(table.pushes) == 1 + len(fused_at)
+    assert (table.pushes["stage"] == 1).all()
     totals = table.totals
     assert totals.store_read_bytes == sum(s.nbytes for s in LAYER) == 16448
-    assert totals.cross_node_push_bytes == 0 and totals.intra_node_push_bytes == 64
+    halves = sum(s.nbytes // 2 for s in LAYER if s.name in fused_at)
+    assert totals.cross_node_push_bytes == 0 and totals.intra_node_push_bytes == 64 + halves
     assert list(totals.delivered_bytes) == [8256, 8256]  # (16448 - 64) / 2 + 64
 
     data = contents(LAYER)
@@ -264,12 +274,15 @@ def test_direct_demand_must_match_the_topology(bad):
 
 def test_each_gpu_nic_balances_not_only_each_node():
     """Equal-sized TP shards once aliased onto node index: node n read only rank n mod TP's
-    shards, so one GPU per node carried all its node's NIC bytes (max/mean per GPU 2.25)."""
+    shards, so one GPU per node carried all its node's NIC bytes (max/mean per GPU 2.25).
+    A checksum block that TP shards share is read whole by one of its readers
+    (``plan/blocks.py``): that coarsens the balance by at most a block per chunk a GPU
+    takes over, here 4 MiB read and sent to 3 other nodes."""
     model = MODELS["small"]()
     topology, demand = cluster(model, 4, 4, workers_per_node=4)
     table = plan_routing(weight_manifest(model, 1), topology, demand, params=PlanParams())
     per_gpu, per_node = table.totals.worker_nic_bytes, table.totals.node_nic_bytes
     assert per_gpu.sum() == per_node.sum()
-    assert per_gpu.max() / per_gpu.mean() < 1.02
+    assert per_gpu.max() < 1.02 * per_gpu.mean() + 4 * BLOCK_BYTES
     nic_in, nic_out = table.totals.node_nic_in, table.totals.node_nic_out  # nothing staged
     assert (nic_out <= np.maximum(nic_in, nic_out.mean() + table.max_chunk_cost)).all()

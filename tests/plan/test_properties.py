@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mooncake_rl.generations.checksums import BLOCK_BYTES
 from mooncake_rl.generations.layout import SegmentMap
 from mooncake_rl.plan import (
     CompatDemand,
@@ -30,8 +31,7 @@ from .helpers import (
     check_delivery,
     contents,
     execute,
-    fragment_bytes,
-    landings,
+    expected_delivery,
     manifest,
     parts,
     stored_objects,
@@ -126,26 +126,6 @@ def scenarios(draw, mode: str, mixed: bool = False):
     return specs, topology, demand, part_of, destinations, params, packed, segments
 
 
-def expected_delivery(table, specs, data, demand, part_of, destinations):
-    spec = {s.name: s for s in specs}
-    expected = defaultdict(list)
-    for w, worker_id in enumerate(table.workers):
-        if isinstance(demand, CompatDemand):
-            for s in specs:
-                expected[(w, "compat")].append((table.compat.offset(s.name), data[s.name]))
-            continue
-        where = {}
-        if worker_id in destinations:
-            where = landings(destinations[worker_id])
-        for f in part_of[worker_id].fragments:
-            region, base = where.get(f.placement_fragment_id, (f.placement_fragment_id, 0))
-            chunk = fragment_bytes(
-                spec[f.tensor_id], data[f.tensor_id], f.global_offset, f.local_shape
-            )
-            expected[(w, region)].append((base, chunk))
-    return expected
-
-
 def nodes_per_read(table):
     """For each read: the nodes of every worker its bytes reach (the reader's node only when
     it consumes them), its cross-node sends, and per other node (relay, workers reached)."""
@@ -203,6 +183,22 @@ def check_relay_bound(table, relays) -> None:
             assert abs(got * len(members) - total) <= b_max * len(members), (relayed, total)
 
 
+def shares_a_block_in_its_batch(table, i: int) -> bool:
+    """Whether read ``i`` lies in one checksum block with another read of its worker's
+    batch: the only reason a worker reads bytes it does not consume on a consuming node."""
+    r = table.reads[i]
+    same = table.reads[
+        (table.reads["worker"] == r["worker"])
+        & (table.reads["batch"] == r["batch"])
+        & (table.reads["object"] == r["object"])
+    ]
+    cell = int(r["src_offset"]) // BLOCK_BYTES
+    return len(same) > 1 and bool(
+        (same["src_offset"] // BLOCK_BYTES == cell).sum() > 1
+        or ((same["src_offset"] + same["length"] - 1) // BLOCK_BYTES == cell).sum() > 1
+    )
+
+
 def check(scenario) -> None:
     specs, topology, demand, part_of, destinations, params, packed, segments = scenario
     m = manifest(specs, packed=packed)
@@ -242,8 +238,14 @@ def check(scenario) -> None:
     if homes is not None:
         stays = homes[table.reads["object"]] == read_node
         local = np.bincount(read_node[stays], size[stays], n_nodes).astype(np.int64)
-    staged_reads = (table.reads["dst_region"] == 0) & ~sieved_reads(table)
+    # A read staged on a node that consumes it (one reader taking a whole checksum block,
+    # ``plan/blocks.py``) adds nothing to the node's inbound bytes: one staged on a node
+    # that consumes none of it (a relay) does.
+    on_consumer = np.array([int(read_node[i]) in reached[i] for i in range(len(read_node))], bool)
+    staged_reads = (table.reads["dst_region"] == 0) & ~sieved_reads(table) & ~on_consumer
     staged = np.bincount(read_node[staged_reads], size[staged_reads], n_nodes).astype(np.int64)
+    for i in np.flatnonzero((table.reads["dst_region"] == 0) & ~sieved_reads(table) & on_consumer):
+        assert shares_a_block_in_its_batch(table, i)
     d_node = table.worker_node[table.demands["worker"]]
     in0 = np.array([demanded_union_bytes(table.demands[d_node == n]) for n in range(n_nodes)])
     assert list(nic_in) == list(in0 + staged - local)
@@ -329,8 +331,10 @@ def test_a_pull_per_node_reads_each_node_its_own_union_and_fans_out_in_stage_1(s
     assert (table.worker_node[pushes["worker"]] == table.worker_node[pushes["peer"]]).all()
     assert table.totals.cross_node_push_bytes == 0
     assert table.totals.store_read_bytes == sum(in0)
-    # Readers consume what they read: a node's copy is read by one of its consumers.
-    assert ((table.reads["dst_region"] != 0) | sieved_reads(table)).all()
+    # A node's copy is read on that node (above); a reader stages only bytes that share a
+    # checksum block with its own (``plan/blocks.py``).
+    for i in np.flatnonzero((table.reads["dst_region"] == 0) & ~sieved_reads(table)):
+        assert shares_a_block_in_its_batch(table, i)
 
 
 @SETTINGS

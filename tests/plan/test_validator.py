@@ -112,7 +112,9 @@ def test_undeclared_region_and_staging_targets(table):
         "undeclared region|past the end",
     )
     # A push into staging needs the peer to declare one (only sieved spans go there).
-    rejects(corrupt(table, "pushes", 0, dst_region=0), "undeclared region staging")
+    staging = {int(r["worker"]) for r in table.region_sizes if r["region"] == 0}
+    k = next(i for i, p in enumerate(table.pushes) if int(p["peer"]) not in staging)
+    rejects(corrupt(table, "pushes", k, dst_region=0), "undeclared region staging")
     own = int(table.pushes[0]["worker"])
     # A push to oneself is a local copy of bytes it holds, into its own regions
     # (tests/plan/test_sieve.py: the rest).
