@@ -19,12 +19,13 @@ was. Blocks are cut every ``BLOCK_BYTES`` from the object's start; a rank-major 
 blocks are cut at its rank runs too (``pack_order``), which only splits these cells, so a
 cell read whole is a block read whole.
 
-**The bound holds.** A cell's pieces move to a candidate only where the candidate's node
-then sends at most ``max(in, mean(out) + cost_max)`` (``assign``'s rule, with the mean
-for the least load: a move never lowers the total sent, so the mean only grows and the
-proof's last step stands); a cell no candidate can take keeps its readers and is left
-unchecked. Pieces of one cell are at most one block, so the table grows by at most two
-records per chunk.
+**The bound holds.** A cell's pieces move only to a reader on a node that consumes every
+one of them, so no node receives a byte it does not consume and the total sent stays as
+the greedy left it (each piece still leaves its reader's node once per other consumer
+node). The move is made only where the candidate's node then sends at most
+``max(in, mean(out) + cost_max)``, ``assign``'s bound, which the nodes that lose pieces
+keep too; a cell no candidate can take keeps its readers and is left unchecked. Pieces
+of one cell are at most one block, so the table grows by at most two records per chunk.
 """
 
 from __future__ import annotations
@@ -138,44 +139,34 @@ def tie_readers(
         else np.zeros(0, I64)
     )
     out, inbound, load = list(loads.out), list(loads.inbound), list(loads.worker_load)
-    n_nodes = len(out)
-    total = sum(out)
+    mean = sum(out) / len(out)  # moves between consumer nodes keep the total sent
     nbytes = (hi - lo).tolist()
     ranges = range_of.tolist()
     readers = reader.tolist()
+    node_of, home = loads.worker_node, loads.home
     for c in mixed.tolist():
         pieces = idx[first[c] : ends[c]].tolist()
-        held = {readers[p] for p in pieces}
-        for w in sorted(held, key=lambda w: (_nic_bytes(load[w]), w)):
-            node = loads.worker_node[w]
+        for w in sorted({readers[p] for p in pieces}, key=lambda w: (_nic_bytes(load[w]), w)):
+            node = node_of[w]
             moved = [p for p in pieces if readers[p] != w]
             if any(node not in _consumer_nodes(loads, ranges[p]) for p in moved):
                 continue  # its node would receive bytes it does not consume
-            moves = [
-                (
-                    p,
-                    _sends(loads, ranges[p], nbytes[p], loads.worker_node[readers[p]]),
-                    _sends(loads, ranges[p], nbytes[p], node),
-                )
-                for p in moved
-            ]
-            gained = sum(new[0] - (old[0] if old[2] == node else 0) for _, old, new in moves)
-            grown = sum(new[0] - old[0] for _, old, new in moves)
-            taken = sum(new[1] - (old[1] if old[2] == node else 0) for _, old, new in moves)
-            sent = out[node] + gained
-            if sent > out[node] and sent > max(
-                inbound[node] + taken, (total + grown) / n_nodes + loads.cost_max
-            ):
+            arriving = [p for p in moved if node_of[readers[p]] != node]
+            sent = out[node] + sum(_sends(loads, ranges[p], nbytes[p]) for p in arriving)
+            local = sum(nbytes[p] for p in arriving if home[ranges[p]] == node)
+            if sent > out[node] and sent > max(inbound[node] - local, mean + loads.cost_max):
                 continue
-            for p, old, new in moves:
-                out[old[2]] -= old[0]
-                inbound[old[2]] -= old[1]
-                out[node] += new[0]
-                inbound[node] += new[1]
-                load[readers[p]] -= (old[0] << READ_BITS) + nbytes[p]
-                load[w] += (new[0] << READ_BITS) + nbytes[p]
+            for p in moved:
+                was, b = node_of[readers[p]], nbytes[p]
+                o = _sends(loads, ranges[p], b)
+                if was != node:
+                    out[was] -= o
+                    out[node] += o
+                    inbound[was] += b if home[ranges[p]] == was else 0
+                    inbound[node] -= b if home[ranges[p]] == node else 0
+                load[readers[p]] -= (o << READ_BITS) + b
+                load[w] += (o << READ_BITS) + b
                 readers[p] = w
-            total += grown
             break
     return np.array(readers, I64)
 
@@ -184,14 +175,10 @@ def _consumer_nodes(loads: Loads, range_: int) -> list[int]:
     return loads.node[loads.bounds[range_] : loads.bounds[range_ + 1]]
 
 
-def _sends(loads: Loads, range_: int, nbytes: int, node: int) -> tuple[int, int, int]:
-    """(bytes ``node`` sends, bytes it receives beyond what its workers consume, node) when
-    a worker of ``node`` reads ``nbytes`` of range ``range_`` (``assign``'s accounting)."""
-    consumers = _consumer_nodes(loads, range_)
-    home = loads.home[range_]
-    if node in consumers:
-        return nbytes * (len(consumers) - 1), -nbytes if node == home else 0, node
-    return nbytes * len(consumers), 0 if node == home else nbytes, node
+def _sends(loads: Loads, range_: int, nbytes: int) -> int:
+    """Bytes a consumer node of range ``range_`` sends when one of its workers reads
+    ``nbytes`` of it: one push to every other consumer node (``assign``'s accounting)."""
+    return nbytes * (len(_consumer_nodes(loads, range_)) - 1)
 
 
 def _nic_bytes(load: int) -> int:
