@@ -106,3 +106,29 @@ def test_a_pair_that_cannot_land_is_refused_before_any_copy(
     with pytest.raises(ValueError, match=problem):
         Landing.of([(good_target, good_source), (target, source)])
     assert torch.equal(good_target, torch.zeros(4))
+
+
+def test_pairs_adjacent_on_both_sides_land_as_one_copy_and_others_as_given() -> None:
+    """Parameters carved back to back from one slab, staged back to back in the same order,
+    land in one copy; a pair whose source sits elsewhere stays its own. Every target gets
+    exactly its source's bytes and the slab's other bytes stay."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = [6144, 2048, 4096, 1024]
+    slab = random_bytes(sum(sizes) + 1024, generator)
+    arena = random_bytes(sum(sizes) + 512, generator)
+    targets, sources, at, src = [], [], 0, 0
+    for index, nbytes in enumerate(sizes):
+        targets.append(slab[at : at + nbytes].view(torch.bfloat16))
+        if index == 3:  # staged out of order: after a gap
+            src += 512
+        sources.append(arena[src : src + nbytes].view(torch.bfloat16))
+        at, src = at + nbytes, src + nbytes
+    tail = raw(slab[at:])
+    pairs = list(zip(targets, sources, strict=True))
+    landing = Landing.of(reversed(pairs))
+    copies = [len(group.targets) for group in landing.groups]
+    assert (landing.tensors, landing.nbytes, sum(copies)) == (4, sum(sizes), 2)
+    landing.run()
+    for target, source in pairs:
+        assert raw(target) == raw(source)
+    assert raw(slab[at:]) == tail
