@@ -60,6 +60,9 @@ from mooncake_rl.store import StoreClient
 GOAL_US_PER_TENSOR = 5.0
 GOAL_GET_INTO_RATIO = 0.8
 GOAL_LAND_RATIO = 0.8
+EVICT_BYTES = 512 << 20
+"""Written between timed CPU copies, several times any last-level cache, so a copy starts
+cold as a landing does."""
 STEADY_UPDATES = 3
 """Steady updates per generation and mode; the figures are the median one's (the Store's
 ``get_into`` is the best of three)."""
@@ -108,11 +111,19 @@ def _sync(device: str) -> None:
 
 
 def device_copy_gbps(device: str, nbytes: int) -> float:
-    """Device-to-device copy of ``nbytes`` (bytes moved / seconds, best of three)."""
-    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
+    """Device-to-device copy of ``nbytes`` (bytes moved / seconds, best of three), as a
+    landing copies: between buffers that hold bytes and sit out of the caches. A landing
+    reads what the stage staged and writes parameters untouched since the last update; on
+    the CPU a never-written buffer reads as the kernel's one zero page, and a 32 MiB copy
+    repeated at once runs from the last-level cache (22-26 GB/s here, against 6-9 GB/s for
+    written memory out of cache), so each timed copy follows a write of ``EVICT_BYTES``
+    elsewhere. A GPU's L2 holds a few tens of MiB: there the default 1 GiB is past it."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    target = torch.zeros_like(source)
+    elsewhere = torch.empty(EVICT_BYTES if device == "cpu" else 0, dtype=torch.uint8)
     best = float("inf")
     for _ in range(3):
+        elsewhere.fill_(1)
         _sync(device)
         started = time.perf_counter()
         target.copy_(source)
@@ -180,6 +191,7 @@ def update_row(
         "first_apply_seconds": round(first["seconds"], 4),
         "land_seconds": round(land, 4),
         "land_gbps": round(staged / land_total / 1e9, 3) if staged else None,
+        "land_copies": sum(f["copies"] for f in landed.values()),
         "seconds": round(seconds, 4),
         "gbps": round(nbytes / seconds / 1e9, 3),
         "us_per_tensor": round(seconds / len(model) * 1e6, 3),

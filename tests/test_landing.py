@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mooncake_rl.apply.landing import Landing
+from mooncake_rl.apply.process import WorkerMemory, _parameters, _Received
+from mooncake_rl.plan.demand import STAGING_REGION
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8, torch.bool, torch.int64)
 
@@ -126,9 +128,29 @@ def test_pairs_adjacent_on_both_sides_land_as_one_copy_and_others_as_given() -> 
     tail = raw(slab[at:])
     pairs = list(zip(targets, sources, strict=True))
     landing = Landing.of(reversed(pairs))
-    copies = [len(group.targets) for group in landing.groups]
-    assert (landing.tensors, landing.nbytes, sum(copies)) == (4, sum(sizes), 2)
+    assert (landing.tensors, landing.nbytes, landing.runs) == (4, sum(sizes), 2)
     landing.run()
     for target, source in pairs:
         assert raw(target) == raw(source)
     assert raw(slab[at:]) == tail
+
+
+def test_a_simulated_worker_stages_in_its_parameters_order_and_lands_in_one_copy() -> None:
+    """The benchmarks' worker carves its parameters in the order the engine declared them
+    (the model's, not the names' sort: ``w10`` before ``w9`` would scatter), 512-byte
+    steps; an arena laid out in the order its span copies fill it (that same order) then
+    mirrors them, and its landing is one copy of exact bytes."""
+    declared = {f"w{i}": 1024 * (1 + i % 3) for i in (9, 10, 2, 11, 1)}
+    sizes = {**declared, STAGING_REGION: 4096}
+    memory = WorkerMemory("cpu", parameters=True)
+    params, slabs = _parameters(sizes, memory)
+    addresses = [params[name].data_ptr() for name in declared]
+    assert addresses == sorted(addresses) and list(params) == list(declared)
+    received = _Received.laid_out(sizes, params, slabs, memory, order=list(declared))
+    assert (received.landing.runs, received.landing.tensors) == (1, len(declared))
+    generator = torch.Generator().manual_seed(11)
+    for name in declared:
+        received.buffers[name].copy_(random_bytes(declared[name], generator))
+    received.landing.run()
+    for name in declared:
+        assert raw(params[name]) == raw(received.buffers[name])

@@ -49,6 +49,8 @@ class Landing:
     groups: tuple[CopyGroup, ...]
     tensors: int
     nbytes: int
+    runs: int
+    """Copies after merging adjacent pairs (before runs are cut over CPU threads)."""
     pairs: tuple[Pair, ...] = ()
     """The pairs as given: merged pairs are views of raw addresses, which keep nothing
     alive, so the landing holds the tensors whose memory they cover."""
@@ -61,8 +63,8 @@ class Landing:
         given = list(pairs)
         for target, source in given:
             _word(target, source)  # refuse any pair that cannot land, before merging
-        tensors = len(given)
-        for target, source in _adjacent_merged(given):
+        merged = _adjacent_merged(given)
+        for target, source in merged:
             word = _word(target, source)
             # A CPU list copy loops over its pairs whatever their words; CUDA fuses only a
             # list of one dtype into one kernel.
@@ -71,7 +73,8 @@ class Landing:
         groups: list[CopyGroup] = []
         for (device, _), found in grouped.items():
             groups.extend(_split(found, torch.get_num_threads() if device.type == "cpu" else 1))
-        return cls(tuple(groups), tensors, sum(g.nbytes for g in groups), tuple(given))
+        nbytes = sum(g.nbytes for g in groups)
+        return cls(tuple(groups), len(given), nbytes, len(merged), tuple(given))
 
     def run(self) -> None:
         """Copy every pair (asynchronous on CUDA: the caller synchronizes)."""

@@ -190,7 +190,9 @@ class _Received:
 def _parameters(
     sizes: Mapping[str, int], memory: WorkerMemory
 ) -> tuple[dict[str, torch.Tensor], list[Region] | None]:
-    """The worker's parameters, each a tensor of its own, and the memory they were carved
+    """The worker's parameters, each a tensor of its own, in the order the engine declared
+    them (an engine builds its modules, and so allocates their parameters, in the model's
+    order, as a trainer's state dict lists them), and the memory they were carved
     from (``None``: read the CUDA allocator's segments). On the CPU they are carved from one
     slab at ``CARVE_BYTES`` steps, as CUDA's caching allocator carves a GPU's from its
     segments, and the slab is registered whole, as ``covering_spans`` registers a segment:
@@ -200,7 +202,7 @@ def _parameters(
     if not memory.parameters:
         return {}, None
     planner = {STAGING_REGION, FALLBACK_REGION, COMPAT_REGION}
-    names = sorted(n for n in sizes if n not in planner)
+    names = [n for n in sizes if n not in planner]  # declared: the model's order
     if memory.device.startswith("cuda"):
         params = {n: torch.zeros(sizes[n], dtype=torch.uint8, device=memory.device) for n in names}
         return params, None
@@ -279,6 +281,7 @@ def _land(
     return {
         "seconds": time.perf_counter() - started,
         "tensors": len(params),
+        "copies": 0 if memory.in_place else landing.runs,
         "in_place_bytes": nbytes if memory.in_place else 0,
         "staged_bytes": 0 if memory.in_place else nbytes,
     }
