@@ -34,7 +34,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -138,10 +138,11 @@ def planned(
     mode: str,
     batch_bytes: int,
     pull: str = "single",
+    by_columns: Collection[str] = (),
 ) -> tuple[UpdatePlan, dict[str, str]]:
     """The update plan for simulated engines, and each worker's node label."""
     plan, engines = planned_for(
-        manifest, cluster_shape(workers, nodes, mode), mode, batch_bytes, pull
+        manifest, cluster_shape(workers, nodes, mode), mode, batch_bytes, pull, by_columns
     )
     return plan, worker_nodes(engines)
 
@@ -152,10 +153,12 @@ def planned_for(
     mode: str,
     batch_bytes: int,
     pull: str = "single",
+    by_columns: Collection[str] = (),
 ) -> tuple[UpdatePlan, Engines]:
     """The update plan for simulated engines of ``cluster`` (node label, TP), and the
-    engines' placements (worker descriptions: their regions and boxes)."""
-    engines = simulated_engines(specs_of(manifest), cluster, mode)
+    engines' placements (worker descriptions: their regions and boxes); the tensors named
+    in ``by_columns`` split by columns (``simulated_engines``)."""
+    engines = simulated_engines(specs_of(manifest), cluster, mode, by_columns)
     return plan_update(manifest, engines, mode, batch_bytes, RoutingCache(), pull=pull), engines
 
 
@@ -701,6 +704,12 @@ def main() -> None:
     parser.add_argument("--batch", default="64MiB")
     parser.add_argument("--repeats", type=int, default=3, help="checked/unchecked pairs")
     parser.add_argument(
+        "--row-parallel",
+        action="store_true",
+        help="direct mode: split every second tensor by columns, as TP engines split "
+        "row-parallel layers (o_proj, down_proj); the others by rows",
+    )
+    parser.add_argument(
         "--delta-rate",
         type=float,
         help="instead: the full update of a generation with this fraction of elements "
@@ -730,7 +739,15 @@ def main() -> None:
     with store_services(int(size * 1.2) + (64 << 20)) as (_, _, settings):
         published = publish_synthetic(settings, "bench-apply", size, args.tensors)
         total = published.model_bytes
-        plan, nodes = planned(published.manifest, args.workers, args.nodes, args.mode, batch_bytes)
+        by_columns = [f"w{i}" for i in range(1, args.tensors, 2)] if args.row_parallel else []
+        plan, nodes = planned(
+            published.manifest,
+            args.workers,
+            args.nodes,
+            args.mode,
+            batch_bytes,
+            by_columns=by_columns,
+        )
         pulls = {"single": plan}
         if args.mode == "compat":  # a pull per node lands in the same regions
             pulls["node"] = planned(
@@ -759,6 +776,7 @@ def main() -> None:
                 "mode": args.mode,
                 "workers": args.workers,
                 "nodes": args.nodes,
+                "split_by_columns": len(by_columns),
                 "model_bytes": total,
                 "unique_demand_bytes": plan.unique_demand_bytes,
                 **ours,

@@ -47,23 +47,34 @@ def workers_for(master: EmbeddedMaster, engines: dict, **overrides: object) -> d
 
 
 @pytest.mark.parametrize(
-    ("mode", "memory", "pull"),
+    ("mode", "memory", "pull", "by_columns"),
     [
-        ("compat", WorkerMemory(), "single"),
-        ("compat", WorkerMemory(), "node"),
-        ("direct", WorkerMemory(parameters=True, in_place=True), "single"),
-        ("direct", WorkerMemory(parameters=True), "single"),
+        ("compat", WorkerMemory(), "single", ()),
+        ("compat", WorkerMemory(), "node", ()),
+        ("direct", WorkerMemory(parameters=True, in_place=True), "single", ()),
+        ("direct", WorkerMemory(parameters=True), "single", ()),
+        ("direct", WorkerMemory(parameters=True, in_place=True), "single", ("t0", "t4")),
     ],
-    ids=["compat", "compat-pull-per-node", "direct-in-place", "direct-staged"],
+    ids=["compat", "compat-pull-per-node", "direct-in-place", "direct-staged", "row-parallel"],
 )
 def test_planned_update_is_byte_exact_and_single_pull(
-    master: EmbeddedMaster, holders, mode: str, memory: WorkerMemory, pull: str
+    master: EmbeddedMaster,
+    holders,
+    mode: str,
+    memory: WorkerMemory,
+    pull: str,
+    by_columns: tuple[str, ...],
 ) -> None:
     """Compat stages full tensors; direct lands each worker's shards, either straight into
     its live parameters (in place) or in its arena, then one batched copy into them. With a
-    pull per node each node reads the model once and copies it inside the node only."""
-    manifest = published(master, holders, f"planned-{mode}-{memory.in_place}-{pull}", seed=11)
-    engines = simulated_engines(specs_of(manifest), CLUSTERS[mode], mode)
+    pull per node each node reads the model once and copies it inside the node only. Split
+    by columns (a row-parallel layer), a shard is every row's slice of the tensor."""
+    name = f"planned-{mode}-{memory.in_place}-{pull}-{len(by_columns)}"
+    manifest = published(master, holders, name, seed=11)
+    engines = simulated_engines(specs_of(manifest), CLUSTERS[mode], mode, by_columns)
+    if by_columns:  # each rank holds a column block of every row
+        shard = next(s for s in engines["http://engine0"][1]["shards"] if s["tensor"] == "t0")
+        assert (shard["global_offset"], shard["local_shape"]) == ([0, 16], [64, 16])
     plan = plan_update(manifest, engines, mode, 4096, RoutingCache(), pull=pull)
     with WorkerCluster(workers_for(master, engines), plan.routing.regions, memory) as cluster:
         run = run_planned_update(cluster, plan)

@@ -1,13 +1,15 @@
 """Engine placements for simulated clusters (tests, benchmarks): TP shards without an engine.
 
 Each engine is (node label, TP size). In direct mode every tensor is split along its first
-dimension divisible by the TP size (replicated when none is), one region per tensor.
+dimension divisible by the TP size (replicated when none is), one region per tensor; the
+tensors named in ``by_columns`` along their last (a row-parallel layer: ``o_proj``,
+``down_proj``), where it divides.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,8 +20,11 @@ from mooncake_rl.generations.catalog import TensorSpec
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def tp_box(spec: TensorSpec, tp: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    for dim, extent in enumerate(spec.shape):
+def tp_box(
+    spec: TensorSpec, tp: int, rank: int, by_columns: bool = False
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    dims = list(enumerate(spec.shape))
+    for dim, extent in dims[-1:] if by_columns else dims:
         if tp > 1 and extent % tp == 0:
             local = list(spec.shape)
             local[dim] = extent // tp
@@ -30,13 +35,18 @@ def tp_box(spec: TensorSpec, tp: int, rank: int) -> tuple[tuple[int, ...], tuple
 
 
 def simulated_engines(
-    specs: Sequence[TensorSpec], cluster: Sequence[tuple[str, int]], mode: str
+    specs: Sequence[TensorSpec],
+    cluster: Sequence[tuple[str, int]],
+    mode: str,
+    by_columns: Collection[str] = (),
 ) -> dict[str, list[dict[str, Any]]]:
     """Engine URL -> worker descriptions, shaped like ``GET /mooncake/placement`` replies."""
     engines = {}
     for index, (node, tp) in enumerate(cluster):
         ranks = [
-            [(spec, *tp_box(spec, tp, rank)) for spec in specs] if mode == "direct" else []
+            [(spec, *tp_box(spec, tp, rank, spec.name in by_columns)) for spec in specs]
+            if mode == "direct"
+            else []
             for rank in range(tp)
         ]
         engines[f"http://engine{index}"] = _described(index, [node] * tp, ranks)
