@@ -51,11 +51,10 @@ def workers_for(master: EmbeddedMaster, engines: dict, **overrides: object) -> d
     [
         ("compat", WorkerMemory(), "single", ()),
         ("compat", WorkerMemory(), "node", ()),
-        ("direct", WorkerMemory(parameters=True, in_place=True), "single", ()),
-        ("direct", WorkerMemory(parameters=True), "single", ()),
         ("direct", WorkerMemory(parameters=True, in_place=True), "single", ("t0", "t4")),
+        ("direct", WorkerMemory(parameters=True), "single", ()),
     ],
-    ids=["compat", "compat-pull-per-node", "direct-in-place", "direct-staged", "row-parallel"],
+    ids=["compat", "compat-pull-per-node", "direct-in-place-row-parallel", "direct-staged"],
 )
 def test_planned_update_is_byte_exact_and_single_pull(
     master: EmbeddedMaster,
@@ -67,8 +66,9 @@ def test_planned_update_is_byte_exact_and_single_pull(
 ) -> None:
     """Compat stages full tensors; direct lands each worker's shards, either straight into
     its live parameters (in place) or in its arena, then one batched copy into them. With a
-    pull per node each node reads the model once and copies it inside the node only. Split
-    by columns (a row-parallel layer), a shard is every row's slice of the tensor."""
+    pull per node each node reads the model once and copies it inside the node only. In
+    place, two tensors are split by columns (row-parallel layers): a shard is every row's
+    slice of the tensor."""
     name = f"planned-{mode}-{memory.in_place}-{pull}-{len(by_columns)}"
     manifest = published(master, holders, name, seed=11)
     engines = simulated_engines(specs_of(manifest), CLUSTERS[mode], mode, by_columns)
