@@ -726,6 +726,11 @@ def main() -> None:
     size = parse_size(args.size)
     if args.delta_rate is not None and args.delta_lr is not None:
         parser.error("--delta-rate and --delta-lr each make the next policy: give one")
+    if args.row_parallel and (args.mode != "direct" or args.delta_rate or args.delta_lr):
+        parser.error(
+            "--row-parallel splits the shards of a direct-mode full update: give --mode "
+            "direct, without --delta-rate or --delta-lr"
+        )
     if args.delta_lr is not None and (args.mode != "direct" or not 0 < args.delta_lr < 1):
         parser.error("--delta-lr takes a learning rate in (0, 1) and --mode direct")
     if args.delta_lr is not None:

@@ -115,8 +115,8 @@ def device_copy_gbps(device: str, nbytes: int) -> float:
     landing copies: between buffers that hold bytes and sit out of the caches. A landing
     reads what the stage staged and writes parameters untouched since the last update; on
     the CPU a never-written buffer reads as the kernel's one zero page, and a 32 MiB copy
-    repeated at once runs from the last-level cache (22-26 GB/s here, against 6-9 GB/s for
-    written memory out of cache), so each timed copy follows a write of ``EVICT_BYTES``
+    repeated at once runs from the last-level cache (22-26 GB/s here, against 13-15 GB/s
+    for written memory out of cache), so each timed copy follows a write of ``EVICT_BYTES``
     elsewhere. A GPU's L2 holds a few tens of MiB: there the default 1 GiB is past it."""
     source = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     target = torch.zeros_like(source)

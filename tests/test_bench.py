@@ -276,6 +276,20 @@ def test_bench_apply_compares_a_delta_update_with_the_full_one_on_real_services(
     assert delta["checked_bytes"] == 2 * m  # every box checked against N
 
 
+@pytest.mark.parametrize(
+    "flags", [["--mode", "compat"], ["--mode", "direct", "--delta-rate", "0.01"]]
+)
+def test_bench_apply_refuses_row_parallel_outside_a_direct_full_update(flags: list[str]) -> None:
+    """Column splits exist only in direct mode's shards of a full update: elsewhere the flag
+    would be ignored, so it is refused by name before any service starts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.apply", "--row-parallel", *flags],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--row-parallel splits the shards of a direct-mode full update" in done.stderr
+
+
 def test_bench_publish_claims_and_announces_from_two_ranks() -> None:
     """``bench.publish`` publishes like a trainer (rank 0 claims, every rank puts its share,
     rank 0 announces): every byte once, each in its own node's segment."""

@@ -19,7 +19,6 @@ of 6 KB: 4.5 GB/s), one large piece at all threads' (15 GB/s, ``docs/performance
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mooncake_rl.apply.verify import device_span
+from mooncake_rl.apply.verify import device_span, host_bytes
 
 WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -50,7 +49,7 @@ class Landing:
     tensors: int
     nbytes: int
     runs: int
-    """Copies after merging adjacent pairs (before runs are cut over CPU threads)."""
+    """Copies after merging pairs adjacent on both sides."""
     pairs: tuple[Pair, ...] = ()
     """The pairs as given: merged pairs are views of raw addresses, which keep nothing
     alive, so the landing holds the tensors whose memory they cover."""
@@ -148,7 +147,7 @@ def _joined(run: list[Pair]) -> Pair:
 def _bytes_at(address: int, nbytes: int, device: str) -> torch.Tensor:
     """``nbytes`` of memory at ``address`` as a uint8 tensor sharing it."""
     if device == "cpu":
-        return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=torch.uint8)
+        return torch.frombuffer(host_bytes(address, nbytes), dtype=torch.uint8)
     return device_span(address, nbytes, device)
 
 
