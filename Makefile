@@ -67,9 +67,15 @@ envs:
 	$(MAKE) --no-print-directory -j2 --output-sync=target venv verl-deps sglang-venv
 
 # tests/sglang skip in .venv (no sglang there) and run in SGLang's own environment.
+# The suite mostly waits (engine starts, Store round trips: load under 1 on 2 cores), so it
+# runs in TEST_WORKERS processes, a file at a time each (a module's engines and Store stay
+# in one process), in collection order: modules that start engines first (tests/conftest.py).
+# One process: `make test TEST_WORKERS=0`.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: envs
-	$(PY) -m pytest -q
-	$(SGLANG_PY) -m pytest -q tests/sglang
+	$(PY) -m pytest -q $(PARALLEL)
+	$(SGLANG_PY) -m pytest -q $(PARALLEL) tests/sglang
 
 # The full fault matrix, the soaks and the longer end-to-end variants (`-m faults`); `make
 # test` runs a smoke of each. Mooncake's etcd client is one per process and keeps the first
