@@ -10,7 +10,8 @@ regions that already hold the base.
         alone--> --decode (each entry hash-checked)--> DeltaChanges: per region, the byte
         positions and new bytes
     DeltaChanges --scatter--> the live regions (one indexed write per region, on its device)
-    --check--> each box's bytes against N's checksum: the region now holds N, exactly
+    --check (a window of boxes per host copy)--> each box's bytes against N's checksum: the
+        region now holds N, exactly
 
 Why a box must be a checksummed unit (a tensor stored alone, or one packed fragment): the
 check after the scatter proves the result equal to N's published bytes, not just to the base
@@ -255,16 +256,79 @@ def scatter(changes: DeltaChanges, regions: Mapping[str, torch.Tensor]) -> int:
     return changes.changed_bytes
 
 
+CHECK_WINDOW_BYTES = 256 << 20
+"""The most region bytes the check brings to the host at once (beyond one box larger than
+that): the host buffer it needs, and few copies."""
+
+
+@dataclass(frozen=True)
+class CheckWindow:
+    """Bytes ``start``..``end`` of region ``region``, brought to the host in one copy to check
+    ``reads``, which lie inside it."""
+
+    region: str
+    start: int
+    end: int
+    reads: tuple[DeltaRead, ...]
+
+    def __post_init__(self) -> None:
+        if not self.reads or not all(
+            self.start <= r.dst_offset
+            and r.dst_offset + r.length <= self.end
+            and r.region == self.region
+            for r in self.reads
+        ):
+            raise ValueError(f"a check window must hold its reads: {self}")
+
+
+def check_windows(reads: Sequence[DeltaRead], window_bytes: int) -> list[CheckWindow]:
+    """The reads grouped, per region in offset order, into spans of at most
+    ``window_bytes`` (a read longer than that alone in its own). Why: on a GPU, one
+    device-to-host copy per box is thousands of small synchronous copies inside the pause;
+    one per window is a few large ones, into a host buffer of bounded size."""
+    if window_bytes < 1:
+        raise ValueError(f"window_bytes must be positive, got {window_bytes}")
+    windows: list[CheckWindow] = []
+    in_order = sorted(reads, key=lambda r: (r.region, r.dst_offset))
+    group: list[DeltaRead] = []
+    for read in in_order:
+        end = read.dst_offset + read.length
+        if group and (read.region != group[0].region or end - group[0].dst_offset > window_bytes):
+            windows.append(_window(group))
+            group = []
+        group.append(read)
+    if group:
+        windows.append(_window(group))
+    return windows
+
+
+def _window(reads: list[DeltaRead]) -> CheckWindow:
+    start = reads[0].dst_offset
+    end = max(r.dst_offset + r.length for r in reads)
+    return CheckWindow(reads[0].region, start, end, tuple(reads))
+
+
 def check(
     reads: Sequence[DeltaRead],
     regions: Mapping[str, torch.Tensor],
     checksums: Mapping[str, ObjectChecksum],
+    window_bytes: int = CHECK_WINDOW_BYTES,
 ) -> int:
     """Every box's bytes against N's checksum of exactly them (``CorruptObject`` naming the
-    first that differs); the bytes checked."""
-    for read in reads:
-        landed = regions[read.region][read.dst_offset : read.dst_offset + read.length]
-        checksums[read.checksum_key].check(read.checksum_key, landed.cpu())
+    first that differs, in region and offset order); the bytes checked. Device regions
+    come to the host a window at a time (:func:`check_windows`), into one pinned buffer."""
+    windows = check_windows(reads, window_bytes)
+    host: torch.Tensor | None = None
+    for window in windows:
+        span = regions[window.region][window.start : window.end]
+        if span.device.type != "cpu":
+            if host is None:
+                largest = max(w.end - w.start for w in windows)
+                host = torch.empty(largest, dtype=torch.uint8, pin_memory=True)
+            span = host[: window.end - window.start].copy_(span)
+        for read in window.reads:
+            at = read.dst_offset - window.start
+            checksums[read.checksum_key].check(read.checksum_key, span[at : at + read.length])
     return sum(read.length for read in reads)
 
 
