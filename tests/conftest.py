@@ -84,12 +84,6 @@ def settings(master: EmbeddedMaster) -> Settings:
     return settings_for(master)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that start engines first, the rest in collection order: ``make test``'s
-    processes take files in this order, and a module of minutes taken last runs alone."""
-    items.sort(key=lambda item: item.get_closest_marker("engines") is None)
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if any process we started outlived the tests."""
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running()]

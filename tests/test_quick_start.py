@@ -36,8 +36,6 @@ from mooncake_rl.services import ManagedProcess, free_port
 from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed_copy
 from tests.conftest import repo_root
 
-pytestmark = pytest.mark.engines
-
 README = repo_root() / "README.md"
 HOST_ENGINE_FLAGS = [
     "--dtype",

@@ -22,7 +22,7 @@ from mooncake_rl.errors import ServiceError
 from mooncake_rl.settings import Settings
 from mooncake_rl.tiny_model import make_tiny_llama
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 API_KEY = "k3y"
 EAGER = ["--enforce-eager"]  # no graph compilation: the checks come after model load
 

@@ -32,7 +32,7 @@ from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, hf_greedy
 from tests.conftest import settings_for
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 FAULTS = Path(__file__).parent / "faults"
 
 

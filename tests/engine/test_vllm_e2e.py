@@ -48,8 +48,7 @@ from tests.engine.streams import TokenStream, generate
 from tests.engine.test_receiver_routes import Samples, by_label, samples_of
 from tests.faults.harness import DroppingProxy, start_coordinator, wait_converged
 
-# Two vLLM servers start inside the module fixture.
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)  # two vLLM servers start inside the module fixture
 MODEL = "tiny-e2e"
 TOKEN = "s3cret"
 GPUS = {"a": ("gpu-a0",), "b": ("gpu-b0", "gpu-b1")}

@@ -26,7 +26,7 @@ from mooncake_rl.store import StoreClient
 from mooncake_rl.tiny_model import PROMPT, make_tiny_llama, make_tiny_lora
 from tests.conftest import settings_for
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 
 def test_a_lora_engine_starts_from_the_store_and_keeps_two_versions_by_name(

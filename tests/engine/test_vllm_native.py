@@ -38,7 +38,7 @@ from mooncake_rl.tiny_model import PROMPT, hf_greedy, make_tiny_llama, perturbed
 from tests.conftest import settings_for
 from tests.engine.streams import TokenStream, generate
 
-pytestmark = [pytest.mark.engines, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-native"
 ENGINE_ID = "native-engine"
 

@@ -51,8 +51,6 @@ from tests.verl.docs_config import compose_docs
 from tests.verl.standins import EngineReplica, TrainerWorker, server_name, vllm_alias
 from verl_bridge.publish import sync_key, wait_outcome
 
-pytestmark = pytest.mark.engines
-
 MODEL = "my-policy"  # the docs' model name
 TOKEN = "verl-s3cret"
 NODES = ("node-a", "node-b")
