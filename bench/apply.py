@@ -44,6 +44,7 @@ import torch
 from mooncake.reshard.weight import WeightManifest
 
 from bench.common import get_into_gbps, parse_size, store_services, synthetic_model
+from bench.common import specs_of as bench_specs
 from bench.delta import adam_steps
 from bench.ops import host
 from mooncake_rl.apply.delta import DeltaRead, delta_reads
@@ -59,6 +60,7 @@ from mooncake_rl.generations.chain import (
     realize_generation,
 )
 from mooncake_rl.generations.checksums import ChecksumTable, ObjectChecksum
+from mooncake_rl.generations.pack_order import PackOrder, save_pack_order
 from mooncake_rl.generations.packing import object_extents
 from mooncake_rl.generations.publisher import LastPublished, publish_local
 from mooncake_rl.generations.registry import GenerationRegistry
@@ -125,10 +127,22 @@ def publish_model(
     )
 
 
-def publish_synthetic(settings: Settings, name: str, total_bytes: int, tensors: int) -> Published:
-    """Publish ``synthetic_model(total_bytes, tensors)`` as bf16 from one process."""
+def publish_synthetic(
+    settings: Settings,
+    name: str,
+    total_bytes: int,
+    tensors: int,
+    taught: Callable[[Model], Engines] | None = None,
+) -> Published:
+    """Publish ``synthetic_model(total_bytes, tensors)`` as bf16 from one process. With
+    ``taught`` (the engines that will take it), packs are laid out in the order those
+    engines' first update teaches (``generations.pack_order``): an RL run's steady state,
+    as ``bench.gpu_check`` publishes; without, tensor after tensor, a run's first update."""
+    model = synthetic_model(total_bytes, tensors)
     with StoreClient(settings) as store:
-        return publish_model(store, name, synthetic_model(total_bytes, tensors))
+        if taught is not None:
+            save_pack_order(store, name, PackOrder.of_engines(taught(model)))
+        return publish_model(store, name, model)
 
 
 def planned(
@@ -704,6 +718,12 @@ def main() -> None:
     parser.add_argument("--batch", default="64MiB")
     parser.add_argument("--repeats", type=int, default=3, help="checked/unchecked pairs")
     parser.add_argument(
+        "--pack-order",
+        action="store_true",
+        help="publish as an RL run's steady state: packs laid out in the order the engines' "
+        "first update teaches (the coordinator saves it; bench.gpu_check's default)",
+    )
+    parser.add_argument(
         "--row-parallel",
         action="store_true",
         help="direct mode: split every second tensor by columns, as TP engines split "
@@ -742,9 +762,18 @@ def main() -> None:
         print(json.dumps(run_delta(args, size, batch_bytes)))
         return
     with store_services(int(size * 1.2) + (64 << 20)) as (_, _, settings):
-        published = publish_synthetic(settings, "bench-apply", size, args.tensors)
-        total = published.model_bytes
         by_columns = [f"w{i}" for i in range(1, args.tensors, 2)] if args.row_parallel else []
+        shape = cluster_shape(args.workers, args.nodes, args.mode)
+        published = publish_synthetic(
+            settings,
+            "bench-apply",
+            size,
+            args.tensors,
+            (lambda m: simulated_engines(bench_specs(m), shape, args.mode, by_columns))
+            if args.pack_order
+            else None,
+        )
+        total = published.model_bytes
         plan, nodes = planned(
             published.manifest,
             args.workers,
@@ -782,6 +811,7 @@ def main() -> None:
                 "workers": args.workers,
                 "nodes": args.nodes,
                 "split_by_columns": len(by_columns),
+                "pack_order": args.pack_order,
                 "model_bytes": total,
                 "unique_demand_bytes": plan.unique_demand_bytes,
                 **ours,

@@ -251,6 +251,26 @@ def test_bench_apply_compares_the_two_pulls_on_real_services() -> None:
     assert single["vs_single"] == 1.0 and per_node["vs_single"] > 0
 
 
+def test_bench_apply_publishes_in_the_pack_order_the_engines_teach() -> None:
+    """``bench.apply --pack-order`` publishes as an RL run's steady state: packs laid out
+    rank by rank for the TP=2 engine, so each rank reads its own shards (tensor after
+    tensor, 3.7 of these 4.0 MB are pushed between the ranks), every byte read once and
+    checked."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.apply", "--size", "4MiB", "--tensors", "400",
+         "--workers", "2", "--nodes", "1", "--mode", "direct", "--repeats", "1",
+         "--pack-order"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    m = result["model_bytes"]
+    assert result["pack_order"] is True
+    assert result["store_read_bytes"] == result["verified_bytes"] == m
+    assert result["unverified_bytes"] == 0
+    assert 0 < result["pushed_bytes"] <= m // 2
+
+
 def test_bench_apply_compares_a_delta_update_with_the_full_one_on_real_services() -> None:
     """``bench.apply --delta-lr`` publishes a keyframe and, one Adam step later, a delta of
     it, then updates workers at the keyframe both ways (real Store reads and TE writes):
