@@ -84,17 +84,34 @@ def settings(master: EmbeddedMaster) -> Settings:
     return settings_for(master)
 
 
+_LEFT_BEHIND: list[str] = []
+"""Under pytest-xdist, in the controller: the processes its workers found left behind."""
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run if any process we started outlived the tests."""
-    leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
-    leftovers = [p for p in leftovers if p.status() != psutil.STATUS_ZOMBIE]
-    named = [p for p in leftovers if "resource_tracker" not in " ".join(p.cmdline())]
-    if named:
-        lines = "\n".join(f"  pid {p.pid}: {' '.join(p.cmdline())[:120]}" for p in named)
-        print(f"\nleft-behind processes:\n{lines}")
+    """Fail the run if any process we started outlived the tests. Under pytest-xdist each
+    worker checks its own children (the controller's are the workers, which may still be
+    exiting) and reports what it killed, and the controller fails the run on it."""
+    config = session.config
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no":
+        leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+        leftovers = [p for p in leftovers if p.status() != psutil.STATUS_ZOMBIE]
+        named = [p for p in leftovers if "resource_tracker" not in " ".join(p.cmdline())]
         for process in named:
+            _LEFT_BEHIND.append(f"pid {process.pid}: {' '.join(process.cmdline())[:120]}")
             process.kill()
+        if hasattr(config, "workerinput"):
+            config.workeroutput["left_behind"] = _LEFT_BEHIND  # sent once this hook returns
+            return
+    if _LEFT_BEHIND:
+        print("\nleft-behind processes:\n" + "\n".join(f"  {line}" for line in _LEFT_BEHIND))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist, in the controller: a worker finished; keep what it found left behind."""
+    _LEFT_BEHIND.extend(getattr(node, "workeroutput", {}).get("left_behind", ()))
 
 
 def repo_root() -> Path:
