@@ -69,9 +69,9 @@ envs:
 # tests/sglang skip in .venv (no sglang there) and run in SGLang's own environment.
 # The suite mostly waits (engine starts, Store round trips: load under 1 on 2 cores), so it
 # runs in TEST_WORKERS processes, a file at a time each (a module's engines and Store stay
-# in one process), files with the most tests first: these pair an engine start in one
-# process with many short tests in the other (two engine starts at once contend for the
-# cores: 18:32 in that order against 17:38 here). One process: `make test TEST_WORKERS=0`.
+# in one process), files with the most tests first (xdist's order: it pairs an engine start
+# in one process with short tests in the other; engine modules first made two engine starts
+# contend for the cores, a minute slower here). One process: `make test TEST_WORKERS=0`.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 test: envs
