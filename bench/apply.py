@@ -751,6 +751,11 @@ def main() -> None:
             "--row-parallel splits the shards of a direct-mode full update: give --mode "
             "direct, without --delta-rate or --delta-lr"
         )
+    if args.pack_order and (args.delta_rate or args.delta_lr):
+        parser.error(
+            "--pack-order lays out the packs of a full update's generation: give it without "
+            "--delta-rate or --delta-lr"
+        )
     if args.delta_lr is not None and (args.mode != "direct" or not 0 < args.delta_lr < 1):
         parser.error("--delta-lr takes a learning rate in (0, 1) and --mode direct")
     if args.delta_lr is not None:

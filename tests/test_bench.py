@@ -310,6 +310,17 @@ def test_bench_apply_refuses_row_parallel_outside_a_direct_full_update(flags: li
     assert "--row-parallel splits the shards of a direct-mode full update" in done.stderr
 
 
+def test_bench_apply_refuses_pack_order_with_a_delta_update() -> None:
+    """The delta comparison publishes its own keyframe and delta: ``--pack-order`` would be
+    ignored there, so it is refused by name before any service starts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.apply", "--pack-order", "--delta-rate", "0.01"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--pack-order lays out the packs of a full update's generation" in done.stderr
+
+
 def test_bench_publish_claims_and_announces_from_two_ranks() -> None:
     """``bench.publish`` publishes like a trainer (rank 0 claims, every rank puts its share,
     rank 0 announces): every byte once, each in its own node's segment."""
